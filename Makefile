@@ -1,0 +1,56 @@
+# The README's commands and CI's are these same targets.
+# `make serve` and `make test` each create .venv and install what they need on a fresh machine.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The dev/test set-up pins torch; on a CUDA host use the image's torch (and its Triton) instead.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: venv serve test test-fast lint format typecheck bench bench-smoke client-isolated clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[server,triton,data,test,lint]" -e clients/python "$(TORCH_PIN)"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/bitserve serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# Full benchmarks: tables go to benchmarks/results/.
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+# A quick smoke run of each benchmark (tiny sizes, nothing written), as CI runs it.
+bench-smoke: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b --smoke || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
