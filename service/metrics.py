@@ -1,0 +1,113 @@
+"""Prometheus metrics, one registry per application (no module-level globals)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    """The server's metrics.
+
+    The data plane calls the ``observe_*`` methods; ``/metrics`` serves :meth:`render`.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "bitserve_requests",
+            "Inference requests by model and outcome (success, or the error class).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "bitserve_request_latency_seconds",
+            "Time from receiving an inference request to sending its answer.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "bitserve_queue_seconds",
+            "Time a request waited in its model's queue before its batch started.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute_time = Histogram(
+            "bitserve_compute_seconds",
+            "Device time of one batch (staging copy, unpack, operator, model, copy back).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "bitserve_batch_size",
+            "Items per executed batch.",
+            ["model"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            "bitserve_batch_requests",
+            "Requests merged into one executed batch.",
+            ["model"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "bitserve_in_flight_requests",
+            "Inference requests being handled now.",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "bitserve_queue_depth",
+            "Requests waiting in a model's queue.",
+            ["model"],
+            registry=r,
+        )
+        self.device_memory = Gauge(
+            "bitserve_device_memory_bytes",
+            "Bytes held on the device by a loaded model (operator, model, buffers).",
+            ["model", "device"],
+            registry=r,
+        )
+
+    def observe_request(self, model: str, outcome: str, seconds: float) -> None:
+        """Count one finished request; ``outcome`` is ``"success"`` or an error class name."""
+        self.requests.labels(model, outcome).inc()
+        self.request_latency.labels(model).observe(seconds)
+
+    def observe_queue(self, model: str, seconds: float) -> None:
+        """Record one request's time in the queue."""
+        self.queue_time.labels(model).observe(seconds)
+
+    def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
+        """Record one executed batch: its size in items and in requests, and its compute time."""
+        self.batch_size.labels(model).observe(items)
+        self.batch_requests.labels(model).observe(requests)
+        self.compute_time.labels(model).observe(compute_seconds)
+
+    def set_queue_depth(self, model: str, depth: int) -> None:
+        """Set the number of requests waiting in ``model``'s queue."""
+        self.queue_depth.labels(model).set(depth)
+
+    def set_device_memory(self, model: str, device: str, nbytes: int) -> None:
+        """Set the device bytes held by ``model``."""
+        self.device_memory.labels(model, device).set(nbytes)
+
+    def forget_model(self, model: str) -> None:
+        """Drop a model's per-model gauges when it is unloaded."""
+        with contextlib.suppress(KeyError):
+            self.queue_depth.remove(model)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
