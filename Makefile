@@ -46,11 +46,11 @@ typecheck: $(STAMP)
 
 # Full benchmarks: tables go to benchmarks/results/.
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) || exit 1; done
 
 # A quick smoke run of each benchmark (tiny sizes, nothing written), as CI runs it.
 bench-smoke: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(BIN)/python $$b --smoke || exit 1; done
+	for b in benchmarks/bench_*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) --smoke || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
