@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv serve test test-fast lint format typecheck bench bench-smoke client-isolated clean
+.PHONY: system-deps venv serve test test-fast lint format typecheck bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/bitserve serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# System packages the end-to-end tests use (nginx as the load balancer in front of replicas).
+system-deps:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -52,5 +57,13 @@ bench: $(STAMP)
 bench-smoke: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) --smoke || exit 1; done
 
+# The client distribution alone, in a venv without torch or any server code.
+client-isolated:
+	rm -rf .venv-client
+	$(PYTHON) -m venv .venv-client
+	.venv-client/bin/pip install -q ./clients/python pytest pytest-timeout hypothesis
+	.venv-client/bin/python -c "import bitserve_client, sys; assert 'torch' not in sys.modules"
+	.venv-client/bin/python -m pytest -q -p no:cacheprovider tests/clients -m "not e2e"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-client .pytest_cache .mypy_cache .ruff_cache .hypothesis
