@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One prepared call for a lent GPU host (see README "GPU checks"): the CUDA tests, then the
+# GPU benchmarks. Runs under the host image's python3 (its CUDA torch and its Triton; no
+# pins applied there). Output goes to stdout and, when $OUT is set, to $OUT/.
+#
+#   device run:  bash benchmarks/gpu_check.sh
+#
+# Optional wheels for the server tests (fastapi, uvicorn, pydantic-settings, tritonclient...)
+# can travel in .whl/ (see the device tool's README); without them only gpu_ops is checked.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$OUT/device.txt"
+
+# 1. CUDA tests of gpu_ops (and the whole suite where the server's packages are present).
+timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
+  -W error -m "not e2e" tests/gpu_ops 2>&1 | tee "$OUT/tests.txt"
+
+# 2. GPU benchmarks (each writes benchmarks/results/<name>.md; copied to $OUT).
+for b in bench_bits bench_resample bench_loader; do
+  [ -f "benchmarks/$b.py" ] || continue
+  timeout 150 "$PY" -m benchmarks.$b --device cuda 2>&1 | tee "$OUT/$b.txt"
+  name="${b#bench_}"
+  [ -f "benchmarks/results/$name.md" ] && cp "benchmarks/results/$name.md" "$OUT/${name}_gpu.md"
+done
