@@ -3,4 +3,22 @@
 Each op family lives in its own module; the public names are re-exported here.
 """
 
-__all__: list[str] = []
+from gpu_ops.transfer import (
+    StagingBuffer,
+    StagingPool,
+    StagingStats,
+    from_dlpack,
+    to_device,
+    to_dlpack,
+    to_numpy,
+)
+
+__all__: list[str] = [
+    "StagingBuffer",
+    "StagingPool",
+    "StagingStats",
+    "from_dlpack",
+    "to_device",
+    "to_dlpack",
+    "to_numpy",
+]
