@@ -1,0 +1,362 @@
+"""Dynamic batching: concurrent requests of one model merged along the batch dimension.
+
+The asyncio side keeps a FIFO queue of waiting requests, each with a future. One scheduler task
+per model closes a batch when it holds ``max_batch_size`` items or when its first request has
+waited ``max_queue_delay_us``, and hands it to the device's single worker thread, so the event
+loop never waits on device work. Requests are never split: one whose items do not fit in what
+is left of a batch opens the next one.
+
+- A full queue answers :class:`~service.errors.Overloaded` at once (503 + Retry-After).
+- A request whose timeout expires before its batch starts is answered
+  :class:`~service.errors.DeadlineExceeded` and never computed.
+- A cancelled request (the client went away) leaves the queue at once.
+- An exception in one batch fails that batch's requests only (500, no traceback); the
+  scheduler keeps serving.
+- :meth:`Batcher.stop` refuses new requests and finishes the queued ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
+from service.metrics import Metrics
+
+log = logging.getLogger("bitserve.batcher")
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the batch that computed a request looked like (for response parameters)."""
+
+    batch_size: int
+    """Items in the executed batch."""
+    batch_requests: int
+    """Requests merged into it."""
+
+
+@dataclass(eq=False)
+class _Pending(Generic[P, R]):
+    payload: P
+    size: int
+    future: asyncio.Future[tuple[R, BatchInfo]]
+    enqueued: float
+    deadline: float | None
+    timer: asyncio.TimerHandle | None = field(default=None)
+
+
+class Batcher(Generic[P, R]):
+    """A model's queue and its scheduler.
+
+    Args:
+        name: the model name (metric label, messages).
+        run_batch: computes a batch; called in ``executor`` with the payloads in queue order
+            and must return one result per payload. It may raise: that batch fails.
+        max_batch_size: most items per batch; 0 means no batching (every request runs
+            alone, and counts as one item).
+        max_queue_delay_us: how long a batch's first request waits for others.
+        max_queue_size: most requests waiting (not counting the batch being computed);
+            0 = unbounded.
+        executor: where ``run_batch`` runs (the device's single worker thread); default: a
+            private single-thread executor shut down by :meth:`stop`.
+        metrics: optional metrics sink.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run_batch: Callable[[list[P]], Sequence[R]],
+        *,
+        max_batch_size: int,
+        max_queue_delay_us: int,
+        max_queue_size: int,
+        executor: Executor | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_batch_size < 0 or max_queue_delay_us < 0 or max_queue_size < 0:
+            raise ValueError("batch size, queue delay and queue size must be >= 0")
+        self.name = name
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self._capacity = max(max_batch_size, 1)
+        self._delay = max_queue_delay_us / 1e6 if max_batch_size > 0 else 0.0
+        self.max_queue_size = max_queue_size
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"batch-{name}")
+        self._metrics = metrics
+        self._queue: deque[_Pending[P, R]] = deque()
+        self._queued_items = 0
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._running: list[_Pending[P, R]] = []
+
+    # --- public ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler task on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._schedule(), name=f"batcher-{self.name}"
+            )
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting in the queue."""
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        """No request is queued or being computed."""
+        return not self._queue and not self._running
+
+    async def submit(
+        self, payload: P, size: int = 1, *, timeout_us: int | None = None
+    ) -> tuple[R, BatchInfo]:
+        """Queue one request and wait for its result.
+
+        Args:
+            payload: what ``run_batch`` receives for this request.
+            size: its number of items (1 when ``max_batch_size`` is 0).
+            timeout_us: answer :class:`DeadlineExceeded` if its batch has not started within
+                this many microseconds.
+
+        Returns:
+            ``(result, info)`` for this request.
+
+        Raises:
+            Overloaded: the queue is full.
+            ModelNotReady: the batcher is stopping.
+            DeadlineExceeded: the timeout expired first.
+            ServiceError: the batch's computation failed.
+        """
+        if self._closing or self._task is None:
+            raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
+        if not 1 <= size <= self._capacity:
+            raise ValueError(f"size {size} outside 1..{self._capacity}")  # validated before
+        if self.max_queue_size and len(self._queue) >= self.max_queue_size:
+            raise Overloaded(
+                f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
+                f"(max_queue_size {self.max_queue_size}); retry later",
+                retry_after=1.0,
+            )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pending: _Pending[P, R] = _Pending(
+            payload,
+            size,
+            loop.create_future(),
+            now,
+            None if timeout_us is None else now + max(timeout_us, 0) / 1e6,
+        )
+        if pending.deadline is not None:
+            pending.timer = loop.call_at(pending.deadline, self._expire, pending)
+        self._queue.append(pending)
+        self._queued_items += size
+        self._depth_changed()
+        self._wakeup.set()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self._remove(pending)  # the client went away: it must not stay queued
+            raise
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests, finish the queued and running ones, then stop.
+
+        Requests still waiting after ``timeout_s`` are answered :class:`ModelNotReady`.
+        """
+        self._closing = True
+        self._wakeup.set()
+        task = self._task
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            except TimeoutError:
+                log.warning("model %s: drain timed out after %.1f s", self.name, timeout_s)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        while self._queue:
+            p = self._queue.popleft()
+            self._cancel_timer(p)
+            _fail(p, ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
+        self._queued_items = 0
+        self._depth_changed()
+        if self._metrics is not None:
+            self._metrics.forget_model(self.name)
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+    # --- queue bookkeeping ----------------------------------------------------------------
+
+    def _remove(self, pending: _Pending[P, R]) -> bool:
+        self._cancel_timer(pending)
+        try:
+            self._queue.remove(pending)
+        except ValueError:
+            return False  # already taken into a batch (or removed)
+        self._queued_items -= pending.size
+        self._depth_changed()
+        self._wakeup.set()  # the head may have changed
+        return True
+
+    def _expire(self, pending: _Pending[P, R]) -> None:
+        pending.timer = None
+        if self._remove(pending):
+            _fail(pending, _deadline_error(self.name, pending))
+
+    @staticmethod
+    def _cancel_timer(pending: _Pending[P, R]) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+            pending.timer = None
+
+    def _depth_changed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self.name, len(self._queue))
+
+    # --- scheduler ------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            if batch is None:
+                return
+            await self._execute(batch)
+
+    async def _next_batch(self) -> list[_Pending[P, R]] | None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            close_at = self._queue[0].enqueued + self._delay
+            remaining = close_at - loop.time()
+            if self._queued_items < self._capacity and remaining > 0 and not self._closing:
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                continue  # re-check: more items, a new head, or the delay has passed
+            batch = self._take_batch(loop.time())
+            if batch:
+                return batch
+
+    def _take_batch(self, now: float) -> list[_Pending[P, R]]:
+        batch: list[_Pending[P, R]] = []
+        items = 0
+        while self._queue:
+            p = self._queue[0]
+            if p.deadline is not None and now >= p.deadline:
+                self._queue.popleft()
+                self._queued_items -= p.size
+                self._cancel_timer(p)
+                _fail(p, _deadline_error(self.name, p))
+                continue
+            if batch and items + p.size > self._capacity:
+                break  # whole requests only: this one opens the next batch
+            self._queue.popleft()
+            self._queued_items -= p.size
+            self._cancel_timer(p)
+            batch.append(p)
+            items += p.size
+        self._depth_changed()
+        return batch
+
+    async def _execute(self, batch: list[_Pending[P, R]]) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if self._metrics is not None:
+            for p in batch:
+                self._metrics.observe_queue(self.name, start - p.enqueued)
+        info = BatchInfo(sum(p.size for p in batch), len(batch))
+        self._running = batch
+        try:
+            results, seconds = await loop.run_in_executor(
+                self._executor, _timed, self._run_batch, [p.payload for p in batch]
+            )
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
+        except asyncio.CancelledError:
+            for p in batch:  # stop() gave up waiting: nobody may be left hanging
+                _fail(p, ModelNotReady(f"model '{self.name}' was unloaded during this request"))
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, ServiceError) else _internal_error(self.name, exc)
+            for p in batch:
+                _fail(p, error)
+            return
+        finally:
+            self._running = []
+        if self._metrics is not None:
+            self._metrics.observe_batch(self.name, info.batch_size, info.batch_requests, seconds)
+        for p, result in zip(batch, results, strict=True):
+            if not p.future.done():  # a cancelled request's result is dropped
+                p.future.set_result((result, info))
+
+
+def _timed(fn: Callable[[list[P]], Sequence[R]], payloads: list[P]) -> tuple[Sequence[R], float]:
+    t0 = time.perf_counter()
+    out = fn(payloads)
+    return out, time.perf_counter() - t0
+
+
+def _fail(pending: _Pending[P, R], error: BaseException) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(error)
+
+
+def _deadline_error(name: str, pending: _Pending[P, R]) -> DeadlineExceeded:
+    waited = asyncio.get_running_loop().time() - pending.enqueued
+    return DeadlineExceeded(
+        f"model '{name}': the request's timeout expired after {waited * 1e3:.1f} ms in the "
+        "queue; it was not computed"
+    )
+
+
+def _internal_error(name: str, exc: BaseException) -> ServiceError:
+    log.error("model %s: batch failed", name, exc_info=exc)
+    return ServiceError(f"model '{name}': inference failed ({type(exc).__name__}: {exc})")
+
+
+class DeviceExecutors:
+    """One single-thread executor per device, shared by the models placed on it.
+
+    Device work is serialised per device (one CUDA context, one stream of batches), while
+    different devices run in parallel and the event loop never blocks.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+
+    def get(self, device: str) -> ThreadPoolExecutor:
+        """The executor of ``device`` (e.g. ``"cuda:0"``, ``"cpu"``), created on first use."""
+        with self._lock:
+            ex = self._executors.get(device)
+            if ex is None:
+                ex = ThreadPoolExecutor(1, thread_name_prefix=f"bitserve-{device}")
+                self._executors[device] = ex
+            return ex
+
+    def shutdown(self) -> None:
+        """Stop every worker thread once its queued work is done."""
+        with self._lock:
+            for ex in self._executors.values():
+                ex.shutdown(wait=False)
+            self._executors.clear()

@@ -1,0 +1,314 @@
+"""Dynamic batcher semantics with a generic compute function (no device, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+
+from service.batcher import Batcher, BatchInfo, DeviceExecutors
+from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
+from service.metrics import Metrics
+
+
+class Recorder:
+    """A compute function that records its batches and can be held at a gate."""
+
+    def __init__(self, *, gated: bool = False) -> None:
+        self.batches: list[list[Any]] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        if not gated:
+            self.gate.set()
+
+    def __call__(self, payloads: list[Any]) -> Sequence[Any]:
+        self.entered.set()
+        assert self.gate.wait(30), "test gate never opened"
+        self.batches.append(list(payloads))
+        if any(p == "boom" for p in payloads):
+            raise RuntimeError("kaboom")
+        return [("done", p) for p in payloads]
+
+
+def flat(batches: list[list[Any]]) -> list[Any]:
+    return [p for batch in batches for p in batch]
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+def make(rec: Recorder, **kw: Any) -> Batcher[Any, Any]:
+    opts: dict[str, Any] = {"max_batch_size": 4, "max_queue_delay_us": 0, "max_queue_size": 16}
+    opts.update(kw)
+    b: Batcher[Any, Any] = Batcher("m", rec, **opts)
+    b.start()
+    return b
+
+
+async def wait_entered(rec: Recorder) -> None:
+    while not rec.entered.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_concurrent_requests_merge_into_one_batch() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=5, max_queue_delay_us=60_000_000)
+        outs = await asyncio.gather(*(b.submit(i) for i in range(5)))
+        assert rec.batches == [[0, 1, 2, 3, 4]]
+        assert [o[0] for o in outs] == [("done", i) for i in range(5)]
+        assert all(o[1] == BatchInfo(batch_size=5, batch_requests=5) for o in outs)
+        await b.stop()
+
+    run(main)
+
+
+def test_batch_waits_for_a_later_request_within_the_delay() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        # A long delay: the batch can only close because it fills up.
+        b = make(rec, max_batch_size=2, max_queue_delay_us=60_000_000)
+        first = asyncio.ensure_future(b.submit("a"))
+        await asyncio.sleep(0.02)
+        assert not first.done()
+        second = await b.submit("b")
+        assert second[1] == BatchInfo(2, 2)
+        assert (await first)[0] == ("done", "a")
+        assert rec.batches == [["a", "b"]]
+        await b.stop()
+
+    run(main)
+
+
+def test_delay_closes_a_partial_batch() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=100, max_queue_delay_us=1000)
+        out, info = await b.submit("only")
+        assert out == ("done", "only")
+        assert info == BatchInfo(1, 1)
+        await b.stop()
+
+    run(main)
+
+
+def test_max_batch_size_splits_and_whole_requests_only() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=3, max_queue_delay_us=1000)
+        await asyncio.gather(*(b.submit(i) for i in range(7)))
+        assert [len(x) for x in rec.batches] == [3, 3, 1]
+        assert flat(rec.batches) == list(range(7))  # FIFO
+        rec.batches.clear()
+        # sizes 2, 2, 1 with room 3: the second request does not fit and opens the next batch
+        outs = await asyncio.gather(b.submit("x", 2), b.submit("y", 2), b.submit("z", 1))
+        assert rec.batches == [["x"], ["y", "z"]]
+        assert [o[1] for o in outs] == [BatchInfo(2, 1), BatchInfo(3, 2), BatchInfo(3, 2)]
+        with pytest.raises(ValueError, match="outside"):
+            await b.submit("too big", 4)
+        await b.stop()
+
+    run(main)
+
+
+def test_no_batching_runs_each_request_alone() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=0, max_queue_delay_us=5_000_000)
+        outs = await asyncio.gather(*(b.submit(i) for i in range(4)))
+        assert rec.batches == [[0], [1], [2], [3]]
+        assert all(o[1] == BatchInfo(1, 1) for o in outs)
+        await b.stop()
+
+    run(main)
+
+
+def test_full_queue_is_overloaded_at_once() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1, max_queue_size=2)
+        try:
+            running = asyncio.ensure_future(b.submit("running"))
+            await wait_entered(rec)
+            queued = [asyncio.ensure_future(b.submit(f"q{i}")) for i in range(2)]
+            await asyncio.sleep(0)
+            assert b.depth == 2
+            with pytest.raises(Overloaded, match="max_queue_size 2") as err:
+                await b.submit("rejected")
+            assert err.value.status_code == 503
+            assert err.value.headers["Retry-After"] == "1"
+        finally:
+            rec.gate.set()
+        await asyncio.gather(running, *queued)
+        assert flat(rec.batches) == ["running", "q0", "q1"]
+        await b.stop()
+
+    run(main)
+
+
+def test_deadline_expired_in_queue_is_never_computed() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1)
+        try:
+            running = asyncio.ensure_future(b.submit("running"))
+            await wait_entered(rec)
+            with pytest.raises(DeadlineExceeded, match="not computed") as err:
+                await b.submit("late", timeout_us=1000)
+            assert err.value.status_code == 504
+            assert b.depth == 0  # answered and gone from the queue
+            # a generous timeout is honoured normally
+            ok = asyncio.ensure_future(b.submit("ok", timeout_us=60_000_000))
+            await asyncio.sleep(0)
+        finally:
+            rec.gate.set()
+        await asyncio.gather(running, ok)
+        assert flat(rec.batches) == ["running", "ok"]
+        await b.stop()
+
+    run(main)
+
+
+def test_exception_fails_only_its_batch() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=1)
+        results = await asyncio.gather(
+            b.submit("a"), b.submit("boom"), b.submit("c"), return_exceptions=True
+        )
+        assert results[0] == (("done", "a"), BatchInfo(1, 1))
+        assert results[2] == (("done", "c"), BatchInfo(1, 1))
+        err = results[1]
+        assert isinstance(err, ServiceError)
+        assert type(err) is ServiceError
+        assert err.status_code == 500
+        assert "inference failed (RuntimeError: kaboom)" in err.message
+        assert (await b.submit("after"))[0] == ("done", "after")
+        await b.stop()
+
+    run(main)
+
+
+def test_exception_in_a_merged_batch_fails_all_of_its_requests() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=2, max_queue_delay_us=60_000_000)
+        results = await asyncio.gather(b.submit("x"), b.submit("boom"), return_exceptions=True)
+        assert all(isinstance(r, ServiceError) and r.status_code == 500 for r in results)
+        await b.stop()
+
+    run(main)
+
+
+def test_cancelled_request_leaves_the_queue_and_is_not_computed() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1)
+        try:
+            running = asyncio.ensure_future(b.submit("running"))
+            await wait_entered(rec)
+            gone = asyncio.ensure_future(b.submit("gone"))
+            await asyncio.sleep(0)
+            assert b.depth == 1
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            assert b.depth == 0
+        finally:
+            rec.gate.set()
+        await running
+        assert (await b.submit("next"))[0] == ("done", "next")
+        assert flat(rec.batches) == ["running", "next"]
+        await b.stop()
+        assert b.idle
+
+    run(main)
+
+
+def test_cancelled_while_computing_drops_the_result() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=2, max_queue_delay_us=0)
+        try:
+            t = asyncio.ensure_future(b.submit("a"))
+            await wait_entered(rec)
+            t.cancel()
+            await asyncio.sleep(0)
+        finally:
+            rec.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert (await b.submit("b"))[0] == ("done", "b")
+        await b.stop()
+
+    run(main)
+
+
+def test_stop_drains_then_refuses() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=2, max_queue_delay_us=60_000_000)
+        tasks = [asyncio.ensure_future(b.submit(i)) for i in range(5)]
+        await wait_entered(rec)
+        stopping = asyncio.ensure_future(b.stop())
+        await asyncio.sleep(0.01)
+        with pytest.raises(ModelNotReady, match="unloading"):
+            await b.submit("new")
+        rec.gate.set()
+        await stopping
+        outs = await asyncio.gather(*tasks)
+        assert [o[0] for o in outs] == [("done", i) for i in range(5)]
+        assert b.idle
+
+    run(main)
+
+
+def test_stop_timeout_answers_everyone() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1)
+        tasks = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await wait_entered(rec)
+        await b.stop(timeout_s=0.05)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, ModelNotReady) for r in results)
+        rec.gate.set()
+
+    run(main)
+
+
+def test_metrics_are_recorded() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        metrics = Metrics()
+        b: Batcher[Any, Any] = Batcher(
+            "mm", rec, max_batch_size=3, max_queue_delay_us=60_000_000, max_queue_size=8,
+            metrics=metrics,
+        )  # fmt: skip
+        b.start()
+        await asyncio.gather(*(b.submit(i) for i in range(3)))
+        value = metrics.registry.get_sample_value
+        assert value("bitserve_batch_size_sum", {"model": "mm"}) == 3
+        assert value("bitserve_batch_requests_count", {"model": "mm"}) == 1
+        assert value("bitserve_queue_seconds_count", {"model": "mm"}) == 3
+        assert value("bitserve_compute_seconds_count", {"model": "mm"}) == 1
+        assert value("bitserve_queue_depth", {"model": "mm"}) == 0
+        await b.stop()
+
+    run(main)
+
+
+def test_device_executors_share_one_thread_per_device() -> None:
+    ex = DeviceExecutors()
+    try:
+        assert ex.get("cpu") is ex.get("cpu")
+        assert ex.get("cpu") is not ex.get("cuda:0")
+        names = {ex.get("cpu").submit(lambda: threading.current_thread().name).result()}
+        names |= {ex.get("cpu").submit(lambda: threading.current_thread().name).result()}
+        assert len(names) == 1
+    finally:
+        ex.shutdown()
