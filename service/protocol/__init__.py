@@ -3,3 +3,43 @@
 Nothing in this package knows about FastAPI: it turns bytes and headers into
 :class:`InferRequest` objects and :class:`InferResponse` objects back into bytes.
 """
+
+from service.protocol.compression import choose_encoding, compress, decompress
+from service.protocol.request import (
+    HEADER_LENGTH,
+    RawInputSpec,
+    decode_infer_request,
+    parse_header_length,
+    raw_input_spec,
+)
+from service.protocol.response import EncodedResponse, dumps, encode_infer_response
+from service.protocol.types import (
+    BYTES,
+    DATATYPES,
+    InferRequest,
+    InferResponse,
+    RequestInput,
+    RequestOutput,
+    ResponseOutput,
+)
+
+__all__ = [
+    "BYTES",
+    "DATATYPES",
+    "HEADER_LENGTH",
+    "EncodedResponse",
+    "InferRequest",
+    "InferResponse",
+    "RawInputSpec",
+    "RequestInput",
+    "RequestOutput",
+    "ResponseOutput",
+    "choose_encoding",
+    "compress",
+    "decode_infer_request",
+    "decompress",
+    "dumps",
+    "encode_infer_response",
+    "parse_header_length",
+    "raw_input_spec",
+]

@@ -1,0 +1,115 @@
+"""``Content-Encoding`` of request bodies and ``Accept-Encoding`` negotiation for responses.
+
+Decompression is bounded: the output may not exceed ``limit`` bytes, checked while inflating,
+so a small gzip bomb is refused with a 413 and never expands in memory.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+
+SUPPORTED = ("gzip", "deflate")
+_CHUNK = 1 << 20
+
+
+def _is_zlib_header(data: bytes | bytearray | memoryview) -> bool:
+    # RFC 1950: CM = 8 (deflate) and the 16-bit header is a multiple of 31.
+    if len(data) < 2:
+        return False
+    b0, b1 = data[0], data[1]
+    return (b0 & 0x0F) == 8 and ((b0 << 8) | b1) % 31 == 0
+
+
+def decompress(
+    body: bytes | bytearray, content_encoding: str | None, *, limit: int
+) -> bytes | bytearray:
+    """Undo ``Content-Encoding`` (``gzip``, ``deflate`` or ``identity``), at most ``limit`` bytes.
+
+    ``deflate`` accepts the zlib format (RFC 1950, what HTTP means and what tritonclient sends)
+    and raw deflate (RFC 1951, what some clients send). Concatenated gzip members are joined.
+
+    Raises:
+        UnsupportedMediaType: another encoding, or several stacked encodings.
+        PayloadTooLarge: the decompressed body would exceed ``limit`` bytes.
+        InvalidInput: the compressed data is corrupt or truncated.
+    """
+    enc = (content_encoding or "identity").strip().lower()
+    if enc in ("", "identity"):
+        return body
+    if enc not in ("gzip", "x-gzip", "deflate"):
+        raise UnsupportedMediaType(
+            f"unsupported Content-Encoding {content_encoding!r} (supported: gzip, deflate)"
+        )
+    if enc == "deflate":
+        wbits = zlib.MAX_WBITS if _is_zlib_header(body) else -zlib.MAX_WBITS
+    else:
+        wbits = 16 + zlib.MAX_WBITS
+    out = bytearray()
+    data: bytes | bytearray | memoryview = body
+    try:
+        while True:
+            d = zlib.decompressobj(wbits)
+            while True:
+                # max_length bounds each step, so memory never exceeds limit + 1 bytes.
+                chunk = d.decompress(data, limit + 1 - len(out))
+                out += chunk
+                if len(out) > limit:
+                    raise PayloadTooLarge(
+                        f"decompressed request body exceeds the limit of {limit} bytes"
+                    )
+                data = d.unconsumed_tail
+                if d.eof or (not chunk and not data):
+                    break
+            if not d.eof:
+                raise InvalidInput(f"{enc} request body is truncated")
+            data = d.unused_data
+            # Another gzip member may follow (RFC 1952 allows concatenation).
+            if not data or enc == "deflate":
+                if data:
+                    raise InvalidInput(f"{len(data)} trailing bytes after the deflate stream")
+                break
+    except zlib.error as e:
+        raise InvalidInput(f"corrupt {enc} request body: {e}") from None
+    return out
+
+
+def choose_encoding(accept_encoding: str | None) -> str | None:
+    """Pick ``gzip`` or ``deflate`` from an ``Accept-Encoding`` header, or None for identity.
+
+    Honours q-values (``gzip;q=0`` refuses gzip); with equal weights gzip wins.
+    """
+    if not accept_encoding:
+        return None
+    best: tuple[float, int, str] | None = None
+    for part in accept_encoding.split(","):
+        token, _, params = part.strip().partition(";")
+        name = token.strip().lower()
+        q = 1.0
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k.strip().lower() == "q":
+                try:
+                    q = float(v)
+                except ValueError:
+                    q = 0.0
+        if name == "*":
+            name = "gzip"
+        if name not in SUPPORTED or q <= 0:
+            continue
+        rank = (q, 1 if name == "gzip" else 0, name)
+        if best is None or rank > best:
+            best = rank
+    return best[2] if best else None
+
+
+def compress(data: bytes, encoding: str) -> bytes:
+    """Compress a response body with ``gzip`` or ``deflate`` (zlib format)."""
+    if encoding == "gzip":
+        c = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    elif encoding == "deflate":
+        c = zlib.compressobj(6, zlib.DEFLATED, zlib.MAX_WBITS)
+    else:  # pragma: no cover - choose_encoding only returns the two above
+        raise ValueError(encoding)
+    return c.compress(data) + c.flush()

@@ -1,0 +1,287 @@
+"""Decoding V2 inference requests: JSON header, Triton binary tensors, and the raw binary form.
+
+Three body layouts are accepted (Triton's binary tensor data extension):
+
+* no ``Inference-Header-Content-Length``: the body is JSON; every input carries ``data``;
+* ``Inference-Header-Content-Length: n > 0``: the first ``n`` bytes are the JSON header, the
+  rest is the binary data of the inputs that declare ``parameters.binary_data_size``,
+  concatenated in the order they appear in ``inputs``;
+* ``Inference-Header-Content-Length: 0``: the body is the raw bytes of the model's only input;
+  its datatype and shape come from the model (a :class:`RawInputSpec`) and the batch size
+  follows from the length. All outputs are returned as binary.
+
+Binary inputs become read-only ``np.frombuffer`` views over the body (no copy). Every declared
+size is checked against the bytes present before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import InvalidInput
+from service.protocol.tensors import (
+    check_datatype,
+    check_shape,
+    element_count,
+    from_binary,
+    from_json,
+)
+from service.protocol.types import BYTES, DATATYPES, InferRequest, RequestInput, RequestOutput
+
+HEADER_LENGTH = "inference-header-content-length"
+# Request-level parameters this server understands; others are passed through, except the
+# ``triton_`` prefix which Triton reserves and we refuse rather than silently ignore.
+_RESERVED_PREFIX = "triton_"
+
+
+@dataclass(frozen=True)
+class RawInputSpec:
+    """The one input of a model, for the raw binary request form.
+
+    Attributes:
+        name: the input's name.
+        datatype: its wire datatype (``"UINT8"`` for bit-packed inputs).
+        shape: its wire shape with ``-1`` for the batch dimension (e.g. ``(-1, 20, 6250)``).
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+def raw_input_spec(metadata: Mapping[str, Any]) -> RawInputSpec:
+    """Build the raw-form input spec from a model's V2 metadata (``ModelHandle.metadata()``).
+
+    Raises:
+        InvalidInput: the model does not have exactly one input, or it cannot be sized from a
+            byte count (BYTES, or several unknown dimensions).
+    """
+    name = metadata.get("name", "?")
+    inputs = metadata.get("inputs") or []
+    if len(inputs) != 1:
+        raise InvalidInput(
+            f"model {name!r} has {len(inputs)} inputs; the raw binary form "
+            "(Inference-Header-Content-Length: 0) needs a model with exactly one input"
+        )
+    inp = inputs[0]
+    datatype = str(inp["datatype"])
+    shape = tuple(int(d) for d in inp["shape"])
+    if datatype == BYTES or datatype not in DATATYPES:
+        raise InvalidInput(f"the raw binary form does not support {datatype} inputs")
+    if sum(d < 0 for d in shape) > 1:
+        raise InvalidInput(
+            f"input {inp['name']!r} of shape {list(shape)} has several variable dimensions; "
+            "the raw binary form cannot size it"
+        )
+    return RawInputSpec(str(inp["name"]), datatype, shape)
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """Parse ``Inference-Header-Content-Length``; None when the header is absent."""
+    if value is None:
+        return None
+    try:
+        n = int(value.strip())
+    except ValueError:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length must be an integer, got {value!r}"
+        ) from None
+    if n < 0 or n > body_length:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length {n} is outside the body of {body_length} bytes"
+        )
+    return n
+
+
+def decode_infer_request(
+    body: bytes | bytearray,
+    header_length: int | None,
+    raw_spec: Callable[[], RawInputSpec] | None = None,
+) -> InferRequest:
+    """Decode an inference request body.
+
+    Args:
+        body: the whole (decompressed) request body.
+        header_length: the parsed ``Inference-Header-Content-Length`` (see
+            :func:`parse_header_length`), or None when the header was absent.
+        raw_spec: called only for the raw binary form, returns the model's single input (the
+            app passes ``lambda: raw_input_spec(handle.metadata())``).
+
+    Returns:
+        the request; binary input data are read-only views over ``body``.
+
+    Raises:
+        InvalidInput: anything malformed, with a message naming the field or tensor.
+    """
+    view = memoryview(body)
+    if header_length == 0:
+        if raw_spec is None:
+            raise InvalidInput("the raw binary form needs a model with a single input")
+        return _decode_raw(view, raw_spec())
+    n = len(body) if header_length is None else header_length
+    header = _load_json(view[:n])
+    return _decode_header(header, view[n:], binary=header_length is not None)
+
+
+def _load_json(buf: memoryview) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(buf))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise InvalidInput(f"request JSON is malformed: {e}") from None
+    if not isinstance(obj, dict):
+        raise InvalidInput("request JSON must be an object")
+    return obj
+
+
+def _decode_raw(view: memoryview, spec: RawInputSpec) -> InferRequest:
+    itemsize = DATATYPES[spec.datatype].itemsize
+    fixed = math.prod(d for d in spec.shape if d >= 0)
+    item_bytes = fixed * itemsize
+    shape = spec.shape
+    if any(d < 0 for d in shape):
+        if item_bytes == 0 or view.nbytes % item_bytes:
+            raise InvalidInput(
+                f"raw binary body of {view.nbytes} bytes is not a whole number of "
+                f"{spec.datatype} items of shape {[d for d in shape if d >= 0]} "
+                f"({item_bytes} bytes each) for input {spec.name!r}"
+            )
+        batch = view.nbytes // item_bytes
+        shape = tuple(batch if d < 0 else d for d in shape)
+    what = f"input {spec.name!r}"
+    data = from_binary(view, spec.datatype, shape, what)
+    inp = RequestInput(spec.name, spec.datatype, shape, data, {})
+    return InferRequest(id=None, inputs=[inp], outputs=None, binary_data_output=True)
+
+
+def _check_parameters(params: object, what: str) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{what}: 'parameters' must be an object")
+    for key in params:
+        if key.startswith(_RESERVED_PREFIX):
+            raise InvalidInput(
+                f"{what}: unknown parameter {key!r} (the triton_ prefix is reserved)"
+            )
+    return params
+
+
+def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
+    v = params.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise InvalidInput(f"{what}: parameter {key!r} must be a boolean, got {v!r}")
+    return v
+
+
+def _decode_header(header: dict[str, Any], rest: memoryview, *, binary: bool) -> InferRequest:
+    rid = header.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidInput("request 'id' must be a string")
+    params = _check_parameters(header.get("parameters"), "request")
+    binary_out = _bool_param(params, "binary_data_output", "request") or False
+    timeout = params.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
+        raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {timeout!r}")
+    if timeout is not None and timeout < 0:
+        raise InvalidInput(f"request: parameter 'timeout' must be >= 0 µs, got {timeout}")
+
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("request 'inputs' must be a non-empty list")
+    inputs: list[RequestInput] = []
+    seen: set[str] = set()
+    offset = 0
+    for i, item in enumerate(raw_inputs):
+        inp, size = _decode_input(item, i, rest, offset, binary=binary)
+        if inp.name in seen:
+            raise InvalidInput(f"input {inp.name!r} appears more than once")
+        seen.add(inp.name)
+        inputs.append(inp)
+        offset += size
+    if offset != rest.nbytes:
+        raise InvalidInput(
+            f"the inputs declare {offset} bytes of binary data but the body carries "
+            f"{rest.nbytes} after the JSON header"
+        )
+    outputs = _decode_outputs(header.get("outputs"))
+    return InferRequest(
+        id=rid,
+        inputs=inputs,
+        outputs=outputs,
+        parameters=params,
+        binary_data_output=binary_out,
+        timeout_us=timeout,
+    )
+
+
+def _decode_input(
+    item: object, index: int, rest: memoryview, offset: int, *, binary: bool
+) -> tuple[RequestInput, int]:
+    if not isinstance(item, dict):
+        raise InvalidInput(f"inputs[{index}] must be an object")
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
+    what = f"input {name!r}"
+    datatype = check_datatype(item.get("datatype"), what)
+    shape = check_shape(item.get("shape"), what)
+    params = _check_parameters(item.get("parameters"), what)
+    size = params.get("binary_data_size")
+    if size is None:
+        if "data" not in item:
+            raise InvalidInput(f"{what}: has neither 'data' nor parameters.binary_data_size")
+        data = from_json(item["data"], datatype, shape, what)
+        return RequestInput(name, datatype, shape, data, params), 0
+    if "data" in item:
+        raise InvalidInput(f"{what}: has both 'data' and parameters.binary_data_size")
+    if not binary:
+        raise InvalidInput(
+            f"{what}: binary_data_size given but the request has no "
+            "Inference-Header-Content-Length header"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidInput(f"{what}: binary_data_size must be a non-negative integer")
+    if offset + size > rest.nbytes:
+        raise InvalidInput(
+            f"{what}: binary_data_size {size} runs past the end of the body "
+            f"({rest.nbytes - offset} bytes left)"
+        )
+    if datatype != BYTES:
+        expected = element_count(shape) * DATATYPES[datatype].itemsize
+        if expected != size:
+            raise InvalidInput(
+                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
+                f"binary_data_size is {size}"
+            )
+    data = from_binary(rest[offset : offset + size], datatype, shape, what)
+    return RequestInput(name, datatype, shape, data, params), size
+
+
+def _decode_outputs(raw: object) -> list[RequestOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidInput("request 'outputs' must be a list")
+    outputs: list[RequestOutput] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise InvalidInput(f"outputs[{i}] must be an object")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"outputs[{i}]: 'name' must be a non-empty string")
+        what = f"output {name!r}"
+        if name in seen:
+            raise InvalidInput(f"{what} is requested more than once")
+        seen.add(name)
+        params = _check_parameters(item.get("parameters"), what)
+        if params.get("classification"):
+            raise InvalidInput(f"{what}: the classification extension is not supported")
+        outputs.append(RequestOutput(name, _bool_param(params, "binary_data", what), params))
+    return outputs

@@ -1,0 +1,227 @@
+"""Tensor payloads: shape checks, binary views, JSON ``data`` and BYTES elements.
+
+Every function here checks sizes with Python integers (no overflow) *before* allocating
+anything, so a declared shape of ``[10**12]`` is refused with a 400 instead of an allocation.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from service.errors import InvalidInput
+from service.protocol.types import BYTES, DATATYPES
+
+# A tensor may not declare more elements than this, whatever its payload; it only guards the
+# arithmetic, the real limit is the body size.
+MAX_ELEMENTS = 1 << 40
+_LEN = struct.Struct("<I")
+
+
+def check_datatype(datatype: object, what: str) -> str:
+    """Return ``datatype`` if it is a V2 datatype name, else raise InvalidInput."""
+    if not isinstance(datatype, str) or (datatype not in DATATYPES and datatype != BYTES):
+        known = ", ".join([*DATATYPES, BYTES])
+        raise InvalidInput(f"{what}: unknown datatype {datatype!r} (expected one of {known})")
+    return datatype
+
+
+def check_shape(shape: object, what: str) -> tuple[int, ...]:
+    """Validate a declared shape: a list of non-negative integers (booleans refused).
+
+    Returns:
+        the shape as a tuple.
+    """
+    if not isinstance(shape, list):
+        raise InvalidInput(f"{what}: 'shape' must be a list of non-negative integers")
+    dims: list[int] = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise InvalidInput(f"{what}: shape {shape} has a non-integer dimension {d!r}")
+        if d < 0:
+            raise InvalidInput(f"{what}: shape {shape} has a negative dimension {d}")
+        dims.append(d)
+    count = math.prod(dims)  # Python int: exact, cannot overflow
+    if count > MAX_ELEMENTS:
+        raise InvalidInput(f"{what}: shape {shape} declares {count} elements, too many")
+    return tuple(dims)
+
+
+def element_count(shape: Sequence[int]) -> int:
+    """The number of elements of ``shape`` (1 for a scalar shape ``[]``)."""
+    return math.prod(shape)
+
+
+def from_binary(
+    buf: memoryview, datatype: str, shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """View ``buf`` as a tensor of ``datatype`` and ``shape`` (no copy for fixed-size types).
+
+    Args:
+        buf: exactly the tensor's bytes (little-endian, row-major, no padding).
+        datatype: a V2 datatype, BYTES included.
+        shape: the declared shape, already checked by :func:`check_shape`.
+        what: names the tensor in error messages.
+
+    Returns:
+        a read-only array of ``shape`` over ``buf`` (an object array of ``bytes`` for BYTES).
+    """
+    count = element_count(shape)
+    if datatype == BYTES:
+        return _parse_bytes(buf, shape, count, what)
+    dtype = DATATYPES[datatype]
+    expected = count * dtype.itemsize
+    if buf.nbytes != expected:
+        raise InvalidInput(
+            f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, got {buf.nbytes}"
+        )
+    if datatype == "BOOL":
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        # A byte other than 0/1 would make a NumPy bool that is neither True nor False.
+        if raw.size and int(raw.max()) > 1:
+            raise InvalidInput(f"{what}: BOOL data must be bytes 0 or 1")
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr.flags.writeable = False
+    return arr
+
+
+def _parse_bytes(
+    buf: memoryview, shape: tuple[int, ...], count: int, what: str
+) -> np.ndarray[Any, Any]:
+    # Each element carries a 4-byte length, so the count is bounded by the bytes we have.
+    if count * _LEN.size > buf.nbytes:
+        raise InvalidInput(
+            f"{what}: shape {list(shape)} of BYTES needs at least {count * _LEN.size} bytes, "
+            f"got {buf.nbytes}"
+        )
+    out = np.empty(count, dtype=object)
+    pos = 0
+    end = buf.nbytes
+    for i in range(count):
+        if pos + _LEN.size > end:
+            raise InvalidInput(f"{what}: BYTES data ends inside the length of element {i}")
+        (n,) = _LEN.unpack_from(buf, pos)
+        pos += _LEN.size
+        if pos + n > end:
+            raise InvalidInput(f"{what}: BYTES element {i} declares {n} bytes past the end")
+        out[i] = bytes(buf[pos : pos + n])
+        pos += n
+    if pos != end:
+        raise InvalidInput(f"{what}: {end - pos} bytes left after {count} BYTES elements")
+    return out.reshape(shape)
+
+
+def to_binary_bytes(arr: np.ndarray[Any, Any]) -> bytes:
+    """Serialise an object array of ``bytes``/``str`` as length-prefixed BYTES elements."""
+    parts: list[bytes] = []
+    for item in arr.reshape(-1):
+        b = item.encode() if isinstance(item, str) else bytes(item)
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _flatten(data: list[Any], shape: tuple[int, ...], what: str) -> list[Any]:
+    """Flatten nested lists that must match ``shape`` exactly, or accept a flat list."""
+    count = element_count(shape)
+    if not data or not isinstance(data[0], list):
+        if any(isinstance(v, list) for v in data):
+            raise InvalidInput(f"{what}: 'data' mixes lists and scalars")
+        if len(data) != count:
+            raise InvalidInput(
+                f"{what}: 'data' has {len(data)} elements, shape {list(shape)} needs {count}"
+            )
+        return data
+    flat: list[Any] = []
+    # Walk level by level so a mismatch names the level instead of a generic count error.
+    level: list[Any] = [data]
+    for depth, dim in enumerate(shape):
+        nxt: list[Any] = []
+        for node in level:
+            if not isinstance(node, list) or len(node) != dim:
+                got = len(node) if isinstance(node, list) else "a scalar"
+                raise InvalidInput(
+                    f"{what}: nested 'data' does not match shape {list(shape)}: "
+                    f"expected {dim} items at depth {depth}, got {got}"
+                )
+            nxt.extend(node)
+        level = nxt
+    for v in level:
+        if isinstance(v, list):
+            raise InvalidInput(f"{what}: nested 'data' is deeper than shape {list(shape)}")
+    flat = level
+    return flat
+
+
+def from_json(
+    data: object, datatype: str, shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """Convert a JSON ``data`` member to an array of ``shape``, checking every element's type.
+
+    Args:
+        data: a flat list (row-major) or nested lists matching ``shape``.
+        datatype: a V2 datatype; integers must be JSON integers within the type's range,
+            floats accept integers too, BOOL accepts true/false (and 0/1), BYTES strings.
+        shape: the declared shape.
+        what: names the tensor in error messages.
+    """
+    if not isinstance(data, list):
+        if shape == () and not isinstance(data, dict):
+            data = [data]
+        else:
+            raise InvalidInput(f"{what}: 'data' must be a list")
+    flat = _flatten(data, shape, what)
+    if datatype == BYTES:
+        out = np.empty(len(flat), dtype=object)
+        for i, v in enumerate(flat):
+            if not isinstance(v, str):
+                raise InvalidInput(f"{what}: BYTES data must be strings, got {type(v).__name__}")
+            out[i] = v.encode()
+        return out.reshape(shape)
+    dtype = DATATYPES[datatype]
+    if not flat:
+        return np.empty(shape, dtype=dtype)
+    try:
+        probe = np.asarray(flat)
+    except (ValueError, TypeError) as e:  # ragged or mixed data
+        raise InvalidInput(f"{what}: 'data' is not a list of numbers ({e})") from None
+    kind = probe.dtype.kind
+    if datatype == "BOOL":
+        ok = kind == "b" or (kind in "iu" and bool(np.isin(probe, (0, 1)).all()))
+        if not ok:
+            raise InvalidInput(f"{what}: BOOL data must be true/false (or 0/1)")
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        out_of_range = f"{what}: {datatype} data out of range [{info.min}, {info.max}]"
+        if kind not in "biu" and all(type(v) is int for v in flat):
+            # Integers past int64 (UINT64's upper half, or out of range) make an object array.
+            try:
+                return np.array(flat, dtype=dtype).reshape(shape)
+            except OverflowError:
+                raise InvalidInput(out_of_range) from None
+        if kind not in "biu":
+            raise InvalidInput(f"{what}: {datatype} data must be integers")
+        if probe.size and (int(probe.min()) < info.min or int(probe.max()) > info.max):
+            raise InvalidInput(out_of_range)
+    elif kind not in "biuf":
+        raise InvalidInput(f"{what}: {datatype} data must be numbers")
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            return probe.astype(dtype, copy=False).reshape(shape)
+    except FloatingPointError:
+        raise InvalidInput(f"{what}: {datatype} data out of range") from None
+
+
+def to_json_data(arr: np.ndarray[Any, Any], datatype: str) -> list[Any]:
+    """A flat row-major JSON list of ``arr``'s elements (BYTES as UTF-8 strings)."""
+    if datatype == BYTES:
+        return [
+            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+            for v in arr.reshape(-1)
+        ]
+    flat: list[Any] = arr.reshape(-1).tolist()
+    return flat
