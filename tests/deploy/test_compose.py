@@ -1,0 +1,224 @@
+"""docker-compose.yml: valid Compose, and the stack the deployment issue asks for.
+
+No Docker engine runs here: the file is validated against the Compose Specification's JSON
+schema (vendored, see schemas/README.md), and by ``docker compose config`` where a Docker
+engine with the compose plugin exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.settings import Settings
+
+from ._manifests import ROOT, compose_validator, format_errors, load_yaml_documents
+from ._nginx import upstream_servers
+
+COMPOSE = ROOT / "docker-compose.yml"
+GPU_REPLICAS = ["bitserve-gpu0", "bitserve-gpu1"]
+CPU_REPLICAS = ["bitserve-cpu0", "bitserve-cpu1"]
+REPLICAS = GPU_REPLICAS + CPU_REPLICAS
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    (doc,) = load_yaml_documents(COMPOSE)
+    return doc
+
+
+def interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR}`` with an empty environment."""
+    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
+
+
+def active_services(compose: dict[str, Any], profiles: set[str]) -> set[str]:
+    """The services ``docker compose --profile ... up`` starts (Compose's profile rule)."""
+    return {
+        name
+        for name, svc in compose["services"].items()
+        if not svc.get("profiles") or profiles & set(svc["profiles"])
+    }
+
+
+def env(svc: dict[str, Any]) -> dict[str, str]:
+    e = svc.get("environment", {})
+    assert isinstance(e, dict), "environment is written as a mapping"
+    return {k: interpolate(str(v)) for k, v in e.items()}
+
+
+def duration_s(text: str) -> float:
+    units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
+
+
+def test_compose_file_matches_the_compose_specification(compose: dict[str, Any]) -> None:
+    errors = list(compose_validator().iter_errors(compose))
+    assert not errors, format_errors(errors)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("services", "bitserve-gpu0", "deploy", "resources", "reservations", "devices"), "gpu"),
+        (("services", "nginx", "ports"), {"8000": 8080}),
+        (("services", "bitserve-cpu0", "stop_grace"), "40s"),
+        (("services", "bitserve-gpu1", "healthcheck", "test"), 42),
+        (("services", "bitserve-gpu1", "volumes", 0, "type"), "bindd"),
+    ],
+)
+def test_schema_rejects_broken_variants(
+    compose: dict[str, Any], path: tuple[str | int, ...], value: object
+) -> None:
+    # The schema check above must be able to fail: each broken copy is refused.
+    broken = copy.deepcopy(compose)
+    node: Any = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert list(compose_validator().iter_errors(broken))
+
+
+def _docker_compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _docker_compose_available(), reason="no docker compose plugin here")
+@pytest.mark.parametrize("profiles", [["gpu"], ["cpu"], ["gpu", "monitoring"]])
+def test_docker_compose_config_accepts_the_file(profiles: list[str], tmp_path: Path) -> None:
+    args = [a for p in profiles for a in ("--profile", p)]
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), *args, "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_services_and_profiles(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == {*REPLICAS, "nginx", "prometheus", "grafana"}
+    assert active_services(compose, {"gpu"}) == {*GPU_REPLICAS, "nginx"}
+    assert active_services(compose, {"cpu"}) == {*CPU_REPLICAS, "nginx"}
+    assert active_services(compose, {"gpu", "monitoring"}) == {
+        *GPU_REPLICAS,
+        "nginx",
+        "prometheus",
+        "grafana",
+    }
+    assert active_services(compose, {"cpu", "monitoring"}) == {
+        *CPU_REPLICAS,
+        "nginx",
+        "prometheus",
+        "grafana",
+    }
+    # nginx's dependencies of the inactive profile must not block it.
+    for dep, spec in compose["services"]["nginx"]["depends_on"].items():
+        assert dep in REPLICAS
+        assert spec["required"] is False
+
+
+def test_one_gpu_reserved_per_gpu_replica(compose: dict[str, Any]) -> None:
+    device_ids = []
+    for name in GPU_REPLICAS:
+        svc = compose["services"][name]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia"
+        assert device["capabilities"] == ["gpu"]
+        assert "count" not in device, "count and device_ids are mutually exclusive"
+        assert len(device["device_ids"]) == 1
+        device_ids.append(device["device_ids"][0])
+        assert env(svc)["BITSERVE_DEVICE"] == "cuda"
+    assert device_ids == [str(i) for i in range(len(GPU_REPLICAS))]
+
+
+def test_cpu_profile_reserves_no_gpu(compose: dict[str, Any]) -> None:
+    for name in CPU_REPLICAS:
+        svc = compose["services"][name]
+        assert "gpus" not in svc
+        assert "devices" not in svc.get("deploy", {}).get("resources", {}).get("reservations", {})
+        assert env(svc)["BITSERVE_DEVICE"] == "cpu"
+
+
+def test_profiles_expose_the_same_replica_aliases_as_nginx_and_prometheus(
+    compose: dict[str, Any],
+) -> None:
+    from .test_monitoring import prometheus_targets
+
+    def aliases(names: list[str]) -> list[str]:
+        return [a for n in names for a in compose["services"][n]["networks"]["default"]["aliases"]]
+
+    port = env(compose["services"]["bitserve-gpu0"])["BITSERVE_PORT"]
+    expected = [f"{a}:{port}" for a in aliases(GPU_REPLICAS)]
+    assert aliases(GPU_REPLICAS) == aliases(CPU_REPLICAS) == ["replica-0", "replica-1"]
+    assert upstream_servers() == expected
+    assert prometheus_targets() == expected
+
+
+def test_model_repository_mounted_read_only(compose: dict[str, Any]) -> None:
+    for name in REPLICAS:
+        svc = compose["services"][name]
+        (volume,) = svc["volumes"]
+        assert volume["type"] == "bind"
+        assert volume["read_only"] is True
+        assert volume["target"] == env(svc)["BITSERVE_MODEL_REPOSITORY"] == "/models"
+        assert interpolate(volume["source"]) == "./models"
+
+
+def test_replica_settings_are_valid_server_settings(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Every BITSERVE_* variable the compose file sets must be a setting the server knows,
+    # with a value it accepts (Settings has extra="forbid" for unknown keyword names, and
+    # would silently ignore an unknown variable: hence the explicit name check).
+    for name in REPLICAS:
+        variables = env(compose["services"][name])
+        for key in variables:
+            assert key.startswith("BITSERVE_")
+            assert key.removeprefix("BITSERVE_").lower() in Settings.model_fields, key
+        for key, value in variables.items():
+            monkeypatch.setenv(key, value)
+        # Host-dependent checks (the folder exists, a GPU exists) are for the container.
+        monkeypatch.setenv("BITSERVE_MODEL_REPOSITORY", str(tmp_path))
+        monkeypatch.setenv("BITSERVE_DEVICE", "cpu")
+        settings = Settings()
+        assert settings.host == "0.0.0.0"
+        assert settings.max_body_bytes == Settings.model_fields["max_body_bytes"].default
+        # SIGKILL must not come before the server's own drain deadline.
+        grace = duration_s(compose["services"][name]["stop_grace_period"])
+        assert grace > settings.graceful_shutdown_s
+
+
+def test_replica_health_check_probes_readiness_on_the_server_port(compose: dict[str, Any]) -> None:
+    for name in REPLICAS:
+        svc = compose["services"][name]
+        command = " ".join(svc["healthcheck"]["test"])
+        assert f"127.0.0.1:{env(svc)['BITSERVE_PORT']}/v2/health/ready" in command
+
+
+def test_bind_mounted_files_exist(compose: dict[str, Any]) -> None:
+    for name in ("nginx", "prometheus", "grafana"):
+        for volume in compose["services"][name]["volumes"]:
+            if isinstance(volume, dict) and volume["type"] == "bind":
+                assert (ROOT / volume["source"]).exists(), volume["source"]
+                assert volume["read_only"] is True
+
+
+def test_nginx_is_the_only_published_entry_point(compose: dict[str, Any]) -> None:
+    for name in REPLICAS:
+        assert "ports" not in compose["services"][name]
+    (port,) = compose["services"]["nginx"]["ports"]
+    assert interpolate(port) == "8000:8080"
+    # Monitoring UIs listen on the host's loopback only.
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in compose["services"][name]["ports"])
