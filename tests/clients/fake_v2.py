@@ -1,0 +1,215 @@
+"""A small in-process V2 server for the client's unit tests (served via httpx.MockTransport).
+
+It parses requests with its own code (not the client's framing), so a framing bug on either
+side shows up as a wrong answer. Models:
+
+- ``bits``: input ``x`` BOOL logical [3, 13], packed on the wire as UINT8 [batch, 3, 2]
+  (bitorder set per instance), output ``count`` INT32 [batch, 3] (bits set per row) and
+  ``first`` FP32 [batch, 3] (the first bit of each row as 0.0/1.0). max_batch_size 8.
+- ``plain``: input ``a`` FP32 [4] and ``b`` INT64 [4], output ``y`` FP64 [4] = a * b;
+  metadata only (no /config, like a KServe server), batch dimension -1.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+
+DT = {"BOOL": np.bool_, "UINT8": np.uint8, "INT32": np.int32, "INT64": np.int64}
+DT |= {"FP32": np.float32, "FP64": np.float64}
+L = 13
+
+
+class FakeV2:
+    """The server state; ``handler`` is the MockTransport callback."""
+
+    def __init__(self, bitorder: str = "big", delay: Callable[[], float] | None = None) -> None:
+        self.bitorder = bitorder
+        self.delay = delay
+        self.requests: list[httpx.Request] = []
+        # Scripted answers served before normal handling: a Response or an exception to raise.
+        self.script: list[httpx.Response | Exception] = []
+        self.metadata_calls = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+
+    # -- model descriptions ----------------------------------------------------------------
+
+    def metadata(self, name: str) -> dict[str, Any]:
+        if name == "bits":
+            params = {
+                "packing": "bits",
+                "bitorder": self.bitorder,
+                "logical_shape": [3, L],
+                "logical_datatype": "BOOL",
+            }
+            return {
+                "name": "bits",
+                "versions": ["1"],
+                "platform": "bitserve",
+                "inputs": [
+                    {"name": "x", "datatype": "UINT8", "shape": [-1, 3, 2], "parameters": params}
+                ],
+                "outputs": [
+                    {"name": "count", "datatype": "INT32", "shape": [-1, 3]},
+                    {"name": "first", "datatype": "FP32", "shape": [-1, 3]},
+                ],
+            }
+        return {
+            "name": "plain",
+            "versions": ["1"],
+            "platform": "other",
+            "inputs": [
+                {"name": "a", "datatype": "FP32", "shape": [-1, 4]},
+                {"name": "b", "datatype": "INT64", "shape": [-1, 4]},
+            ],
+            "outputs": [{"name": "y", "datatype": "FP64", "shape": [-1, 4]}],
+        }
+
+    def config(self) -> dict[str, Any]:
+        # Triton-style config: parameters in the {"string_value": ...} form on purpose.
+        return {
+            "name": "bits",
+            "max_batch_size": 8,
+            "input": [
+                {
+                    "name": "x",
+                    "data_type": "TYPE_UINT8",
+                    "dims": [3, 2],
+                    "parameters": {"packing": {"string_value": "bits"}},
+                }
+            ],
+        }
+
+    # -- request handling ------------------------------------------------------------------
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.requests.append(request)
+            if self.script:
+                scripted = self.script.pop(0)
+                if isinstance(scripted, Exception):
+                    raise scripted
+                return scripted
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay is not None:
+                time.sleep(self.delay())
+            return self._route(request)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _route(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path in ("/v2/health/live", "/v2/health/ready"):
+            return httpx.Response(200, json={})
+        if path == "/v2":
+            return httpx.Response(200, json={"name": "fake", "version": "0", "extensions": []})
+        parts = path.split("/")  # ["", "v2", "models", name, ...]
+        name = parts[3] if len(parts) > 3 else ""
+        if name not in ("bits", "plain"):
+            return httpx.Response(404, json={"error": f"unknown model '{name}'"})
+        tail = parts[4:]
+        if tail == []:
+            self.metadata_calls += 1
+            return httpx.Response(200, json=self.metadata(name))
+        if tail == ["config"]:
+            if name == "plain":
+                return httpx.Response(404, json={"error": "no config"})
+            return httpx.Response(200, json=self.config())
+        if tail == ["ready"]:
+            return httpx.Response(200)
+        if tail == ["infer"]:
+            return self._infer(name, request)
+        return httpx.Response(404, json={"error": "no route"})
+
+    def _infer(self, name: str, request: httpx.Request) -> httpx.Response:
+        body = request.read()
+        encoding = request.headers.get("Content-Encoding")
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding == "deflate":
+            body = zlib.decompress(body)
+        hlen = request.headers.get("Inference-Header-Content-Length")
+        n = len(body) if hlen is None else int(hlen)
+        header = json.loads(body[:n])
+        offset = n
+        inputs: dict[str, np.ndarray[Any, Any]] = {}
+        for entry in header["inputs"]:
+            dtype = np.dtype(DT[entry["datatype"]])
+            shape = tuple(entry["shape"])
+            size = (entry.get("parameters") or {}).get("binary_data_size")
+            if size is None:
+                arr = np.array(entry["data"], dtype=dtype).reshape(shape)
+            else:
+                arr = np.frombuffer(body[offset : offset + size], dtype=dtype).reshape(shape)
+                offset += size
+            inputs[entry["name"]] = arr
+        if offset != len(body):
+            return httpx.Response(400, json={"error": "stray bytes"})
+        if name == "bits":
+            x = inputs["x"]
+            if x.dtype != np.uint8 or x.shape[1:] != (3, 2) or x.shape[0] > 8:
+                return httpx.Response(400, json={"error": f"bad x {x.dtype} {list(x.shape)}"})
+            bits = np.unpackbits(x, axis=-1, count=L, bitorder=self.bitorder)  # type: ignore[arg-type]
+            outs = {
+                "count": ("INT32", bits.sum(axis=-1, dtype=np.int32)),
+                "first": ("FP32", bits[..., 0].astype(np.float32)),
+            }
+        else:
+            y = inputs["a"].astype(np.float64) * inputs["b"]
+            outs = {"y": ("FP64", y)}
+        wanted = [o["name"] for o in header.get("outputs", [])] or list(outs)
+        binary_default = (header.get("parameters") or {}).get("binary_data_output", False)
+        binary_for = {
+            o["name"]: o.get("parameters", {}).get("binary_data", binary_default)
+            for o in header.get("outputs", [])
+        }
+        resp: dict[str, Any] = {"model_name": name, "model_version": "1", "outputs": []}
+        if "id" in header:
+            resp["id"] = header["id"]
+        blobs: list[bytes] = []
+        for out_name in wanted:
+            datatype, arr = outs[out_name]
+            entry = {"name": out_name, "datatype": datatype, "shape": list(arr.shape)}
+            if binary_for.get(out_name, binary_default):
+                raw = np.ascontiguousarray(arr).tobytes()
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                blobs.append(raw)
+            else:
+                entry["data"] = arr.ravel().tolist()
+            resp["outputs"].append(entry)
+        head = json.dumps(resp).encode()
+        if not blobs:
+            return httpx.Response(200, content=head, headers={"Content-Type": "application/json"})
+        return httpx.Response(
+            200,
+            content=head + b"".join(blobs),
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(head)),
+            },
+        )
+
+
+def reference_bits(bits: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+    """What model ``bits`` computes, from the logical bits (NumPy, no packing)."""
+    b = np.asarray(bits).astype(bool)
+    return {"count": b.sum(axis=-1).astype(np.int32), "first": b[..., 0].astype(np.float32)}
+
+
+async def async_handler(fake: FakeV2, request: httpx.Request) -> httpx.Response:
+    """The async MockTransport callback (reads the streamed body first)."""
+    await request.aread()
+    return fake.handler(request)
