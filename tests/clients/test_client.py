@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
 from bitserve_client import (
     AsyncClient,
     BitserveError,
@@ -156,7 +155,8 @@ def test_metadata_fetched_once_and_refetched_after_a_400(make: Callable[..., Har
     h.fake.script.append(error(400, "model reloaded"))
     with pytest.raises(ServerError, match="model reloaded") as info:
         h("infer", "bits", bits)
-    assert info.value.status == 400 and info.value.message == "model reloaded"
+    assert info.value.status == 400
+    assert info.value.message == "model reloaded"
     h("infer", "bits", bits)
     assert h.fake.metadata_calls == 2
 
@@ -170,7 +170,8 @@ def test_compressed_request_bodies(make: Callable[..., Harness], compression: st
     req = h.fake.requests[-1]
     assert req.headers["Content-Encoding"] == compression
     raw = gzip.decompress(req.content) if compression == "gzip" else zlib.decompress(req.content)
-    assert len(raw) > 0 and int(req.headers["Content-Length"]) == len(req.content)
+    assert len(raw) > 0
+    assert int(req.headers["Content-Length"]) == len(req.content)
 
 
 def test_token_and_headers_are_sent(make: Callable[..., Harness]) -> None:
@@ -184,7 +185,8 @@ def test_token_and_headers_are_sent(make: Callable[..., Harness]) -> None:
 
 def test_health_and_metadata(make: Callable[..., Harness]) -> None:
     h = make()
-    assert h("is_ready") is True and h("is_ready", "bits") is True
+    assert h("is_ready") is True
+    assert h("is_ready", "bits") is True
     assert h("server_metadata")["name"] == "fake"
     assert h("model_metadata", "bits")["inputs"][0]["parameters"]["packing"] == "bits"
     assert h("model_config", "bits")["max_batch_size"] == 8
@@ -228,7 +230,8 @@ def test_retry_after_longer_than_allowed_is_raised(make: Callable[..., Harness])
     h.fake.script.append(error(503, "busy", **{"Retry-After": "60"}))
     with pytest.raises(Unavailable) as info:
         h("model_metadata", "bits")
-    assert info.value.retry_after == 60.0 and h.sleeps == []
+    assert info.value.retry_after == 60.0
+    assert h.sleeps == []
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 413, 429, 500, 504])
@@ -237,7 +240,8 @@ def test_other_statuses_are_not_retried(make: Callable[..., Harness], status: in
     h.fake.script.append(error(status, f"status {status}"))
     with pytest.raises(ServerError, match=f"status {status}") as info:
         h("model_metadata", "bits")
-    assert info.value.status == status and h.sleeps == []
+    assert info.value.status == status
+    assert h.sleeps == []
     assert isinstance(info.value, DeadlineExceeded) == (status == 504)
     assert isinstance(info.value, TimeoutError) == (status == 504)
 
@@ -250,9 +254,8 @@ def test_connect_errors_are_retried_then_raised(make: Callable[..., Harness]) ->
     h.fake.script += [httpx.ConnectError("refused")] * 4
     with pytest.raises(ConnectError, match="refused") as info:
         h("model_metadata", "bits")
-    assert isinstance(info.value, TransportError) and isinstance(
-        info.value.__cause__, httpx.ConnectError
-    )
+    assert isinstance(info.value, TransportError)
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
 
 
 def test_read_timeout_is_not_retried(make: Callable[..., Harness]) -> None:
@@ -260,7 +263,8 @@ def test_read_timeout_is_not_retried(make: Callable[..., Harness]) -> None:
     h.fake.script.append(httpx.ReadTimeout("slow"))
     with pytest.raises(TimeoutException) as info:
         h("model_metadata", "bits")
-    assert isinstance(info.value, TimeoutError) and isinstance(info.value, BitserveError)
+    assert isinstance(info.value, TimeoutError)
+    assert isinstance(info.value, BitserveError)
     assert h.sleeps == []
 
 

@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-
 from bitserve_client import DecodeError, InvalidInputError
 from bitserve_client._spec import ModelSpec, parse_model_spec, prepare_inputs
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 
 def bits_metadata(L: int, rows: int = 2, bitorder: str = "big") -> dict[str, Any]:
@@ -41,7 +40,8 @@ def bits_spec(L: int, rows: int = 2, bitorder: str = "big", max_batch_size: int 
 
 def test_parse_bitserve_metadata() -> None:
     spec = bits_spec(50, rows=3, bitorder="little")
-    assert spec.batched and spec.max_batch_size == 16
+    assert spec.batched
+    assert spec.max_batch_size == 16
     x = spec.inputs["x"]
     assert (x.datatype, x.shape) == ("UINT8", (3, 7))
     assert x.packing is not None
@@ -65,7 +65,8 @@ def test_packing_info_from_a_triton_style_config() -> None:
         ],
     }
     x = parse_model_spec(metadata, config).inputs["x"]
-    assert x.packing is not None and x.packing.logical_shape == (30,)
+    assert x.packing is not None
+    assert x.packing.logical_shape == (30,)
     assert x.packing.bitorder == "little"
 
 
@@ -77,8 +78,10 @@ def test_plain_v2_metadata_without_config() -> None:
             "outputs": [],
         }
     )
-    assert spec.batched and spec.max_batch_size == 0
-    assert spec.inputs["a"].packing is None and spec.inputs["a"].shape == (4,)
+    assert spec.batched
+    assert spec.max_batch_size == 0
+    assert spec.inputs["a"].packing is None
+    assert spec.inputs["a"].shape == (4,)
     unbatched = parse_model_spec(
         {"name": "u", "inputs": [{"name": "a", "datatype": "FP32", "shape": [4]}]}
     )
@@ -144,7 +147,8 @@ def test_non_contiguous_and_big_endian_inputs_are_made_wire_ready() -> None:
     )
     a = np.arange(12, dtype=">f4").reshape(3, 4)[:, ::-1][:, :3]
     (t,) = prepare_inputs(spec, {"a": a}).tensors
-    assert t.array.dtype == np.dtype("<f4") and t.array.flags.c_contiguous
+    assert t.array.dtype == np.dtype("<f4")
+    assert t.array.flags.c_contiguous
     np.testing.assert_array_equal(t.array, a.astype(np.float32))
 
 

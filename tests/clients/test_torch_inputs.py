@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bitserve_client._spec import parse_model_spec, prepare_inputs
 
 torch = pytest.importorskip("torch")
