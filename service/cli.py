@@ -1,25 +1,167 @@
-"""The ``bitserve`` command line."""
+"""The ``bitserve`` command line.
+
+    bitserve serve [--model-repository DIR] [--host H] [--port P] [... every setting]
+    bitserve check-repo DIR      # validate a model repository; exit 1 on problems
+    bitserve demo-repo DIR       # write the built-in demo model out as a repository
+
+Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
+:class:`service.settings.Settings`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging.config
 import sys
+import types
+import typing
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.settings import Settings
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return None
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        help_text = (field.description or "").replace("%", "%%")
+        default = field.default
+        shown = "unset" if default is None else default
+        env = f"BITSERVE_{name.upper()}"
+        if _is_bool(field.annotation):
+            parser.add_argument(
+                _flag(name),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{help_text} [env {env}; default {shown}]",
+            )
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType):  # X | None: the flag takes X
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        parser.add_argument(
+            _flag(name),
+            dest=name,
+            default=None,
+            choices=_choices(annotation),
+            metavar=name.upper() if _choices(annotation) is None else None,
+            help=f"{help_text} [env {env}; default {shown}]",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``bitserve`` command."""
-    parser = argparse.ArgumentParser(prog="bitserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="bitserve",
+        description="bitserve: Open Inference Protocol (KServe V2) server for bit-packed features.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run the inference server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the inference server",
+        description="Run the server; with no --model-repository it serves the built-in demo.",
+    )
+    _add_setting_flags(serve)
+    check = sub.add_parser("check-repo", help="validate a model repository")
+    check.add_argument("root", type=Path, metavar="DIR")
+    demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
+    demo.add_argument("root", type=Path, metavar="DIR")
     return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by the flags that were given."""
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    return Settings(**given)
+
+
+def serve(settings: Settings) -> int:
+    """Run uvicorn until SIGINT/SIGTERM, which let in-flight requests finish first."""
+    import uvicorn
+
+    from service.app import create_app
+    from service.observability import logging_config
+
+    log_config = logging_config(settings.log_level)
+    logging.config.dictConfig(log_config)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=settings.http,
+        loop="auto",
+        lifespan="on",
+        log_config=log_config,
+        log_level=settings.log_level,
+        access_log=False,  # our middleware writes access lines with the request id
+        server_header=False,
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        limit_concurrency=settings.limit_concurrency,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
+    # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
+    server.run()
+    return 0 if server.started else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bitserve`` console script."""
     args = build_parser().parse_args(argv)
-    print(f"bitserve {args.command}: not implemented yet", file=sys.stderr)
-    return 2
+    if args.command == "serve":
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as e:
+            for err in e.errors():
+                where = ".".join(str(p) for p in err["loc"]) or "settings"
+                print(f"bitserve serve: {where}: {err['msg']}", file=sys.stderr)
+            return 2
+        return serve(settings)
+    if args.command == "check-repo":
+        from service.config import check_repository
+
+        if not args.root.is_dir():
+            print(f"{args.root}: not a folder", file=sys.stderr)
+            return 1
+        problems = check_repository(args.root)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            print(f"{len(problems)} problem(s) in {args.root}", file=sys.stderr)
+            return 1
+        print(f"{args.root}: OK")
+        return 0
+    if args.command == "demo-repo":
+        from service.demo import write_demo_repository
+
+        try:
+            path = write_demo_repository(args.root)
+        except OSError as e:  # FileExistsError: never overwrite a model
+            print(f"bitserve demo-repo: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote the demo model to {path}")
+        return 0
+    raise AssertionError(args.command)  # pragma: no cover - argparse refuses other commands
 
 
 if __name__ == "__main__":

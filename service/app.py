@@ -1,0 +1,143 @@
+"""The FastAPI application: routes, error mapping, auth, lifespan.
+
+``create_app(settings)`` receives everything it needs and builds nothing at import time. The
+lifespan starts the model repository (loading every model) and, on shutdown, stops it after
+the HTTP server has let in-flight requests finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.auth import make_auth_check
+from service.endpoints import Endpoints, Repository, json_response
+from service.errors import ServiceError
+from service.metrics import Metrics
+from service.observability import RequestContextMiddleware
+from service.settings import Settings
+
+log = logging.getLogger("bitserve.app")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    resp = json_response({"error": message}, status)
+    if headers:
+        resp.headers.update(headers)
+    return resp
+
+
+async def _service_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServiceError)
+    level = logging.WARNING if exc.status_code >= 500 else logging.INFO
+    log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc)
+    return _error(exc.status_code, exc.message, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return _error(exc.status_code, message, dict(exc.headers or {}))
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return _error(400, "invalid request: " + "; ".join(parts))
+
+
+def create_app(
+    settings: Settings,
+    repository: Repository | None = None,
+    *,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """Build the application.
+
+    Args:
+        settings: the server settings.
+        repository: the model repository; by default a
+            ``service.repository.ModelRepository`` over ``settings.model_repository`` (the
+            built-in demo when that is unset), created here but loaded only in the lifespan.
+        metrics: the metrics registry shared with ``repository``; a new one by default.
+
+    Returns:
+        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``.
+    """
+    metrics = metrics if metrics is not None else Metrics()
+    if repository is None:
+        from service.repository import ModelRepository
+
+        repository = ModelRepository(
+            settings.model_repository,
+            metrics=metrics,
+            default_device=settings.device,
+            warmup=settings.warmup,
+        )
+    repo = repository
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await repo.start()
+        log.info("repository started: %s", [m.get("name") for m in repo.index()])
+        try:
+            yield
+        finally:
+            # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown)
+            await repo.stop(timeout_s=settings.graceful_shutdown_s)
+            log.info("repository stopped")
+
+    app = FastAPI(
+        title="bitserve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.repository = repo
+    app.state.metrics = metrics
+    ep = Endpoints(repo, metrics, settings.max_body_bytes)
+
+    open_routes = APIRouter()
+    open_routes.add_api_route("/v2/health/live", ep.live, methods=["GET"])
+    open_routes.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
+
+    auth = [Depends(make_auth_check(settings.auth_token))]
+    routes = APIRouter(dependencies=auth)
+    get: dict[str, Any] = {"methods": ["GET"]}
+    post: dict[str, Any] = {"methods": ["POST"]}
+    routes.add_api_route("/v2", ep.server_metadata, **get)
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        routes.add_api_route(base, ep.model_metadata, **get)
+        routes.add_api_route(base + "/ready", ep.model_ready, **get)
+        routes.add_api_route(base + "/config", ep.model_config, **get)
+        routes.add_api_route(base + "/infer", ep.infer, **post)
+    routes.add_api_route("/v2/repository/index", ep.repository_index, methods=["GET", "POST"])
+    routes.add_api_route("/v2/repository/models/{model}/load", ep.load, **post)
+    routes.add_api_route("/v2/repository/models/{model}/unload", ep.unload, **post)
+    routes.add_api_route("/metrics", ep.metrics_text, **get)
+    app.include_router(open_routes)
+    app.include_router(routes)
+
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(RequestContextMiddleware, access_log=settings.access_log)
+    return app

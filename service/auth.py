@@ -1,0 +1,41 @@
+"""Optional bearer-token authentication (constant-time comparison)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from pydantic import SecretStr
+from starlette.requests import Request
+
+from service.errors import Unauthorized
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def make_auth_check(token: SecretStr | None) -> Callable[[Request], None]:
+    """A FastAPI dependency that raises :class:`Unauthorized` unless the request has ``token``.
+
+    With ``token`` None it accepts everything. The comparison is ``hmac.compare_digest`` on
+    bytes, so its time does not depend on how much of a guess matches.
+    """
+    expected = token.get_secret_value().encode() if token is not None else None
+
+    def check(request: Request) -> None:
+        if expected is None:
+            return
+        got = bearer_token(request.headers.get("authorization"))
+        if got is None:
+            raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
+        if not hmac.compare_digest(got.encode(), expected):
+            raise Unauthorized("invalid bearer token")
+
+    return check

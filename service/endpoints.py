@@ -1,0 +1,242 @@
+"""Thin REST adapters: HTTP in, repository / protocol calls, HTTP out.
+
+The routes themselves are registered in :func:`service.app.create_app`; nothing here runs at
+import time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+import anyio.to_thread
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+import service
+from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ServiceError
+from service.metrics import Metrics
+from service.protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    InferResponse,
+    choose_encoding,
+    decode_infer_request,
+    decompress,
+    dumps,
+    encode_infer_response,
+    parse_header_length,
+    raw_input_spec,
+)
+from service.protocol.response import wants_binary
+
+# Work above these sizes leaves the event loop for a worker thread (JSON parsing, inflating,
+# compressing); below them the thread hop costs more than the work.
+_THREAD_BYTES = 256 << 10
+_THREAD_OUTPUT_BYTES = 64 << 10
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
+
+
+class Handle(Protocol):
+    """What the transport needs of a loaded model (``service.repository.ModelHandle``)."""
+
+    name: str
+    version: str
+
+    def is_ready(self) -> bool: ...
+    def metadata(self) -> dict[str, Any]: ...
+    def config(self) -> dict[str, Any]: ...
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+
+class Repository(Protocol):
+    """What the transport needs of the model repository (``service.repository``)."""
+
+    @property
+    def ready(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def stop(self, timeout_s: float = 30.0) -> None: ...
+    def index(self) -> list[dict[str, Any]]: ...
+    async def load(self, name: str) -> None: ...
+    async def unload(self, name: str) -> None: ...
+    def get(self, name: str, version: str | None = None) -> Handle: ...
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    """A compact JSON response."""
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes | bytearray:
+    """Read the whole body into one buffer, refusing more than ``limit`` bytes.
+
+    With a ``Content-Length`` the limit is checked before reading a byte and the body goes
+    straight into a buffer of that size; a chunked body is checked as it arrives.
+
+    Raises:
+        PayloadTooLarge: the body is (or would become) larger than ``limit``.
+        InvalidInput: a malformed Content-Length, or the client went away mid-body.
+    """
+    declared = request.headers.get("content-length")
+    try:
+        if declared is not None:
+            try:
+                n = int(declared)
+            except ValueError:
+                raise InvalidInput(f"malformed Content-Length {declared!r}") from None
+            if n > limit:
+                raise PayloadTooLarge(
+                    f"request body of {n} bytes exceeds the limit of {limit} bytes"
+                )
+            buf = bytearray(n)
+            pos = 0
+            async for chunk in request.stream():
+                end = pos + len(chunk)
+                if end > n:  # the HTTP server enforces this; belt and braces
+                    raise InvalidInput("request body is longer than its Content-Length")
+                buf[pos:end] = chunk
+                pos = end
+            if pos != n:
+                raise InvalidInput(f"request body ended after {pos} of {n} bytes")
+            return buf
+        out = bytearray()
+        async for chunk in request.stream():
+            if len(out) + len(chunk) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            out += chunk
+        return out
+    except ClientDisconnect:
+        raise InvalidInput("client disconnected while sending the body") from None
+
+
+class Endpoints:
+    """The route handlers, bound to one repository, metrics and settings.
+
+    Args:
+        repository: the model repository (see :class:`Repository`).
+        metrics: where request outcomes and in-flight counts go.
+        max_body_bytes: the body limit, before and after decompression.
+    """
+
+    def __init__(self, repository: Repository, metrics: Metrics, max_body_bytes: int) -> None:
+        self.repository = repository
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def live(self) -> Response:
+        return json_response({"live": True})
+
+    async def ready(self) -> Response:
+        if not self.repository.ready:
+            raise ModelNotReady("server is not ready: models are still loading or failed")
+        return json_response({"ready": True})
+
+    async def server_metadata(self) -> Response:
+        return json_response(
+            {"name": "bitserve", "version": service.__version__, "extensions": EXTENSIONS}
+        )
+
+    async def model_metadata(self, model: str, version: str | None = None) -> Response:
+        return json_response(self.repository.get(model, version).metadata())
+
+    async def model_ready(self, model: str, version: str | None = None) -> Response:
+        handle = self.repository.get(model, version)
+        if not handle.is_ready():
+            raise ModelNotReady(f"model {model!r} is not ready")
+        return json_response({"name": handle.name, "version": handle.version, "ready": True})
+
+    async def model_config(self, model: str, version: str | None = None) -> Response:
+        return json_response(self.repository.get(model, version).config())
+
+    async def repository_index(self, request: Request) -> Response:
+        only_ready = False
+        if request.method == "POST":
+            body = await read_body(request, 64 << 10)
+            if body.strip():
+                try:
+                    opts = json.loads(bytes(body))
+                except ValueError as e:
+                    raise InvalidInput(f"repository index request JSON is malformed: {e}") from None
+                if not isinstance(opts, dict):
+                    raise InvalidInput("repository index request must be a JSON object")
+                ready = opts.get("ready", False)
+                if not isinstance(ready, bool):
+                    raise InvalidInput("repository index: 'ready' must be a boolean")
+                only_ready = ready
+        index = self.repository.index()
+        if only_ready:
+            index = [m for m in index if m.get("state") == "READY"]
+        return json_response(index)
+
+    async def load(self, model: str) -> Response:
+        await self.repository.load(model)
+        return json_response({})
+
+    async def unload(self, model: str) -> Response:
+        await self.repository.unload(model)
+        self.metrics.forget_model(model)
+        return json_response({})
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def infer(self, request: Request, model: str, version: str | None = None) -> Response:
+        """``POST /v2/models/{model}[/versions/{version}]/infer``."""
+        t0 = time.perf_counter()
+        label = "_unknown"  # unknown names must not grow the metrics' label set
+        outcome = "success"
+        self.metrics.in_flight.inc()
+        try:
+            handle = self.repository.get(model, version)
+            label = handle.name
+            return await self._infer(request, handle)
+        except ServiceError as e:
+            outcome = type(e).__name__
+            raise
+        except Exception:
+            outcome = "InternalError"
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
+
+    async def _infer(self, request: Request, handle: Handle) -> Response:
+        limit = self.max_body_bytes
+        body = await read_body(request, limit)
+        encoding = request.headers.get("content-encoding")
+        if encoding and encoding.strip().lower() != "identity":
+            if len(body) > _THREAD_BYTES // 8:  # compressed bytes expand
+                raw = body
+                body = await anyio.to_thread.run_sync(
+                    lambda: decompress(raw, encoding, limit=limit)
+                )
+            else:
+                body = decompress(body, encoding, limit=limit)
+        header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
+        json_bytes = len(body) if header_length is None else header_length
+        data = body
+
+        def decode() -> InferRequest:
+            spec = lambda: raw_input_spec(handle.metadata())  # noqa: E731 - only raw bodies call it
+            return decode_infer_request(data, header_length, spec)
+
+        if json_bytes > _THREAD_BYTES:
+            infer_request = await anyio.to_thread.run_sync(decode)
+        else:
+            infer_request = decode()
+        result = await handle.infer(infer_request)
+        accept = choose_encoding(request.headers.get("accept-encoding"))
+
+        def encode() -> Response:
+            enc = encode_infer_response(result, infer_request, encoding=accept)
+            return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
+
+        # Binary outputs are one memcpy; JSON lists and compression cost CPU per element.
+        all_binary = all(wants_binary(infer_request, o.name) for o in result.outputs)
+        costly = accept is not None or not all_binary
+        if costly and sum(o.data.nbytes for o in result.outputs) > _THREAD_OUTPUT_BYTES:
+            return await anyio.to_thread.run_sync(encode)
+        return encode()
