@@ -1,0 +1,113 @@
+"""Autograd and device dispatch of the stored-weights banded operator.
+
+``banded_apply(f, starts, weights)`` picks the kernel by device: Triton on CUDA, the compiled
+C kernels on the CPU (chunked torch code where they cannot be built), the plain-torch
+reference anywhere else. Kernels take contiguous float32 inputs of shape (M, N, B) and
+return float32; the backward is a custom ``autograd.Function`` so nothing of size
+(M, N, A, W) is ever saved or built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_ops import _reference, _resample_cpu
+
+try:  # Triton is optional: the CPU paths never need it.
+    from gpu_ops._triton import resample as _triton_resample
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and t.device.type == "cuda"
+
+
+def kernel_forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(M, N, A) float32 from contiguous f (M, N, B), starts (N, A) int32, weights (N, A, W).
+
+    float64 operands (gradcheck) take the chunked torch path and stay float64.
+    """
+    if torch.float64 in (f.dtype, weights.dtype):
+        return _resample_cpu.forward_torch(f, starts, weights)
+    if _use_triton(f):
+        return _triton_resample.forward(f, starts, weights)
+    if f.device.type == "cpu":
+        lib = _resample_cpu.kernels()
+        f32 = f.float().contiguous()
+        if lib is not None:
+            return _resample_cpu.forward_c(lib, f32, starts, weights)
+        return _resample_cpu.forward_torch(f32, starts, weights)
+    return _reference.banded_resample_reference(f.float(), starts, weights.float())
+
+
+def kernel_backward_f(
+    g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int, sorted_starts: bool
+) -> torch.Tensor:
+    """(M, N, B) float32: the transposed band applied to contiguous float32 g (M, N, A)."""
+    if torch.float64 in (g.dtype, weights.dtype):
+        return _resample_cpu.backward_f_torch(g, starts, weights, B)
+    if _use_triton(g):
+        return _triton_resample.backward_f(g, starts, weights, B, sorted_starts)
+    if g.device.type == "cpu":
+        lib = _resample_cpu.kernels()
+        if lib is not None:
+            return _resample_cpu.backward_f_c(lib, g, starts, weights, B)
+    return _resample_cpu.backward_f_torch(g, starts, weights, B)
+
+
+def kernel_backward_w(
+    g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int
+) -> torch.Tensor:
+    """(N, A, W) float32 weight gradient from contiguous float32 g (M, N, A) and f (M, N, B)."""
+    if torch.float64 in (g.dtype, f.dtype):
+        return _resample_cpu.backward_w_torch(g, f, starts, W)
+    if _use_triton(g):
+        return _triton_resample.backward_w(g, f, starts, W)
+    if g.device.type == "cpu":
+        lib = _resample_cpu.kernels()
+        if lib is not None:
+            return _resample_cpu.backward_w_c(lib, g, f, starts, W)
+    return _resample_cpu.backward_w_torch(g, f, starts, W)
+
+
+class BandedFunction(torch.autograd.Function):
+    """out (M, N, A) = band(starts, weights) applied to f (M, N, B); output dtype = f's."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, sorted_starts: bool
+    ) -> torch.Tensor:
+        f_c = f.contiguous()
+        ctx.save_for_backward(f_c, starts, weights)
+        ctx.sorted_starts = sorted_starts
+        return kernel_forward(f_c, starts, weights).to(f.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        f, starts, weights = ctx.saved_tensors
+        wide = torch.float64 in (f.dtype, weights.dtype)
+        g = (grad.double() if wide else grad.float()).contiguous()
+        grad_f = grad_w = None
+        if ctx.needs_input_grad[0]:
+            B = f.shape[-1]
+            grad_f = kernel_backward_f(g, starts, weights, B, ctx.sorted_starts).to(f.dtype)
+        if ctx.needs_input_grad[2]:
+            W = weights.shape[-1]
+            grad_w = kernel_backward_w(g, f.to(g.dtype).contiguous(), starts, W).to(weights.dtype)
+        return grad_f, None, grad_w, None
+
+
+def banded_apply(
+    f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, *, sorted_starts: bool = False
+) -> torch.Tensor:
+    """Apply a validated band to f (M, N, B); see :func:`gpu_ops.banded_resample`."""
+    out: torch.Tensor = BandedFunction.apply(  # type: ignore[no-untyped-call]
+        f, starts, weights, sorted_starts
+    )
+    return out

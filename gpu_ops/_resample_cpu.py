@@ -1,0 +1,205 @@
+"""CPU kernels of the banded operator: a small C library built on first use, plus a torch path.
+
+The C kernels (``_resample_cpu.c``) are compiled once per machine with the system C compiler
+(``cc -O3 -march=native -fopenmp``) into a cache folder (``$BITSERVE_CACHE_DIR``, else
+``~/.cache/bitserve``) and called through :mod:`ctypes`; they release the GIL. Where no
+compiler is found, or ``BITSERVE_CPU_KERNELS=0`` is set, the same ops run as chunked torch
+code (:func:`forward_torch` and friends), which needs nothing but torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("_resample_cpu.c")
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
+    ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
+)
+_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Fine points per task in the transposed band: big enough that scanning the A windows per
+# task is cheap, small enough that M such rows stay in L2.
+_BACKWARD_BLOCK = 2048
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BITSERVE_CACHE_DIR") or Path.home() / ".cache" / "bitserve"
+    return Path(root)
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile (or reuse) the kernel library; ``None`` when that is impossible here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = _SOURCE.read_bytes()
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"resample_cpu_{key}.so"
+        if not target.exists():
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                    out = Path(tmp) / target.name
+                    subprocess.run(
+                        [compiler, *flags, str(_SOURCE), "-o", str(out)],
+                        check=True,
+                        capture_output=True,
+                        timeout=120,
+                    )
+                    # Atomic, so concurrent processes never load a half-written library.
+                    os.replace(out, target)
+            except (OSError, subprocess.SubprocessError) as exc:
+                _log.info("building the CPU resample kernels with %s failed: %s", flags, exc)
+                continue
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:
+            _log.info("loading %s failed: %s", target, exc)
+            continue
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.bs_forward.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
+        lib.bs_backward_f.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, i64, cint]
+        lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+        for fn in (lib.bs_forward, lib.bs_backward_f, lib.bs_backward_w):
+            fn.restype = None
+        return lib
+    return None
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first call; ``None`` if unavailable/disabled."""
+    global _lib, _tried
+    if os.environ.get("BITSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    with _lock:
+        if not _tried:
+            _lib = _build()
+            _tried = True
+    return _lib
+
+
+def _shape(f: torch.Tensor, weights: torch.Tensor) -> tuple[int, int, int, int, int]:
+    M, N, B = f.shape
+    _, A, W = weights.shape
+    return M, N, A, B, W
+
+
+def forward_c(
+    lib: ctypes.CDLL, f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """out (M, N, A) float32 from f (M, N, B) float32, starts (N, A), weights (N, A, W)."""
+    M, N, A, B, W = _shape(f, weights)
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_forward(
+        f.data_ptr(), weights.data_ptr(), _WEIGHT_CODES[weights.dtype], starts.data_ptr(),
+        out.data_ptr(), M, N, A, B, W, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def backward_f_c(
+    lib: ctypes.CDLL, g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int
+) -> torch.Tensor:
+    """grad_f (M, N, B) float32 from g (M, N, A) float32: the transposed band."""
+    M, N, A = g.shape
+    W = weights.shape[-1]
+    out = torch.empty(M, N, B, dtype=torch.float32)
+    lib.bs_backward_f(
+        g.data_ptr(), weights.data_ptr(), _WEIGHT_CODES[weights.dtype], starts.data_ptr(),
+        out.data_ptr(), M, N, A, B, W, _BACKWARD_BLOCK, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def backward_w_c(
+    lib: ctypes.CDLL, g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int
+) -> torch.Tensor:
+    """grad_w (N, A, W) float32 from g (M, N, A) and f (M, N, B), both float32."""
+    M, N, B = f.shape
+    A = g.shape[-1]
+    out = torch.empty(N, A, W, dtype=torch.float32)
+    lib.bs_backward_w(
+        g.data_ptr(), f.data_ptr(), starts.data_ptr(), out.data_ptr(), M, N, A, B, W,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+# --- torch path: chunks of coarse points, so no (M, N, A, W) gather is ever whole ----------
+
+
+def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """float64 when any operand is float64 (gradcheck), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _chunk(M: int, N: int, W: int, budget: int = 1 << 21) -> int:
+    """Coarse points per chunk so that a gathered (M, N, chunk, W) block has ~budget items."""
+    return max(1, budget // max(1, M * N * W))
+
+
+def forward_torch(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out (M, N, A) in float32 (float64 for float64 operands), chunk by chunk, plain torch."""
+    M, N, A, _, W = _shape(f, weights)
+    ct = _compute_dtype(f, weights)
+    out = torch.empty(M, N, A, dtype=ct, device=f.device)
+    windows = f.unfold(-1, W, 1)  # (M, N, B - W + 1, W), a view: nothing is copied
+    rows = torch.arange(N, device=f.device)[:, None]
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        win = windows[:, rows, starts[:, a0 : a0 + step].long()]  # (M, N, k, W)
+        w = weights[:, a0 : a0 + step].to(ct)
+        out[:, :, a0 : a0 + step] = (win.to(ct) * w).sum(-1)
+    return out
+
+
+def backward_f_torch(
+    g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int
+) -> torch.Tensor:
+    """grad_f (M, N, B) float32/64: each chunk's windows are added with index_add_."""
+    M, N, A = g.shape
+    W = weights.shape[-1]
+    ct = _compute_dtype(g, weights)
+    out = torch.zeros(M, N * B, dtype=ct, device=g.device)
+    base = (torch.arange(N, device=g.device) * B)[:, None, None]
+    cols = torch.arange(W, device=g.device)
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        w = weights[:, a0 : a0 + step].to(ct)  # (N, k, W)
+        contrib = g[:, :, a0 : a0 + step, None].to(ct) * w  # (M, N, k, W)
+        idx = base + starts[:, a0 : a0 + step, None].long() + cols  # (N, k, W)
+        out.index_add_(1, idx.reshape(-1), contrib.reshape(M, -1))
+    return out.view(M, N, B)
+
+
+def backward_w_torch(
+    g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int
+) -> torch.Tensor:
+    """grad_w (N, A, W) float32/64, chunk by chunk."""
+    M, N, _ = f.shape
+    A = g.shape[-1]
+    ct = _compute_dtype(g, f)
+    out = torch.empty(N, A, W, dtype=ct, device=f.device)
+    windows = f.unfold(-1, W, 1)
+    rows = torch.arange(N, device=f.device)[:, None]
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        win = windows[:, rows, starts[:, a0 : a0 + step].long()].to(ct)  # (M, N, k, W)
+        gk = g[:, :, a0 : a0 + step].to(ct)
+        out[:, a0 : a0 + step] = torch.einsum("mnk,mnkw->nkw", gk, win)
+    return out

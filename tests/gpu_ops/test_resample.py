@@ -1,0 +1,326 @@
+"""gpu_ops.resample against a float64 dense einsum on random operators."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_ops import BandedResampler, _resample_cpu, banded_resample
+from gpu_ops._reference import banded_resample_reference, banded_to_dense
+from tests.common_utils import cpu_and_cuda, needs_triton
+
+RESPONSES: dict[str, tuple[dict[str, float], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "gaussian": ({"sigma": 1.5}, lambda d: torch.exp(-0.5 * (d / 1.5) ** 2) * (d.abs() <= 6.0)),
+    "boxcar": ({"half_width": 2.5}, lambda d: (d.abs() <= 2.5).double()),
+    "triangle": ({"half_width": 3.0}, lambda d: (1 - d.abs() / 3.0).clamp(min=0)),
+    "lorentzian": ({"gamma": 0.7}, lambda d: (d.abs() <= 7.0) / (1 + (d / 0.7) ** 2)),
+}
+
+
+def _grid(B: int, gen: torch.Generator) -> torch.Tensor:
+    """An uneven sorted fine grid on [0, 100]."""
+    return torch.sort(torch.rand(B, generator=gen, dtype=torch.float64) * 100).values
+
+
+def _coarse(N: int, A: int, gen: torch.Generator) -> torch.Tensor:
+    """Unsorted coarse points that reach past both grid edges (clipped windows)."""
+    return torch.rand(N, A, generator=gen, dtype=torch.float64) * 120 - 10
+
+
+def _dense_ref(
+    x: torch.Tensor, c: torch.Tensor, r: Callable[[torch.Tensor], torch.Tensor], f: torch.Tensor
+) -> torch.Tensor:
+    T = r(c[..., None] - x).double()
+    return torch.einsum("nab,...nb->...na", T, f.double())
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    # Relative to the output's scale: an isolated near-zero sum cannot meet rtol alone.
+    scale = ref.abs().max().clamp(min=1e-12)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=rtol * float(scale))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("name", sorted(RESPONSES))
+@pytest.mark.parametrize("M", [None, 1, 5])
+def test_named_responses_match_dense_einsum(device: str, name: str, M: int | None) -> None:
+    gen = torch.Generator().manual_seed(hash((name, M)) % 2**31)
+    x, c = _grid(400, gen), _coarse(3, 37, gen)
+    params, r = RESPONSES[name]
+    support = {"gaussian": 4.0, "lorentzian": 10.0}.get(name)
+    op = BandedResampler.from_response(x, c, name, support, device=device, **params)
+    shape = (3, 400) if M is None else (M, 3, 400)
+    f = torch.randn(shape, generator=gen)
+    out = op(f.to(device))
+    assert out.shape == (*shape[:-1], 37)
+    assert out.dtype == torch.float32
+    _assert_close(out.cpu(), _dense_ref(x, c, r, f), 1e-5)
+    on_the_fly = BandedResampler.from_response(
+        x, c, name, support, on_the_fly=True, device=device, **params
+    )
+    _assert_close(on_the_fly(f.to(device)).cpu(), _dense_ref(x, c, r, f), 1e-5)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, c = _grid(500, gen), _coarse(4, 50, gen)
+    params, r = RESPONSES["gaussian"]
+    f = torch.rand(3, 4, 500, generator=gen) + 0.5  # positive: relative error is meaningful
+    ref = _dense_ref(x, c, r, f)
+    for wdtype in (torch.float32, dtype):
+        op = BandedResampler.from_response(x, c, "gaussian", dtype=wdtype, device=device, **params)
+        out = op(f.to(device, dtype))
+        assert out.dtype == dtype
+        _assert_close(out.cpu(), ref, 1e-2)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_tabulated_asymmetric_and_callable(device: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, c = _grid(300, gen), _coarse(2, 40, gen)
+    xs = torch.tensor([-1.0, 0.0, 0.5, 4.0], dtype=torch.float64)
+    ys = torch.tensor([0.2, 1.0, -0.3, 0.6], dtype=torch.float64)
+
+    def table(d: torch.Tensor) -> torch.Tensor:
+        i = torch.searchsorted(xs, d.contiguous()).clamp(1, 3)
+        v = ys[i - 1] + (ys[i] - ys[i - 1]) * (d - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return torch.where((d >= -1) & (d <= 4), v, torch.zeros_like(v))
+
+    f = torch.randn(2, 300, generator=gen)
+    op = BandedResampler.from_response(x, c, (xs, ys), device=device)
+    _assert_close(op(f.to(device)).cpu(), _dense_ref(x, c, table, f), 1e-5)
+
+    def sinc(d: torch.Tensor) -> torch.Tensor:
+        return torch.sinc(d / 2)
+
+    op = BandedResampler.from_response(x, c, sinc, support=5.0, device=device)
+    _assert_close(
+        op(f.to(device)).cpu(), _dense_ref(x, c, lambda d: sinc(d) * (d.abs() <= 5), f), 1e-5
+    )
+
+
+def test_empty_windows_give_zero() -> None:
+    x = torch.linspace(0, 10, 101, dtype=torch.float64)
+    c = torch.tensor([[-50.0, 5.0, 60.0]], dtype=torch.float64)
+    op = BandedResampler.from_response(x, c, "boxcar", half_width=1.0)
+    out = op(torch.ones(1, 101))
+    assert out[0, 0] == 0
+    assert out[0, 2] == 0
+    assert out[0, 1] == 21
+
+
+@pytest.mark.parametrize("M", [1, 3, 6])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernels_and_torch_path_match_reference(M: int, wdtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(M)
+    N, A, B, W = 3, 41, 700, 57
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)  # unsorted
+    weights = torch.randn(N, A, W, generator=gen).to(wdtype)
+    f, g = torch.randn(M, N, B, generator=gen), torch.randn(M, N, A, generator=gen)
+    ref_f = f.double().requires_grad_()
+    ref_w = weights.double().requires_grad_()
+    ref = banded_resample_reference(ref_f, starts, ref_w)
+    ref.backward(g.double())
+    assert ref_f.grad is not None
+    assert ref_w.grad is not None
+    lib = _resample_cpu.kernels()
+    paths = [
+        (
+            _resample_cpu.forward_torch(f, starts, weights),
+            _resample_cpu.backward_f_torch(g, starts, weights, B),
+            _resample_cpu.backward_w_torch(g, f, starts, W),
+        )
+    ]
+    if lib is not None:
+        paths.append(
+            (
+                _resample_cpu.forward_c(lib, f, starts, weights),
+                _resample_cpu.backward_f_c(lib, g, starts, weights, B),
+                _resample_cpu.backward_w_c(lib, g, f, starts, W),
+            )
+        )
+    for out, grad_f, grad_w in paths:
+        _assert_close(out, ref.detach(), 1e-5)
+        _assert_close(grad_f, ref_f.grad, 1e-5)
+        _assert_close(grad_w, ref_w.grad, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(("M", "sorted_starts"), [(1, True), (3, False), (20, True)])
+def test_triton_kernels_match_reference(M: int, sorted_starts: bool) -> None:
+    """Runs interpreted on CPU tensors when there is no GPU (TRITON_INTERPRET=1)."""
+    from gpu_ops._triton import resample as tr
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(M)
+    N, A, B, W = 2, 40, 200, 23
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)
+    if sorted_starts:
+        starts = starts.sort(dim=1).values
+    weights, f = torch.randn(N, A, W, generator=gen), torch.randn(M, N, B, generator=gen)
+    g = torch.randn(M, N, A, generator=gen)
+    ref_f, ref_w = f.double().requires_grad_(), weights.double().requires_grad_()
+    ref = banded_resample_reference(ref_f, starts, ref_w)
+    ref.backward(g.double())
+    assert ref_f.grad is not None
+    assert ref_w.grad is not None
+    s, w, fd, gd = (t.to(device).contiguous() for t in (starts, weights, f, g))
+    _assert_close(tr.forward(fd, s, w).cpu(), ref.detach(), 1e-5)
+    _assert_close(tr.backward_f(gd, s, w, B, sorted_starts).cpu(), ref_f.grad, 1e-5)
+    _assert_close(tr.backward_w(gd, fd, s, W).cpu(), ref_w.grad, 1e-5)
+
+
+def test_gradcheck_f_and_weights() -> None:
+    gen = torch.Generator().manual_seed(3)
+    N, A, B, W = 2, 6, 30, 5
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)
+    weights = torch.randn(N, A, W, generator=gen, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(2, N, B, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda f, w: banded_resample(f, starts, w), (f, weights))
+
+
+@pytest.mark.parametrize("name", ["gaussian", "triangle", "lorentzian"])
+def test_gradcheck_on_the_fly_c_and_parameter(name: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x, c = _grid(60, gen), _coarse(2, 5, gen)
+    params, _ = RESPONSES[name]
+    op = BandedResampler.from_response(x, c, name, on_the_fly=True, dtype=torch.float64, **params)
+    f = torch.randn(2, 60, generator=gen, dtype=torch.float64, requires_grad=True)
+    param = getattr(op, next(iter(params)))
+
+    out = op(f)
+    out.sum().backward()
+    assert op.c.grad is not None
+    assert param.grad is not None
+    assert bool(op.c.grad.abs().sum() > 0)
+    inputs = (
+        f[None].detach().requires_grad_(),
+        op.c.detach().clone().requires_grad_(),
+        param.detach().clone().requires_grad_(),
+    )
+    from gpu_ops._resample_otf import OnTheFlyFunction
+
+    assert op._otf is not None
+    spec, support = op._otf
+    assert torch.autograd.gradcheck(
+        lambda f, c, p: OnTheFlyFunction.apply(f, c, p, op.x, spec, support, torch.float64), inputs
+    )
+
+
+def test_modes_agree_and_work_under_inference_mode() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, c = _grid(200, gen), _coarse(2, 30, gen)
+    f = torch.randn(4, 2, 200, generator=gen)
+    stored = BandedResampler.from_response(x, c, "gaussian", sigma=2.0)
+    otf = BandedResampler.from_response(x, c, "gaussian", sigma=2.0, on_the_fly=True)
+    with torch.inference_mode():
+        a, b = stored(f), otf(f)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stored.to_dense(), otf.to_dense(), rtol=1e-6, atol=1e-6)
+    assert otf.nbytes < stored.nbytes
+    assert otf.band_width == stored.band_width
+
+
+def test_from_dense_to_dense_round_trip_and_order() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x, c = _grid(150, gen), _coarse(3, 25, gen)
+    T = RESPONSES["triangle"][1](c[..., None] - x).float()
+    op = BandedResampler.from_dense(T)
+    torch.testing.assert_close(op.to_dense(), T)
+    assert op.band_width == int((T > 0).sum(-1).max())
+    f = torch.randn(3, 150, generator=gen)
+    _assert_close(op(f), torch.einsum("nab,nb->na", T.double(), f.double()), 1e-5)
+    built = BandedResampler.from_response(x, c, "triangle", half_width=3.0)
+    torch.testing.assert_close(built.to_dense(), T)
+
+
+def test_from_dense_names_the_broken_row() -> None:
+    T = torch.zeros(2, 3, 10)
+    T[1, 2, [2, 3, 6]] = 1.0
+    with pytest.raises(ValueError, match=r"row \(n=1, a=2\)"):
+        BandedResampler.from_dense(T)
+    T[1, 2, 6] = 1e-3
+    assert BandedResampler.from_dense(T, tol=1e-2).band_width == 2
+
+
+@pytest.mark.parametrize("on_the_fly", [False, True])
+def test_save_load_round_trip(tmp_path: Path, on_the_fly: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, c = _grid(120, gen), _coarse(2, 15, gen)
+    op = BandedResampler.from_response(x, c, "lorentzian", 5.0, gamma=1.0, on_the_fly=on_the_fly)
+    op.save(tmp_path / "op.safetensors")
+    back = BandedResampler.load(tmp_path / "op.safetensors")
+    f = torch.randn(3, 2, 120, generator=gen)
+    torch.testing.assert_close(back(f), op(f))
+    assert back.on_the_fly == on_the_fly
+    assert back.nbytes == op.nbytes
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match=r"not a bitserve\.BandedResampler"):
+        BandedResampler.load(tmp_path / "bad.safetensors")
+
+
+def test_weights_gradient_through_module() -> None:
+    gen = torch.Generator().manual_seed(8)
+    x, c = _grid(100, gen), _coarse(2, 10, gen)
+    op = BandedResampler.from_response(x, c, "gaussian", sigma=1.0)
+    op.weights.requires_grad_(True)
+    f = torch.randn(2, 100, generator=gen)
+    g = torch.randn(2, 10, generator=gen)
+    (op(f) * g).sum().backward()
+    starts, weights = op.band()
+    w = weights.detach().double().requires_grad_()
+    (banded_resample_reference(f.double(), starts, w) * g.double()).sum().backward()
+    assert op.weights.grad is not None
+    assert w.grad is not None
+    # op.weights is stored in sorted row order: compare through the dense picture.
+    dense = banded_to_dense(op.starts, op.weights.grad.double(), 100)
+    assert op.inverse_order is not None
+    dense = dense.gather(1, op.inverse_order[..., None].expand(-1, -1, 100))
+    torch.testing.assert_close(dense, banded_to_dense(starts, w.grad, 100), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_are_clear() -> None:
+    x = torch.linspace(0, 1, 50, dtype=torch.float64)
+    c = torch.rand(2, 4, dtype=torch.float64)
+    op = BandedResampler.from_response(x, c, "gaussian", sigma=0.05)
+    with pytest.raises(ValueError, match=r"shape \(N, B\) or \(M, N, B\) with N=2, B=50"):
+        op(torch.zeros(2, 49))
+    with pytest.raises(TypeError, match="float32, bfloat16, float16"):
+        op(torch.zeros(2, 50, dtype=torch.int32))
+    with pytest.raises(ValueError, match="needs `support`"):
+        BandedResampler.from_response(x, c, torch.exp)
+    with pytest.raises(ValueError, match="unknown response 'gauss'"):
+        BandedResampler.from_response(x, c, "gauss", sigma=1.0)
+    with pytest.raises(ValueError, match="exactly one parameter sigma"):
+        BandedResampler.from_response(x, c, "gaussian", width=1.0)
+    with pytest.raises(ValueError, match="x must be sorted"):
+        BandedResampler.from_response(x.flip(0), c, "gaussian", sigma=1.0)
+    with pytest.raises(ValueError, match=r"starts must lie in \[0, B - W\]"):
+        banded_resample(
+            torch.zeros(1, 10), torch.tensor([[8]], dtype=torch.int32), torch.ones(1, 1, 3)
+        )
+    with pytest.raises(TypeError, match="starts must be int32"):
+        banded_resample(torch.zeros(1, 10), torch.tensor([[0.0]]), torch.ones(1, 1, 3))
+
+
+@pytest.mark.needs_cuda
+def test_cuda_dispatch_matches_cpu() -> None:
+    gen = torch.Generator().manual_seed(9)
+    x, c = _grid(3000, gen), _coarse(4, 200, gen)
+    op = BandedResampler.from_response(x, c, "gaussian", sigma=0.3)
+    f = torch.randn(33, 4, 3000, generator=gen, requires_grad=True)
+    out = op(f)
+    out.square().sum().backward()
+    op_cuda = BandedResampler.from_response(x, c, "gaussian", sigma=0.3, device="cuda")
+    fc = f.detach().cuda().requires_grad_()
+    out_c = op_cuda(fc)
+    out_c.square().sum().backward()
+    assert f.grad is not None
+    assert fc.grad is not None
+    torch.testing.assert_close(out_c.cpu(), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fc.grad.cpu(), f.grad, rtol=1e-5, atol=1e-4)
