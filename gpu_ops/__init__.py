@@ -3,6 +3,7 @@
 Each op family lives in its own module; the public names are re-exported here.
 """
 
+from gpu_ops.resample import BandedResampler, banded_resample
 from gpu_ops.transfer import (
     StagingBuffer,
     StagingPool,
@@ -14,9 +15,11 @@ from gpu_ops.transfer import (
 )
 
 __all__: list[str] = [
+    "BandedResampler",
     "StagingBuffer",
     "StagingPool",
     "StagingStats",
+    "banded_resample",
     "from_dlpack",
     "to_device",
     "to_dlpack",
