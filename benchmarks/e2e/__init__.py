@@ -1,0 +1,1 @@
+"""The end-to-end benchmark: peers, workload, load generator, runner and plot."""

@@ -1,0 +1,119 @@
+"""Request bodies and response decoders for each wire format the peers speak.
+
+Bodies are built once per pool item before the load starts, so the load generator only sends
+bytes and decodes answers. Formats:
+
+- ``packed``: V2 with Triton's binary extension, input UINT8 (1, N, ceil(B/8)) packed bits,
+  binary FP32 output (bitserve's native form);
+- ``bool``: V2 binary extension, input BOOL (1, N, B), one byte per feature, binary output;
+- ``json``: plain V2 JSON, BOOL data as ``true``/``false`` (what MLServer's and KServe's own
+  codecs produce), JSON output;
+- ``raw``: the hand-written baseline's body, ``np.packbits`` bytes; the answer is raw
+  little-endian float32 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from benchmarks.e2e.workload import INPUT_NAME, N_COARSE, N_FUNCTIONS, OUTPUT_NAME
+
+Format = Literal["packed", "bool", "json", "raw"]
+FORMATS: tuple[Format, ...] = ("packed", "bool", "json", "raw")
+
+
+@dataclass(frozen=True)
+class Body:
+    """One encoded request: its bytes and the headers that go with them."""
+
+    content: bytes
+    headers: dict[str, str]
+
+
+def _binary(datatype: str, array: np.ndarray[Any, Any]) -> Body:
+    data = np.ascontiguousarray(array).tobytes()
+    header = {
+        "inputs": [
+            {
+                "name": INPUT_NAME,
+                "datatype": datatype,
+                "shape": list(array.shape),
+                "parameters": {"binary_data_size": len(data)},
+            }
+        ],
+        "outputs": [{"name": OUTPUT_NAME, "parameters": {"binary_data": True}}],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return Body(
+        head + data,
+        {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(head)),
+        },
+    )
+
+
+def encode(fmt: Format, item: np.ndarray[Any, Any]) -> Body:
+    """The request body carrying one (N, B) bool item in format ``fmt``."""
+    item = np.asarray(item, dtype=np.bool_)[None]
+    if fmt == "packed":
+        return _binary("UINT8", np.packbits(item, axis=-1, bitorder="big"))
+    if fmt == "bool":
+        return _binary("BOOL", item)
+    if fmt == "json":
+        # json.dumps of a list of Python bools writes true/false, as the V2 spec asks for BOOL.
+        doc = {
+            "inputs": [
+                {
+                    "name": INPUT_NAME,
+                    "datatype": "BOOL",
+                    "shape": list(item.shape),
+                    "data": item.ravel().tolist(),
+                }
+            ],
+            "outputs": [{"name": OUTPUT_NAME}],
+        }
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        return Body(body, {"Content-Type": "application/json"})
+    if fmt == "raw":
+        packed = np.packbits(item, axis=-1, bitorder="big")
+        return Body(packed.tobytes(), {"Content-Type": "application/octet-stream"})
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def decode(fmt: Format, headers: Mapping[str, str], content: bytes) -> np.ndarray[Any, Any]:
+    """The (1, N, A) float32 answer in a 200 response of format ``fmt``.
+
+    Raises:
+        ValueError: the response does not carry the expected output.
+    """
+    shape = (1, N_FUNCTIONS, N_COARSE)
+    if fmt == "raw":
+        return np.frombuffer(content, dtype="<f4").reshape(shape)
+    hlen = headers.get("inference-header-content-length")
+    if hlen is not None:
+        n = int(hlen)
+        doc = json.loads(content[:n])
+        offset = n
+    else:
+        doc = json.loads(content)
+        offset = len(content)
+    for out in doc["outputs"]:
+        if out["name"] != OUTPUT_NAME:
+            size = int((out.get("parameters") or {}).get("binary_data_size", 0))
+            offset += size
+            continue
+        if out["datatype"] != "FP32":
+            raise ValueError(f"output datatype {out['datatype']}, expected FP32")
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if size is not None and hlen is not None:
+            data = np.frombuffer(content, dtype="<f4", count=int(size) // 4, offset=offset)
+        else:
+            data = np.asarray(out["data"], dtype=np.float32)
+        return data.reshape(out["shape"])
+    raise ValueError(f"no output {OUTPUT_NAME!r} in {list(doc)}")
