@@ -1,0 +1,175 @@
+"""End-to-end fixtures: a real ``bitserve serve`` process on a free 127.0.0.1 port.
+
+Reuse from any test package (``tests/clients``, ``tests/deploy``, ...)::
+
+    from tests.e2e.conftest import BitserveServer, start_server
+
+    with start_server(repository=None) as server:        # the built-in demo model
+        httpx.get(server.url + "/v2/health/ready")
+        tritonclient.http.InferenceServerClient(server.host_port)
+
+or use the fixtures below: ``demo_server`` (one demo server per test session) and
+``server_factory`` (start servers with any repository, flags and environment; all of them
+are stopped at the end of the test). Each server's output goes to a log file whose tail is
+included in the failure message if it does not become ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bitserve_command() -> list[str]:
+    """The ``bitserve`` console script of this interpreter's environment (or ``-m``)."""
+    script = Path(sys.executable).with_name("bitserve")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "service.cli"]
+
+
+@dataclass
+class BitserveServer:
+    """A running ``bitserve serve`` process.
+
+    Attributes:
+        process: the child process.
+        port: its TCP port on 127.0.0.1.
+        log_path: where its stdout and stderr go.
+    """
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:40123``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def host_port(self) -> str:
+        """``127.0.0.1:PORT``, the form ``tritonclient.http`` takes."""
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        """Everything the server has written so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Poll ``/v2/health/ready`` until 200; fail with the log tail if it dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"bitserve exited with {self.process.returncode} before becoming ready:\n"
+                    + self.log()[-4000:]
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/v2/health/ready", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"bitserve not ready after {timeout}s:\n" + self.log()[-4000:])
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait for the exit (SIGKILL after ``timeout``); return the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+
+@contextlib.contextmanager
+def start_server(
+    repository: Path | None = None,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    log_dir: Path | None = None,
+) -> Iterator[BitserveServer]:
+    """Start ``bitserve serve`` on a free loopback port, wait until ready, stop it afterwards.
+
+    Args:
+        repository: a model repository folder; None serves the built-in demo model.
+        args: extra ``bitserve serve`` flags (e.g. ``["--auth-token", "t"]``).
+        env: extra environment variables (e.g. ``{"BITSERVE_MAX_BODY_BYTES": "1024"}``).
+        timeout: seconds to wait for readiness.
+        log_dir: where the log file goes (a temporary folder by default).
+
+    Yields:
+        the running server; it is stopped with SIGTERM (then SIGKILL) on exit.
+    """
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("BITSERVE_")}
+    # The server picks its own kernels; the test-only CPU interpreter would only slow it.
+    child_env.pop("TRITON_INTERPRET", None)
+    child_env.update(env or {})
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="bitserve-e2e-"))
+    attempts = 3
+    for attempt in range(attempts):
+        port = free_port()
+        cmd = [*bitserve_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+        if repository is not None:
+            cmd += ["--model-repository", str(repository)]
+        cmd += list(args)
+        log_path = log_dir / f"bitserve-{port}.log"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+        server = BitserveServer(proc, port, log_path, cmd)
+        try:
+            server.wait_ready(timeout)
+        except RuntimeError:
+            server.terminate(10)
+            # Another process may have taken the port between free_port() and bind().
+            if "address already in use" in server.log() and attempt + 1 < attempts:
+                continue
+            raise
+        try:
+            yield server
+        finally:
+            server.terminate()
+        return
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[BitserveServer]:
+    """One ``bitserve serve`` of the built-in demo model, shared by the whole session."""
+    with start_server() as server:
+        yield server
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., BitserveServer]]:
+    """Start servers with :func:`start_server`'s arguments; all are stopped after the test."""
+    stack = contextlib.ExitStack()
+
+    def start(repository: Path | None = None, **kwargs: object) -> BitserveServer:
+        kwargs.setdefault("log_dir", tmp_path)
+        return stack.enter_context(start_server(repository, **kwargs))  # type: ignore[arg-type]
+
+    with stack:
+        yield start

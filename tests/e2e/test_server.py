@@ -1,0 +1,310 @@
+"""A real ``bitserve serve`` process driven by the unmodified ``tritonclient.http`` (sync and
+aio) and plain HTTP: metadata, bit-packed inference against a float64 dense reference, binary
+and JSON outputs, compression, the raw binary form, errors, batching under concurrency, and
+graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as tc
+import tritonclient.http.aio as tca
+from safetensors.numpy import save_file
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.conftest import BitserveServer
+
+pytestmark = pytest.mark.e2e
+
+N, L, A = 3, 100, 7  # functions, bits per function (not a multiple of 8), coarse points
+PACKED = (L + 7) // 8
+HALF_WIDTH = 6.5
+
+
+def write_model(root: Path, name: str, *, max_batch_size: int, delay_us: int) -> None:
+    """A small bit-packed model with a triangle response (exact float64 reference below)."""
+    rng = np.random.default_rng(7)
+    x = np.arange(L, dtype=np.float32)
+    c = np.sort(rng.uniform(0, L - 1, size=(N, A)), axis=1).astype(np.float32)
+    folder = root / name / "1"
+    folder.mkdir(parents=True)
+    save_file({"x": x, "c": c}, str(folder / "operator.safetensors"))
+    (folder / "config.toml").write_text(
+        f"""
+max_batch_size = {max_batch_size}
+max_queue_delay_us = {delay_us}
+max_queue_size = 256
+device = "cpu"
+
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {L}]
+packing = "bits"
+bitorder = "big"
+
+[operator]
+file = "operator.safetensors"
+response = "triangle"
+half_width = {HALF_WIDTH}
+dtype = "float32"
+
+[[outputs]]
+name = "out"
+datatype = "FP32"
+shape = [{N}, {A}]
+"""
+    )
+
+
+def reference(root: Path, name: str, bits: np.ndarray) -> np.ndarray:  # type: ignore[type-arg]
+    """float64 dense einsum: out[m, n, a] = sum_b tri(c[n, a] - x[b]) * f[m, n, b]."""
+    from safetensors.numpy import load_file
+
+    t = load_file(str(root / name / "1" / "operator.safetensors"))
+    x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)
+    T = np.clip(1.0 - np.abs(c[:, :, None] - x[None, None, :]) / HALF_WIDTH, 0.0, None)
+    return np.einsum("nab,mnb->mna", T, bits.astype(np.float64))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    write_model(root, "tri", max_batch_size=8, delay_us=20_000)
+    write_model(root, "tri_nobatch", max_batch_size=0, delay_us=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path) -> Iterator[BitserveServer]:
+    from tests.e2e.conftest import start_server
+
+    with start_server(repo) as s:
+        yield s
+
+
+def random_bits(m: int, seed: int) -> np.ndarray:  # type: ignore[type-arg]
+    return np.random.default_rng(seed).random((m, N, L)) < 0.3
+
+
+def packed_input(bits: np.ndarray, *, binary: bool = True) -> tc.InferInput:  # type: ignore[type-arg]
+    packed = np.packbits(bits, axis=-1)
+    inp = tc.InferInput("bits", list(packed.shape), "UINT8")
+    inp.set_data_from_numpy(packed, binary_data=binary)
+    return inp
+
+
+def test_health_and_metadata(server: BitserveServer) -> None:
+    client = tc.InferenceServerClient(server.host_port)
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("tri")
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    meta = client.get_model_metadata("tri")
+    (inp,) = meta["inputs"]
+    assert (inp["name"], inp["datatype"], inp["shape"]) == ("bits", "UINT8", [-1, N, PACKED])
+    assert client.get_model_config("tri")["max_batch_size"] == 8
+    index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
+    assert index == {"tri": "READY", "tri_nobatch": "READY"}
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_sync_infer_matches_dense_reference(
+    server: BitserveServer, repo: Path, binary: bool
+) -> None:
+    client = tc.InferenceServerClient(server.host_port)
+    bits = random_bits(3, seed=1)
+    result = client.infer(
+        "tri",
+        [packed_input(bits, binary=binary)],
+        outputs=[tc.InferRequestedOutput("out", binary_data=binary)],
+        request_id="e2e-1",
+    )
+    out = result.as_numpy("out")
+    assert out.dtype == np.float32
+    assert out.shape == (3, N, A)
+    np.testing.assert_allclose(out, reference(repo, "tri", bits), rtol=1e-5, atol=1e-4)
+    response = result.get_response()
+    assert response["id"] == "e2e-1"
+    assert ("parameters" in response["outputs"][0]) is binary  # binary_data_size only if binary
+
+
+def test_compressed_request_and_response(server: BitserveServer, repo: Path) -> None:
+    client = tc.InferenceServerClient(server.host_port)
+    bits = random_bits(2, seed=2)
+    for req_alg, resp_alg in (("gzip", "deflate"), ("deflate", "gzip")):
+        result = client.infer(
+            "tri",
+            [packed_input(bits)],
+            request_compression_algorithm=req_alg,
+            response_compression_algorithm=resp_alg,
+        )
+        np.testing.assert_allclose(
+            result.as_numpy("out"), reference(repo, "tri", bits), rtol=1e-5, atol=1e-4
+        )
+
+
+def test_aio_client(server: BitserveServer, repo: Path) -> None:
+    bits = random_bits(4, seed=3)
+
+    async def run() -> np.ndarray:  # type: ignore[type-arg]
+        client = tca.InferenceServerClient(server.host_port)
+        try:
+            assert await client.is_server_ready()
+            meta = await client.get_model_metadata("tri_nobatch")
+            assert meta["inputs"][0]["shape"] == [N, PACKED]  # no batch dimension
+            result = await client.infer("tri", [packed_input(bits)])
+            out = result.as_numpy("out")
+            assert out is not None
+            return out
+        finally:
+            await client.close()
+
+    out = asyncio.run(run())
+    np.testing.assert_allclose(out, reference(repo, "tri", bits), rtol=1e-5, atol=1e-4)
+
+
+def test_raw_binary_form_like_curl(server: BitserveServer, repo: Path) -> None:
+    # curl --data-binary @packed.bin -H 'Inference-Header-Content-Length: 0' .../infer
+    bits = random_bits(2, seed=4)
+    resp = httpx.post(
+        server.url + "/v2/models/tri/infer",
+        content=np.packbits(bits, axis=-1).tobytes(),
+        headers={"Inference-Header-Content-Length": "0"},
+    )
+    assert resp.status_code == 200, resp.text
+    n = int(resp.headers["inference-header-content-length"])
+    head = json.loads(resp.content[:n])
+    assert head["outputs"][0]["shape"] == [2, N, A]
+    out = np.frombuffer(resp.content[n:], dtype="<f4").reshape(2, N, A)
+    np.testing.assert_allclose(out, reference(repo, "tri", bits), rtol=1e-5, atol=1e-4)
+
+
+def test_errors_over_the_wire(server: BitserveServer) -> None:
+    client = tc.InferenceServerClient(server.host_port)
+    with pytest.raises(InferenceServerException, match="nope"):
+        client.get_model_metadata("nope")
+    wrong = tc.InferInput("bits", [1, N, PACKED + 1], "UINT8")
+    wrong.set_data_from_numpy(np.zeros((1, N, PACKED + 1), np.uint8))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tri", [wrong])
+    assert "bits" in str(info.value)
+    r = httpx.post(server.url + "/v2/models/tri/infer", content=b"{", timeout=10)
+    assert r.status_code == 400
+    assert "malformed" in r.json()["error"]
+    r = httpx.get(server.url + "/v2/models/tri/nothing")
+    assert r.status_code == 404
+    assert set(r.json()) == {"error"}
+
+
+def batch_requests_histogram(server: BitserveServer, model: str) -> tuple[float, float]:
+    """(sum, count) of the bitserve_batch_requests histogram for ``model``."""
+    text = httpx.get(server.url + "/metrics").text
+    total = count = 0.0
+    for line in text.splitlines():
+        m = re.match(rf'bitserve_batch_requests_(sum|count)\{{model="{model}"\}} (\S+)', line)
+        if m:
+            if m.group(1) == "sum":
+                total = float(m.group(2))
+            else:
+                count = float(m.group(2))
+    return total, count
+
+
+def test_concurrent_requests_are_merged(server: BitserveServer, repo: Path) -> None:
+    k = 24
+    inputs = [random_bits(1, seed=100 + i) for i in range(k)]
+    one_by_one = []
+    client = tc.InferenceServerClient(server.host_port)
+    for bits in inputs:
+        one_by_one.append(client.infer("tri_nobatch", [packed_input(bits[0])]).as_numpy("out"))
+    before = batch_requests_histogram(server, "tri")
+
+    async def run() -> list[tuple[np.ndarray, dict[str, object]]]:  # type: ignore[type-arg]
+        aio = tca.InferenceServerClient(server.host_port, conn_limit=k)
+        try:
+            results = await asyncio.gather(*(aio.infer("tri", [packed_input(b)]) for b in inputs))
+            return [(r.as_numpy("out"), r.get_response()) for r in results]
+        finally:
+            await aio.close()
+
+    results = asyncio.run(run())
+    merged = 0
+    for bits, unbatched, (out, response) in zip(inputs, one_by_one, results, strict=True):
+        np.testing.assert_array_equal(out[0], unbatched)  # batched == unbatched, exactly
+        np.testing.assert_allclose(out, reference(repo, "tri", bits), rtol=1e-5, atol=1e-4)
+        merged = max(merged, int(response["parameters"]["batch_requests"]))  # type: ignore[index]
+    assert merged > 1
+    after = batch_requests_histogram(server, "tri")
+    requests_seen, batches = after[0] - before[0], after[1] - before[1]
+    assert requests_seen == k
+    assert batches < k  # fewer batches than requests: they were merged
+
+
+def test_limits_auth_and_graceful_sigterm(
+    server_factory: Callable[..., BitserveServer], tmp_path: Path
+) -> None:
+    """One guarded server (small body limit, bearer token; starting one costs seconds here):
+    limits and auth over a real socket, then SIGTERM with a request in flight."""
+    root = tmp_path / "slow"
+    # A lone request waits up to 1.5 s for company: it is in flight when SIGTERM arrives.
+    write_model(root, "slow", max_batch_size=8, delay_us=1_500_000)
+    server = server_factory(
+        root, args=["--max-body-bytes", "1000"], env={"BITSERVE_AUTH_TOKEN": "tok"}
+    )
+    auth = {"Authorization": "Bearer tok"}
+
+    # Content-Length over the limit: 413 before the body is read.
+    r = httpx.post(server.url + "/v2/models/slow/infer", content=b"\0" * 5000, headers=auth)
+    assert r.status_code == 413
+    assert "request body of 5000 bytes exceeds the limit of 1000 bytes" in r.json()["error"]
+    r = httpx.get(server.url + "/v2/models/slow")
+    assert r.status_code == 401
+    assert r.json() == {"error": "missing bearer token (send 'Authorization: Bearer <token>')"}
+    assert httpx.get(server.url + "/v2/health/ready").status_code == 200
+    client = tc.InferenceServerClient(server.host_port)
+    assert client.get_model_metadata("slow", headers=auth)["name"] == "slow"
+    with pytest.raises(InferenceServerException, match="invalid bearer token"):
+        client.get_model_metadata("slow", headers={"Authorization": "Bearer nope"})
+
+    bits = random_bits(1, seed=9)
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            r = httpx.post(
+                server.url + "/v2/models/slow/infer",
+                content=np.packbits(bits, axis=-1).tobytes(),
+                headers={"Inference-Header-Content-Length": "0", **auth},
+                timeout=30,
+            )
+            result["status"] = r.status_code
+        except httpx.HTTPError as e:  # pragma: no cover - reported below
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)  # the request is now waiting in the batcher
+    started = time.monotonic()
+    code = server.terminate()
+    t.join(30)
+    assert result == {"status": 200}, server.log()[-3000:]
+    # uvicorn re-raises the SIGTERM it caught once shutdown is complete, so the exit status
+    # says "terminated by SIGTERM"; the log shows that the shutdown ran to its end.
+    assert code in (0, -signal.SIGTERM), server.log()[-3000:]
+    log = server.log()
+    assert log.index("POST /v2/models/slow/infer 200") < log.index("repository stopped")
+    assert "Application shutdown complete" in log
+    assert time.monotonic() - started < 25
+    with pytest.raises(httpx.ConnectError):  # after shutdown, new connections are refused
+        httpx.get(server.url + "/v2/health/live", timeout=2)
