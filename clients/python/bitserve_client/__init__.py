@@ -32,8 +32,7 @@ from ._exceptions import (
 from ._retry import Retry
 from ._spec import ModelSpec, PackInfo, TensorSpec
 from ._types import InferResult
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AsyncClient",

@@ -35,6 +35,7 @@ from ._framing import HEADER_LENGTH, EncodedBody, decode_response, encode_reques
 from ._retry import Retry
 from ._spec import ModelSpec, parse_model_spec, prepare_inputs
 from ._types import InferResult, Inputs
+from ._version import __version__
 
 logger = logging.getLogger("bitserve_client")
 
@@ -43,7 +44,7 @@ TimeoutTypes = float | None | httpx.Timeout
 
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 DEFAULT_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-USER_AGENT = "bitserve-client/0.1.0"
+USER_AGENT = f"bitserve-client/{__version__}"
 
 # Failures where the request cannot have been processed, so a retry is always safe:
 # the connection was never made, or a kept-alive connection was closed before any answer.

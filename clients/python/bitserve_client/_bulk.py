@@ -45,15 +45,15 @@ class _NoBar:
         pass
 
 
-def _progress(enabled: bool, total: int | None, desc: str) -> _Bar:
-    """A tqdm bar (rows) when asked for and tqdm is installed; otherwise a no-op."""
+def _progress(enabled: bool, total: int | None, desc: str, unit: str = "row") -> _Bar:
+    """A tqdm bar when asked for and tqdm is installed; otherwise a no-op."""
     if not enabled:
         return _NoBar()
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is an optional extra ("bitserve-client[progress]")
         return _NoBar()
-    bar: _Bar = tqdm(total=total, unit="row", desc=desc, dynamic_ncols=True)
+    bar: _Bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
     return bar
 
 

@@ -132,7 +132,7 @@ def _bench(client: Client, args: argparse.Namespace) -> int:
     stats = BenchStats()
     lock = threading.Lock()
     issued = 0
-    bar = _progress(not args.no_progress, limit, f"bench {args.model}")
+    bar = _progress(not args.no_progress, limit, f"bench {args.model}", unit="req")
 
     def worker() -> None:
         nonlocal issued
