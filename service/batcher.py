@@ -131,7 +131,7 @@ class Batcher(Generic[P, R]):
             payload: what ``run_batch`` receives for this request.
             size: its number of items (1 when ``max_batch_size`` is 0).
             timeout_us: answer :class:`DeadlineExceeded` if its batch has not started within
-                this many microseconds.
+                this many microseconds; None or 0: no timeout.
 
         Returns:
             ``(result, info)`` for this request.
@@ -159,7 +159,8 @@ class Batcher(Generic[P, R]):
             size,
             loop.create_future(),
             now,
-            None if timeout_us is None else now + max(timeout_us, 0) / 1e6,
+            # 0 means no timeout, as in Triton (its default request timeout is 0).
+            now + timeout_us / 1e6 if timeout_us and timeout_us > 0 else None,
         )
         if pending.deadline is not None:
             pending.timer = loop.call_at(pending.deadline, self._expire, pending)

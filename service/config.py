@@ -31,7 +31,7 @@ Datatype = Literal[
     "FP16", "FP32", "FP64",
 ]  # fmt: skip
 ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
-Response = Literal["gaussian", "tabulated"]
+Response = Literal["gaussian", "lorentzian", "boxcar", "triangle", "tabulated"]
 # Suffix of a [model] file -> how it is loaded (never with pickle).
 MODEL_FORMATS = {".pt2": "torch_export", ".pt": "torchscript", ".ts": "torchscript"}
 
@@ -93,17 +93,30 @@ class InputConfig(_Strict):
         return [*self.shape[:-1], (self.shape[-1] + 7) // 8]
 
 
+# Named response -> its width parameter and whether it takes a ``support`` (in those units).
+RESPONSE_PARAMS: dict[str, tuple[str, bool]] = {
+    "gaussian": ("sigma", True),
+    "lorentzian": ("gamma", True),
+    "boxcar": ("half_width", False),
+    "triangle": ("half_width", False),
+}
+
+
 class OperatorConfig(_Strict):
     """The banded response operator applied to the (unpacked) input."""
 
     file: str
     """safetensors file with ``x`` (B,), ``c`` (N, A) and, if tabulated, ``response_x``/``_y``."""
     response: Response
-    """``"gaussian"`` (needs ``sigma``) or ``"tabulated"`` (linear interpolation of the table)."""
+    """A named shape (its width parameter below) or ``"tabulated"`` (``response_x``/``_y``)."""
     sigma: float | None = Field(default=None, gt=0)
-    """Gaussian width, in the units of ``x``."""
+    """Gaussian ``exp(-d²/(2 sigma²))`` width, in the units of ``x``."""
+    gamma: float | None = Field(default=None, gt=0)
+    """Lorentzian ``1/(1 + (d/gamma)²)`` half-width, in the units of ``x``."""
+    half_width: float | None = Field(default=None, gt=0)
+    """Boxcar / triangle half-width, in the units of ``x``."""
     support: float | None = Field(default=None, gt=0)
-    """Gaussian cut-off in sigmas (default 4)."""
+    """Cut-off of a gaussian (in sigmas, default 4) or lorentzian (in gammas, default 10)."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -114,11 +127,26 @@ class OperatorConfig(_Strict):
 
     @model_validator(mode="after")
     def _parameters(self) -> OperatorConfig:
-        if self.response == "gaussian" and self.sigma is None:
-            raise ValueError('response = "gaussian" needs sigma')
-        if self.response == "tabulated" and (self.sigma is not None or self.support is not None):
-            raise ValueError('response = "tabulated" takes no sigma or support (the table is all)')
+        given = {k for k in ("sigma", "gamma", "half_width", "support") if getattr(self, k)}
+        if self.response == "tabulated":
+            allowed: set[str] = set()
+        else:
+            param, has_support = RESPONSE_PARAMS[self.response]
+            if param not in given:
+                raise ValueError(f"response = {self.response!r} needs {param}")
+            allowed = {param, "support"} if has_support else {param}
+        extra = sorted(given - allowed)
+        if extra:
+            raise ValueError(f"response = {self.response!r} takes no {', '.join(extra)}")
         return self
+
+    @property
+    def parameters(self) -> dict[str, float]:
+        """The named response's width parameter, e.g. ``{"sigma": 125.0}``."""
+        if self.response == "tabulated":
+            return {}
+        param = RESPONSE_PARAMS[self.response][0]
+        return {param: float(getattr(self, param))}
 
 
 class ModelFileConfig(_Strict):

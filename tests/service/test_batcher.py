@@ -161,13 +161,15 @@ def test_deadline_expired_in_queue_is_never_computed() -> None:
                 await b.submit("late", timeout_us=1000)
             assert err.value.status_code == 504
             assert b.depth == 0  # answered and gone from the queue
-            # a generous timeout is honoured normally
+            # a generous timeout is honoured normally, and 0 means none (as in Triton)
             ok = asyncio.ensure_future(b.submit("ok", timeout_us=60_000_000))
-            await asyncio.sleep(0)
+            zero = asyncio.ensure_future(b.submit("zero", timeout_us=0))
+            await asyncio.sleep(0.01)
+            assert b.depth == 2
         finally:
             rec.gate.set()
-        await asyncio.gather(running, ok)
-        assert flat(rec.batches) == ["running", "ok"]
+        await asyncio.gather(running, ok, zero)
+        assert flat(rec.batches) == ["running", "ok", "zero"]
         await b.stop()
 
     run(main)

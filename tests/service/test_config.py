@@ -61,6 +61,24 @@ def problems_of(text: str) -> list[str]:
     return err.value.problems
 
 
+def test_named_responses_and_their_parameters() -> None:
+    base = GOOD.replace('response = "gaussian"\nsigma = 2.0', "{}")
+    for body, params in [
+        ('response = "gaussian"\nsigma = 2.0\nsupport = 3', {"sigma": 2.0}),
+        ('response = "lorentzian"\ngamma = 1.5', {"gamma": 1.5}),
+        ('response = "boxcar"\nhalf_width = 4', {"half_width": 4.0}),
+        ('response = "triangle"\nhalf_width = 4', {"half_width": 4.0}),
+        ('response = "tabulated"', {}),
+    ]:
+        op = parse_config(tomllib.loads(base.format(body)), "x").operator
+        assert op is not None
+        assert op.parameters == params
+    with pytest.raises(ConfigError, match="'boxcar' takes no support"):
+        parse_config(
+            tomllib.loads(base.format('response = "boxcar"\nhalf_width = 4\nsupport = 2')), "x"
+        )
+
+
 def test_good_config_and_defaults() -> None:
     cfg = parse_config(tomllib.loads(GOOD), "x")
     assert cfg.max_queue_size == 128
@@ -87,7 +105,19 @@ def test_good_config_and_defaults() -> None:
         (("max_batch_size = 4", "max_batch_size = 4\ndevice = 'gpu'"), "device: 'gpu' is not"),
         (("max_batch_size = 4", "max_batch_size = 4\nbatch = 2"), "batch: Extra inputs"),
         (("sigma = 2.0", "sigma = -2.0"), "operator.sigma: Input should be greater than 0"),
-        (("sigma = 2.0", ""), 'operator: response = "gaussian" needs sigma'),
+        (("sigma = 2.0", ""), "operator: response = 'gaussian' needs sigma"),
+        (
+            ("sigma = 2.0", "sigma = 2.0\nhalf_width = 3"),
+            "operator: response = 'gaussian' takes no half_width",
+        ),
+        (
+            ('response = "gaussian"', 'response = "boxcar"'),
+            "operator: response = 'boxcar' needs half_width",
+        ),
+        (
+            ('response = "gaussian"\nsigma = 2.0', 'response = "tabulated"\nsigma = 2.0'),
+            "operator: response = 'tabulated' takes no sigma",
+        ),
         (('response = "gaussian"', 'response = "cauchy"'), "operator.response: Input should"),
         (('file = "op.safetensors"', 'file = "../op.safetensors"'), "operator.file: must be"),
         (('file = "op.safetensors"', 'file = "/etc/passwd"'), "operator.file: must be"),
