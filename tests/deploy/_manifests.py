@@ -7,7 +7,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the test set-up
 import yaml
 from referencing import Registry, Resource
 
@@ -94,6 +94,6 @@ def kserve_errors(doc: dict[str, Any]) -> list[jsonschema.ValidationError]:
     registry: Registry[Any] = Resource.from_contents(schema) @ (
         _k8s_definitions(KSERVE_K8S_VERSION) @ Registry()
     )
-    root = {"$ref": f"{schema['$id']}#/$defs/{_KSERVE_ROOTS[key]}"}  # type: ignore[index]
+    root = {"$ref": f"{schema['$id']}#/$defs/{_KSERVE_ROOTS[key]}"}
     validator = jsonschema.Draft202012Validator(root, registry=registry)
     return sorted(validator.iter_errors(doc), key=lambda e: e.json_path)

@@ -15,8 +15,9 @@ import httpx
 from ._manifests import DEPLOY
 
 SITE = DEPLOY / "nginx" / "bitserve.conf"
-_SERVER = re.compile(r"^(\s*server\s+)(\S+)(\s.*;)$", re.MULTILINE)
-_LISTEN = re.compile(r"^(\s*listen\s+)(\S+)(;)$", re.MULTILINE)
+# An upstream `server host:port params;` line, and the `listen` line.
+_SERVER = re.compile(r"^([ \t]*server[ \t]+)([^\s;]+:\d+)((?:[ \t][^\n]*)?;)$", re.MULTILINE)
+_LISTEN = re.compile(r"^([ \t]*listen[ \t]+)([^\s;]+)(;)$", re.MULTILINE)
 
 
 def nginx_binary() -> str | None:
