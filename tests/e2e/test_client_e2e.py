@@ -8,11 +8,8 @@ little-endian), ``tiny_queue`` (max_queue_size 1, to make the server shed load) 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +27,8 @@ from bitserve_client import (
     TimeoutException,
     Unavailable,
 )
+
+from .conftest import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -80,12 +79,6 @@ def reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.einsum("nab,mnb->mna", r, bits.astype(np.float64))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from safetensors.numpy import save_file
@@ -105,38 +98,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(repository: Path) -> Iterator[str]:
-    port = _free_port()
-    log = repository / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(port), "--model-repository", str(repository), "--no-warmup"],
-            stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "BITSERVE_LOG_LEVEL": "warning"},
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with Client(base, retries=0, timeout=2.0) as probe:
-            deadline = time.monotonic() + 90
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"bitserve exited with {proc.returncode}:\n{log.read_text()}")
-                try:
-                    if probe.is_ready():
-                        break
-                except Exception:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"bitserve not ready after 90 s:\n{log.read_text()}")
-                time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with start_server(repository, args=["--no-warmup"], log_dir=repository) as server:
+        yield server.url
 
 
 def random_bits(m: int, seed: int = 0) -> np.ndarray[Any, Any]:
@@ -297,3 +260,35 @@ def test_cli_commands(url: str, tmp_path: Path) -> None:
     missing = _cli(url, "metadata", "nope")
     assert missing.returncode == 1
     assert "ModelNotFound" in missing.stderr
+
+
+def demo_reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """float64 reference for the built-in demo, summed over each coarse point's window only
+    (the dense operator would be 20 x 500 x 50000 float64 = 4 GB)."""
+    from service.demo import SIGMA as S
+    from service.demo import SUPPORT_SIGMAS, demo_tensors
+
+    t = demo_tensors()
+    x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)
+    f = bits.astype(np.float64)
+    out = np.zeros((bits.shape[0], c.shape[0], c.shape[1]))
+    half = SUPPORT_SIGMAS * S
+    for n in range(c.shape[0]):
+        for a in range(c.shape[1]):
+            lo = np.searchsorted(x, c[n, a] - half, side="left")
+            hi = np.searchsorted(x, c[n, a] + half, side="right")
+            w = np.exp(-0.5 * ((c[n, a] - x[lo:hi]) / S) ** 2)
+            out[:, n, a] = f[:, n, lo:hi] @ w
+    return out
+
+
+def test_demo_model_round_trip(demo_server: BitserveServer) -> None:
+    bits = np.random.default_rng(8).random((2, 20, 50000)) < 0.01
+    with Client(demo_server.url) as client:
+        spec = client.model_spec("demo")
+        assert spec.inputs["spikes"].packing is not None
+        result = client.infer("demo", {"spikes": bits})
+        packed = client.infer("demo", {"spikes": np.packbits(bits, axis=-1)})
+    assert result["resampled"].shape == (2, 20, 500)
+    np.testing.assert_array_equal(result["resampled"], packed["resampled"])
+    np.testing.assert_allclose(result["resampled"], demo_reference(bits), rtol=1e-4, atol=1e-3)
