@@ -417,3 +417,17 @@ async def test_metrics_count_outcomes(client: httpx.AsyncClient) -> None:
 def test_struct_sanity() -> None:
     # the helpers above assume little-endian wire data
     assert struct.pack("<f", 2.0) == np.float32(2.0).tobytes()
+
+
+async def test_request_id_is_on_log_records(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    from service.observability import RequestIdFilter
+
+    caplog.handler.addFilter(RequestIdFilter())
+    with caplog.at_level("INFO", logger="bitserve"):
+        await client.post("/v2/models/echo/infer", content=b"{", headers={"X-Request-ID": "rid-42"})
+    records = [r for r in caplog.records if "-> 400" in r.getMessage()]
+    assert records
+    assert records[0].request_id == "rid-42"
+    assert "request JSON is malformed" in records[0].getMessage()
