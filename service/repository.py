@@ -1,0 +1,312 @@
+"""The model repository: loading, readiness, versions; models are served by their handles.
+
+``ModelRepository`` owns every loaded model version (a :class:`~service.pipeline.Pipeline`
+resident on its device and a :class:`~service.batcher.Batcher` in front of it) and one worker
+thread per device. ``ModelHandle.infer`` validates a request against the model's config before
+it queues, so a bad request never reaches the batcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.batcher import Batcher, DeviceExecutors
+from service.config import (
+    ConfigError,
+    ModelConfig,
+    VersionSource,
+    load_config,
+    model_names,
+    model_versions,
+    valid_model_name,
+    valid_version,
+)
+from service.errors import InvalidInput, ModelNotFound, ModelNotReady
+from service.handle import LOADING, READY, UNAVAILABLE, UNLOADING, ModelHandle, Result
+from service.metrics import Metrics
+from service.pipeline import Artifacts, Pipeline, WireInput, load_artifacts, resolve_device
+
+__all__ = ["ModelHandle", "ModelRepository"]
+
+log = logging.getLogger("bitserve.repository")
+
+
+@dataclass
+class _Entry:
+    """The state of one model version in the index."""
+
+    state: str
+    reason: str = ""
+    handle: ModelHandle | None = None
+
+
+class ModelRepository:
+    """Every model of a repository folder (or the built-in demo), loaded on its device.
+
+    Args:
+        root: the repository folder; None serves the built-in model ``demo``.
+        metrics: optional metrics sink.
+        default_device: the device for configs that say ``device = "auto"``.
+        warmup: run a full-size batch through each model at load.
+    """
+
+    def __init__(
+        self,
+        root: Path | None,
+        *,
+        metrics: Metrics | None = None,
+        default_device: str = "auto",
+        warmup: bool = True,
+    ) -> None:
+        self.root = root
+        self.metrics = metrics
+        self.default_device = default_device
+        self.warmup = warmup
+        self._models: dict[str, dict[str, _Entry]] = {}
+        self._unloaded: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._executors = DeviceExecutors()
+        self._memory_devices: dict[str, set[str]] = {}
+        self._started = False
+        self._closing = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every model (heavy work in threads, off the event loop).
+
+        A model that fails to load is recorded as UNAVAILABLE with the reason; the server is
+        then not ready (see :attr:`ready`), as in Triton's strict readiness.
+        """
+        names = ["demo"] if self.root is None else self._disk_names()
+        for name in names:
+            try:
+                await self.load(name)
+            except (InvalidInput, ModelNotFound) as exc:
+                log.error("model %s failed to load: %s", name, exc)
+        self._started = True
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests, finish those in flight (up to ``timeout_s``), free the models."""
+        self._closing = True
+        await asyncio.gather(*(self._drop(name, timeout_s) for name in list(self._models)))
+        self._executors.shutdown()
+
+    @property
+    def ready(self) -> bool:
+        """Started, not stopping, and every model not explicitly unloaded is READY."""
+        if not self._started or self._closing:
+            return False
+        return all(
+            e.state == READY
+            for name, versions in self._models.items()
+            if name not in self._unloaded
+            for e in versions.values()
+        )
+
+    def _disk_names(self) -> list[str]:
+        assert self.root is not None
+        names = []
+        for name in model_names(self.root):
+            if valid_model_name(name):
+                names.append(name)
+            else:
+                log.warning("skipping %r: not a valid model name", name)
+        return names
+
+    def index(self) -> list[dict[str, Any]]:
+        """Triton's repository index: every model version with its state and reason."""
+        out: list[dict[str, Any]] = []
+        names = set(self._models)
+        if self.root is not None and self.root.is_dir():
+            names |= set(self._disk_names())
+        for name in sorted(names):
+            versions = self._models.get(name)
+            if not versions:
+                out.append(
+                    {"name": name, "version": "", "state": UNAVAILABLE, "reason": "not loaded"}
+                )
+                continue
+            for v in sorted(versions, key=int):
+                e = versions[v]
+                out.append({"name": name, "version": v, "state": e.state, "reason": e.reason})
+        return out
+
+    # --- lookup ---------------------------------------------------------------------------
+
+    def get(self, name: str, version: str | None = None) -> ModelHandle:
+        """The handle of a READY model version (the highest READY one by default).
+
+        Raises:
+            ModelNotFound: unknown name or version (including names that could leave the
+                repository).
+            ModelNotReady: the model (version) exists but is not READY.
+        """
+        versions = self._models.get(name) if valid_model_name(name) else None
+        if not versions:
+            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+        if version is None or version == "":
+            ready = [v for v, e in versions.items() if e.state == READY]
+            if not ready:
+                reasons = "; ".join(
+                    f"version {v} is {e.state}" + (f": {e.reason}" if e.reason else "")
+                    for v, e in versions.items()
+                )
+                raise ModelNotReady(f"model '{name}' is not ready ({reasons})")
+            version = max(ready, key=int)
+        elif not valid_version(version) or version not in versions:
+            raise ModelNotFound(f"unknown version '{_shown(version)}' of model '{name}'")
+        e = versions[version]
+        if e.state != READY or e.handle is None:
+            why = f": {e.reason}" if e.reason else ""
+            raise ModelNotReady(f"model '{name}' version {version} is {e.state}{why}")
+        return e.handle
+
+    # --- load / unload --------------------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def load(self, name: str) -> None:
+        """(Re)load a model and all its versions from disk.
+
+        The new versions are built first; the old ones keep serving until the swap, then
+        drain. If any version fails, nothing is swapped and the error names the problem.
+
+        Raises:
+            ModelNotFound: no such model (or a name that could leave the repository).
+            InvalidInput: its configuration or files are invalid.
+            ModelNotReady: the repository is stopping.
+        """
+        if self._closing:
+            raise ModelNotReady("the server is shutting down")
+        if not valid_model_name(name):
+            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+        if self.root is None:
+            if name != "demo":
+                raise ModelNotFound(f"unknown model '{name}' (no repository: only 'demo')")
+        elif not (self.root / name).is_dir():
+            raise ModelNotFound(f"unknown model '{name}' (no folder {name}/ in the repository)")
+        async with self._lock(name):
+            old = self._models.get(name, {})
+            for e in old.values():
+                if e.state != READY:
+                    e.state, e.reason = LOADING, ""
+            try:
+                sources = self._sources(name)
+                built = await asyncio.to_thread(self._build_all, name, sources)
+            except ConfigError as exc:
+                reason = "; ".join(exc.problems)
+                # READY versions keep serving; the others show why the load failed.
+                for e in old.values():
+                    if e.state != READY:
+                        e.state, e.reason = UNAVAILABLE, reason
+                if not old:
+                    self._models[name] = {"1": _Entry(UNAVAILABLE, reason)}
+                raise InvalidInput(f"model '{name}' failed to load: {reason}") from None
+            versions = sorted(built, key=int)
+            new: dict[str, _Entry] = {}
+            for v in versions:
+                cfg, pipeline = built[v]
+                batcher: Batcher[WireInput, Result] = Batcher(
+                    name,
+                    pipeline.run,
+                    max_batch_size=cfg.max_batch_size,
+                    max_queue_delay_us=cfg.max_queue_delay_us,
+                    max_queue_size=cfg.max_queue_size,
+                    executor=self._executors.get(str(pipeline.device)),
+                    metrics=self.metrics,
+                )
+                batcher.start()
+                new[v] = _Entry(READY, "", ModelHandle(name, v, cfg, pipeline, batcher, versions))
+            self._models[name] = new
+            self._unloaded.discard(name)
+            await self._retire(name, old)
+            self._report_memory(name)
+            log.info("model %s loaded: versions %s", name, versions)
+
+    def _sources(self, name: str) -> dict[str, VersionSource] | None:
+        if self.root is None:
+            return None
+        return model_versions(self.root, name)
+
+    def _build_all(
+        self, name: str, sources: dict[str, VersionSource] | None
+    ) -> dict[str, tuple[ModelConfig, Pipeline]]:
+        """Load every version's files and build its pipeline (runs in a worker thread)."""
+        if sources is None:
+            from service.demo import demo_config, demo_tensors
+
+            cfg = demo_config()
+            tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
+            device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
+            pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
+                            source="<built-in demo>/config.toml")  # fmt: skip
+            return {"1": (cfg, pipe)}
+        out: dict[str, tuple[ModelConfig, Pipeline]] = {}
+        problems: list[str] = []
+        for v, src in sources.items():
+            try:
+                cfg = load_config(src.config_path, src.source)
+                device = resolve_device(cfg.device, self.default_device, source=src.source)
+                artifacts = load_artifacts(src, cfg)
+                out[v] = (cfg, Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
+                                        source=src.source))  # fmt: skip
+            except ConfigError as exc:
+                problems += exc.problems
+            except Exception as exc:  # a broken operator or model: report, don't crash
+                log.exception("model %s version %s failed to build", name, v)
+                problems.append(f"{src.source}: {type(exc).__name__}: {exc}")
+        if problems:
+            raise ConfigError(problems)
+        return out
+
+    async def _retire(self, name: str, entries: dict[str, _Entry], timeout_s: float = 30.0) -> None:
+        handles = [e.handle for e in entries.values() if e.handle is not None]
+        for h in handles:
+            h.state = UNLOADING
+        await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
+
+    async def unload(self, name: str) -> None:
+        """Stop serving a model: refuse new requests, drain in-flight ones, free its memory.
+
+        Raises:
+            ModelNotFound: no such model loaded.
+        """
+        if not valid_model_name(name) or name not in self._models:
+            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+        async with self._lock(name):
+            await self._drop(name)
+            self._unloaded.add(name)
+
+    async def _drop(self, name: str, timeout_s: float = 30.0) -> None:
+        entries = self._models.get(name, {})
+        for e in entries.values():
+            e.state = UNLOADING
+        await self._retire(name, entries, timeout_s)
+        self._models[name] = {v: _Entry(UNAVAILABLE, "unloaded") for v in entries}
+        self._report_memory(name)
+
+    def _report_memory(self, name: str) -> None:
+        if self.metrics is None:
+            return
+        per_device: dict[str, int] = {}
+        for e in self._models.get(name, {}).values():
+            if e.handle is not None:
+                dev = str(e.handle.pipeline.device)
+                per_device[dev] = per_device.get(dev, 0) + e.handle.pipeline.device_memory_bytes
+        devices = self._memory_devices.setdefault(name, set())
+        devices |= set(per_device)
+        for dev in devices:  # devices it has left are set to 0, not left stale
+            self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
+
+
+def _shown(name: str) -> str:
+    """A name safe to echo in a message (bounded, control characters escaped)."""
+    return ascii(name[:128])[1:-1]

@@ -1,0 +1,297 @@
+"""The device-resident pipeline against a float64 dense reference (no HTTP, no batcher)."""
+
+from __future__ import annotations
+
+import tomllib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from service.config import ConfigError, ModelConfig, parse_config
+from service.pipeline import Artifacts, Pipeline, WireInput, load_artifacts
+from tests.common_utils import cpu_and_cuda
+
+N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
+
+
+def config(
+    *,
+    max_batch_size: int = 4,
+    response: str = 'response = "gaussian"\nsigma = 2.5\nsupport = 4',
+    dtype: str = "float32",
+    bitorder: str = "big",
+    extra: str = "",
+    outputs: str = '[[outputs]]\nname = "out"\ndatatype = "FP32"\n',
+) -> ModelConfig:
+    text = f"""
+max_batch_size = {max_batch_size}
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {B}]
+packing = "bits"
+bitorder = "{bitorder}"
+[operator]
+file = "op.safetensors"
+{response}
+dtype = "{dtype}"
+{extra}
+{outputs}
+"""
+    return parse_config(tomllib.loads(text), "test/config.toml")
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    x = np.cumsum(rng.uniform(0.5, 1.5, B))  # an uneven fine grid
+    # coarse points inside and beyond both ends, so windows are clipped at the edges
+    c = np.sort(rng.uniform(x[0] - 3, x[-1] + 3, (N, A)), axis=1)
+    return {"x": torch.from_numpy(x).float(), "c": torch.from_numpy(c).float()}
+
+
+def dense_reference(t: dict[str, torch.Tensor], f: np.ndarray, response: Any) -> np.ndarray:
+    """out[m, n, a] = sum_b r(c[n, a] - x[b]) f[m, n, b] in float64 with a dense T."""
+    x = t["x"].double()
+    c = t["c"].double()
+    d = c[:, :, None] - x[None, None, :]  # (N, A, B)
+    T = response(d)
+    return torch.einsum("nab,mnb->mna", T, torch.from_numpy(f).double()).numpy()
+
+
+def gaussian(sigma: float, support: float) -> Any:
+    return lambda d: torch.exp(-0.5 * (d / sigma) ** 2) * (d.abs() <= support * sigma)
+
+
+def random_bits(m: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).random((m, N, B)) < 0.3
+
+
+def packed(bits: np.ndarray, bitorder: str = "big") -> WireInput:
+    data = np.packbits(bits, axis=-1, bitorder=bitorder)  # type: ignore[arg-type]
+    data.flags.writeable = False  # like a view over a request body
+    return WireInput(data, packed=True, size=bits.shape[0])
+
+
+def logical(bits: np.ndarray) -> WireInput:
+    return WireInput(np.ascontiguousarray(bits), packed=False, size=bits.shape[0])
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("bitorder", ["big", "little"])
+def test_matches_float64_dense_reference(device: str, bitorder: str) -> None:
+    t = tensors()
+    pipe = Pipeline("m", config(bitorder=bitorder), Artifacts(t), device, warmup=False)
+    bits = random_bits(4)
+    ref = dense_reference(t, bits, gaussian(2.5, 4))
+    # three requests of 1, 2 and 1 items merged into one batch
+    out = pipe.run(
+        [packed(bits[:1], bitorder), packed(bits[1:3], bitorder), packed(bits[3:], bitorder)]
+    )
+    got = np.concatenate([o[0] for o in out])
+    assert [o[0].shape for o in out] == [(1, N, A), (2, N, A), (1, N, A)]
+    assert all(o[0].dtype == np.float32 and o[0].flags.c_contiguous for o in out)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert pipe.output_shapes == [[N, A]]
+    assert pipe.device_memory_bytes >= 4 * N * B * 4  # at least the input buffer
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_packed_and_bool_inputs_give_identical_results(device: str) -> None:
+    pipe = Pipeline("m", config(), Artifacts(tensors()), device, warmup=False)
+    bits = random_bits(4, seed=7)
+    a = pipe.run([packed(bits)])[0][0]
+    b = pipe.run([logical(bits)])[0][0]
+    # mixed wire forms in one batch
+    mixed = pipe.run([packed(bits[:1]), logical(bits[1:3]), packed(bits[3:])])
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.concatenate([m[0] for m in mixed]), a)
+
+
+def test_bool_bytes_other_than_one_count_as_one() -> None:
+    pipe = Pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=False)
+    bits = random_bits(2, seed=9)
+    raw = bits.view(np.uint8) * np.uint8(7)  # what a sloppy client may put in BOOL bytes
+    odd = WireInput(raw.view(np.bool_), packed=False, size=2)
+    np.testing.assert_array_equal(pipe.run([odd])[0][0], pipe.run([packed(bits)])[0][0])
+
+
+def test_results_stay_valid_after_the_next_batch() -> None:
+    pipe = Pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=True)
+    first = pipe.run([packed(random_bits(2, seed=3))])[0][0]
+    kept = first.copy()
+    pipe.run([packed(random_bits(4, seed=4))])
+    np.testing.assert_array_equal(first, kept)
+
+
+def test_no_batching_has_no_batch_dimension() -> None:
+    t = tensors()
+    pipe = Pipeline("m", config(max_batch_size=0), Artifacts(t), "cpu", warmup=False)
+    bits = random_bits(1)
+    out = pipe.run([packed(bits)])
+    assert out[0][0].shape == (N, A)
+    ref = dense_reference(t, bits, gaussian(2.5, 4))[0]
+    np.testing.assert_allclose(out[0][0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_bfloat16_compute() -> None:
+    t = tensors()
+    pipe = Pipeline("m", config(dtype="bfloat16"), Artifacts(t), "cpu", warmup=False)
+    bits = random_bits(2)
+    got = pipe.run([packed(bits)])[0][0]
+    assert got.dtype == np.float32  # the output datatype, whatever the compute dtype
+    ref = dense_reference(t, bits, gaussian(2.5, 4))
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def test_tabulated_asymmetric_response() -> None:
+    t = tensors()
+    xs = np.array([-2.0, -0.5, 0.0, 1.0, 4.0])
+    ys = np.array([0.1, 0.8, 1.0, 0.5, 0.2])
+    t["response_x"] = torch.from_numpy(xs)
+    t["response_y"] = torch.from_numpy(ys)
+    pipe = Pipeline(
+        "m", config(response='response = "tabulated"'), Artifacts(t), "cpu", warmup=False
+    )
+    bits = random_bits(2, seed=11)
+
+    def table(d: torch.Tensor) -> torch.Tensor:
+        v = np.interp(d.numpy(), xs, ys, left=0.0, right=0.0)
+        return torch.from_numpy(v)
+
+    ref = dense_reference(t, bits, table)
+    got = pipe.run([packed(bits)])[0][0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_declared_output_shape_is_checked() -> None:
+    bad = '[[outputs]]\nname = "out"\ndatatype = "FP32"\nshape = [3, 7]\n'
+    with pytest.raises(
+        ConfigError, match=r"outputs\[0\]\.shape: \[3, 7\], but the model gives \[3, 6\]"
+    ):
+        Pipeline("m", config(outputs=bad), Artifacts(tensors()), "cpu", warmup=False)
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+class Head(torch.nn.Module):
+    """A tiny model on the operator's (M, N, A) output: a linear map over A and a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(A, 2, generator=g))
+
+    def forward(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return y @ self.weight, y.sum(dim=(1, 2))
+
+
+TWO_OUTPUTS = """
+[model]
+file = "{file}"
+[[outputs]]
+name = "proj"
+datatype = "FP32"
+[[outputs]]
+name = "total"
+datatype = "FP64"
+"""
+
+
+def write_version(folder: Path, cfg_text: str, t: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.toml").write_text(cfg_text)
+    save_file(t, str(folder / "op.safetensors"))
+
+
+def model_config_text(file: str) -> str:
+    return f"""
+max_batch_size = 4
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {B}]
+packing = "bits"
+[operator]
+file = "op.safetensors"
+response = "gaussian"
+sigma = 2.5
+{TWO_OUTPUTS.format(file=file)}
+"""
+
+
+_EXPORTED: dict[str, bytes] = {}
+
+
+def save_export(path: Path) -> None:
+    # torch.export takes seconds: export once per session, copy the file after that.
+    if "head" not in _EXPORTED:
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        ep = torch.export.export(Head(), (torch.randn(2, N, A),), dynamic_shapes=({0: batch},))
+        torch.export.save(ep, str(path))
+        _EXPORTED["head"] = path.read_bytes()
+    else:
+        path.write_bytes(_EXPORTED["head"])
+
+
+def save_torchscript(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(Head(), torch.randn(2, N, A))
+        traced.save(str(path))
+
+
+@pytest.mark.parametrize(
+    ("file", "save"), [("head.pt2", save_export), ("head.pt", save_torchscript)]
+)
+def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
+    from service.config import load_config, model_versions
+
+    t = tensors()
+    write_version(tmp_path / "m", model_config_text(file), t)
+    save(tmp_path / "m" / file)
+    src = model_versions(tmp_path, "m")["1"]
+    cfg = load_config(src.config_path, src.source)
+    pipe = Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=True)
+    assert pipe.output_shapes == [[N, 2], []]
+    bits = random_bits(3, seed=5)
+    out = pipe.run([packed(bits[:2]), packed(bits[2:])])
+    proj = np.concatenate([o[0] for o in out])
+    total = np.concatenate([o[1] for o in out])
+    assert proj.dtype == np.float32
+    assert total.dtype == np.float64
+    y = dense_reference(t, bits, gaussian(2.5, 4))
+    w = Head().weight.detach().double().numpy()
+    np.testing.assert_allclose(proj, y @ w, rtol=1e-4, atol=1e-4 * np.abs(y @ w).max())
+    np.testing.assert_allclose(total, y.sum(axis=(1, 2)), rtol=1e-5)
+
+
+def test_model_output_count_must_match(tmp_path: Path) -> None:
+    from service.config import load_config, model_versions
+
+    text = model_config_text("head.pt2").replace(
+        '[[outputs]]\nname = "total"\ndatatype = "FP64"\n', ""
+    )
+    write_version(tmp_path / "m", text, tensors())
+    save_export(tmp_path / "m" / "head.pt2")
+    src = model_versions(tmp_path, "m")["1"]
+    cfg = load_config(src.config_path, src.source)
+    with pytest.raises(ConfigError, match="outputs: 1 declared, the model returns 2"):
+        Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=False)
+
+
+def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
+    from service.config import load_config, model_versions
+
+    write_version(tmp_path / "m", model_config_text("head.pt2"), tensors())
+    (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")
+    src = model_versions(tmp_path, "m")["1"]
+    cfg = load_config(src.config_path, src.source)
+    with pytest.raises(ConfigError, match=r"m/config\.toml: model\.file: cannot load"):
+        load_artifacts(src, cfg)
