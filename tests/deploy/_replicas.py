@@ -10,9 +10,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,22 +20,13 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+from tests.e2e.conftest import bitserve_command, free_port
+
 from ._manifests import ROOT
 
+__all__ = ["Replica", "decode_output", "free_port", "infer_body"]
+
 _NP = {"UINT8": np.uint8, "BOOL": np.bool_, "FP32": np.float32, "FP64": np.float64}
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def bitserve_command() -> list[str]:
-    """The ``bitserve`` console script of this environment (what the image runs)."""
-    script = Path(sys.executable).with_name("bitserve")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "service.cli"]
 
 
 @dataclass
@@ -55,16 +44,16 @@ class Replica:
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Start the process and wait until ``/v2/health/ready`` answers 200."""
+        # Not the test process's BITSERVE_* or TRITON_INTERPRET (the server picks its kernels).
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if not k.startswith("BITSERVE_")},
             "BITSERVE_HOST": "127.0.0.1",
             "BITSERVE_PORT": str(self.port),
             "BITSERVE_DEVICE": "cpu",
             "BITSERVE_LOG_LEVEL": "warning",
             **self.env,
         }
-        for key in ("BITSERVE_MODEL_REPOSITORY", "BITSERVE_AUTH_TOKEN"):
-            env.pop(key, None)
+        env.pop("TRITON_INTERPRET", None)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [*bitserve_command(), "serve"],

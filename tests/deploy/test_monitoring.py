@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 
 from service.metrics import Metrics
 
 from ._manifests import DEPLOY, ROOT, load_yaml_documents
+from ._replicas import Replica, free_port, infer_body
 
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "bitserve.json"
@@ -73,15 +81,50 @@ def test_prometheus_scrapes_every_replica_directly() -> None:
     assert config["global"]["scrape_interval"] == "5s"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool is not installed (Debian: prometheus)"
+)
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, check=False)
+
+
+@needs_promtool
 def test_promtool_accepts_the_prometheus_config() -> None:
-    result = subprocess.run(
-        ["promtool", "check", "config", "--syntax-only", str(PROMETHEUS)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = promtool("check", "config", "--syntax-only", str(PROMETHEUS))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def grafana_to_promql(expr: str) -> str:
+    """A dashboard expression with Grafana's variables replaced as Grafana would."""
+    expr = expr.replace("$__rate_interval", "1m")
+    return re.sub(r"\$(model|instance)\b", ".*", expr)
+
+
+@needs_promtool
+def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
+    # promtool parses recording rules with Prometheus's own PromQL parser.
+    exprs = [grafana_to_promql(e) for e in expressions(dashboard())]
+    rules: dict[str, Any] = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{len(exprs)} rules found" in result.stdout
+    # ...and it does reject a broken expression.
+    rules["groups"][0]["rules"].append({"record": "dashboard:broken", "expr": "sum by (le rate(x)"})
+    path.write_text(json.dumps(rules))
+    assert promtool("check", "rules", str(path)).returncode != 0
 
 
 def test_dashboard_queries_only_metrics_the_server_exports() -> None:
@@ -168,3 +211,120 @@ def test_grafana_provisioning_paths_match_the_compose_mounts() -> None:
     assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
     (prom,) = [v for v in compose["services"]["prometheus"]["volumes"] if isinstance(v, dict)]
     assert prom["source"] == "./" + str(PROMETHEUS.relative_to(ROOT))
+
+
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus is not installed (Debian: prometheus)"
+)
+
+
+@contextmanager
+def running_prometheus(config: dict[str, Any], tmp_path: Path, port: int) -> Iterator[str]:
+    """A real Prometheus on 127.0.0.1:``port`` with ``config``; yields its base URL."""
+    path = tmp_path / "prometheus.yml"
+    path.write_text(json.dumps(config))
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={path}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{base}/-/ready", timeout=2).status_code == 200, proc, 60)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def wait_for(
+    condition: Callable[[], bool], proc: subprocess.Popen[bytes] | None, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if condition():
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(0.25)
+
+
+def query(base: str, expr: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
+    body = response.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.e2e
+@needs_prometheus
+def test_prometheus_scrapes_real_replicas_and_the_dashboard_shows_them(
+    tmp_path: Path, replicas: list[Replica]
+) -> None:
+    # The deployed config with loopback targets and a faster scrape, run by a real Prometheus.
+    (config,) = load_yaml_documents(PROMETHEUS)
+    port = free_port()
+    config["global"]["scrape_interval"] = "1s"
+    for job in config["scrape_configs"]:
+        (static,) = job["static_configs"]
+        if job["job_name"] == "bitserve":
+            assert len(static["targets"]) == len(replicas)
+            static["targets"] = [f"127.0.0.1:{r.port}" for r in replicas]
+        else:
+            static["targets"] = [f"127.0.0.1:{port}"]
+    with running_prometheus(config, tmp_path, port) as base:
+        wait_for(lambda: len(query(base, 'up{job="bitserve"} == 1')) == 2, None, 60)
+        # Traffic spread over a few scrapes, to every replica.
+        metadata = httpx.get(f"{replicas[0].url}/v2/models/demo", timeout=30).json()
+        (spec,) = metadata["inputs"]
+        x = np.random.default_rng(1).integers(0, 256, [1, *spec["shape"][1:]], dtype=np.uint8)
+        body, headers = infer_body(spec["name"], x, "UINT8", metadata["outputs"][0]["name"])
+        with httpx.Client(timeout=60) as client:
+            for _ in range(4):
+                for r in replicas:
+                    for _ in range(3):
+                        ok = client.post(
+                            f"{r.url}/v2/models/demo/infer", content=body, headers=headers
+                        )
+                        assert ok.status_code == 200, ok.text
+                time.sleep(1.2)
+        total = 'sum(bitserve_requests_total{outcome="success"})'
+        wait_for(lambda: float(query(base, total)[0]["value"][1]) >= 24, None, 30)
+
+        results = {}
+        for p in panels(dashboard()):
+            for t in p["targets"]:
+                expr = grafana_to_promql(t["expr"]).replace("[1m]", "[15s]")
+                results[(p["title"], t["legendFormat"])] = query(base, expr)
+
+        def value(title: str, legend: str) -> float:
+            series = results[(title, legend)]
+            assert series, f"{title} / {legend}: no data"
+            return float(series[0]["value"][1])
+
+        assert value("Replicas up", "up") == 2
+        assert value("Requests / s", "requests/s") > 0
+        assert len(results[("Request rate by replica", "{{instance}}")]) == 2
+        assert 0 < value("Latency percentiles", "p50") <= value("Latency percentiles", "p99")
+        assert value("Queue time", "p99") >= 0
+        assert value("Compute time per batch", "p50") > 0
+        assert value("Batch size", "mean items / batch") >= 1
+        assert value("Batch size", "mean requests / batch") >= 1
+        memory = results[("Device memory", "{{device}} {{instance}}")]
+        assert len(memory) == 2
+        assert all(float(s["value"][1]) > 0 for s in memory)
+        assert value("Error ratio", "errors") == 0

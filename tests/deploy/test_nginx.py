@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -137,32 +136,6 @@ def test_nginx_own_errors_are_v2_json(tmp_path: Path) -> None:
         head, _, body = raw.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 413"), head
         assert b'"error"' in body
-
-
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [Replica(port=free_port(), log=tmp_path / f"replica{i}.log") for i in range(2)]
-    try:
-        # Start both at once: each spends most of its start-up importing torch and warming up.
-        errors: list[BaseException] = []
-
-        def run(r: Replica) -> None:
-            try:
-                r.start()
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in started]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        yield started
-    finally:
-        for r in started:
-            r.stop()
 
 
 def random_inputs(metadata: dict[str, Any], n: int, seed: int) -> list[npt.NDArray[np.uint8]]:
