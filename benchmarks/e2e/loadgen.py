@@ -61,6 +61,14 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def _is_error_body(content: bytes) -> bool:
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), str) and bool(doc["error"])
+
+
 @dataclass
 class LevelResult:
     """What one concurrency level measured."""
@@ -83,6 +91,8 @@ class LevelResult:
     server_cpu_s_per_req: float = float("nan")
     retry_after_missing: int = 0
     """503 answers without a Retry-After header."""
+    malformed_errors: int = 0
+    """Non-200 answers whose body is not ``{"error": "<message>"}``."""
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     """Latency of every 200 in the timed phase (not in the JSON output)."""
 
@@ -109,6 +119,8 @@ async def run_level(
     server_pid: int | None = None,
     timeout_s: float = 120.0,
     headers: dict[str, str] | None = None,
+    parameters: dict[str, Any] | None = None,
+    backoff_503_s: float = 0.0,
 ) -> LevelResult:
     """Drive ``url`` with ``concurrency`` closed-loop clients and check every answer.
 
@@ -123,10 +135,12 @@ async def run_level(
         server_pid: the server's pid, for its CPU seconds per request.
         timeout_s: per-request timeout.
         headers: extra headers on every request (e.g. authorization).
+        parameters: V2 request parameters on every request (e.g. ``{"timeout": us}``).
+        backoff_503_s: a client answered 503 waits this long before its next request.
     """
     if (seconds is None) == (requests is None):
         raise ValueError("give exactly one of seconds and requests")
-    bodies = [wire.encode(fmt, item) for item in pool.items]
+    bodies = [wire.encode(fmt, item, parameters) for item in pool.items]
     res = LevelResult(fmt=fmt, concurrency=concurrency, request_bytes=len(bodies[0].content))
     statuses: Counter[str] = Counter()
     resp_bytes: list[int] = []
@@ -162,7 +176,11 @@ async def run_level(
         if r.status_code != 200:
             if r.status_code == 503 and "retry-after" not in r.headers:
                 res.retry_after_missing += 1
+            if not _is_error_body(r.content):
+                res.malformed_errors += 1
             res.first_problem = res.first_problem or f"{r.status_code}: {r.text[:300]}"
+            if r.status_code == 503 and backoff_503_s > 0:
+                await asyncio.sleep(backoff_503_s)
             return
         try:
             answer = wire.decode(fmt, r.headers, r.content)

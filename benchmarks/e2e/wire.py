@@ -35,9 +35,9 @@ class Body:
     headers: dict[str, str]
 
 
-def _binary(datatype: str, array: np.ndarray[Any, Any]) -> Body:
+def _binary(datatype: str, array: np.ndarray[Any, Any], params: dict[str, Any]) -> Body:
     data = np.ascontiguousarray(array).tobytes()
-    header = {
+    header: dict[str, Any] = {
         "inputs": [
             {
                 "name": INPUT_NAME,
@@ -48,6 +48,8 @@ def _binary(datatype: str, array: np.ndarray[Any, Any]) -> Body:
         ],
         "outputs": [{"name": OUTPUT_NAME, "parameters": {"binary_data": True}}],
     }
+    if params:
+        header["parameters"] = params
     head = json.dumps(header, separators=(",", ":")).encode()
     return Body(
         head + data,
@@ -58,16 +60,23 @@ def _binary(datatype: str, array: np.ndarray[Any, Any]) -> Body:
     )
 
 
-def encode(fmt: Format, item: np.ndarray[Any, Any]) -> Body:
-    """The request body carrying one (N, B) bool item in format ``fmt``."""
+def encode(
+    fmt: Format, item: np.ndarray[Any, Any], parameters: dict[str, Any] | None = None
+) -> Body:
+    """The request body carrying one (N, B) bool item in format ``fmt``.
+
+    ``parameters`` become the V2 request-level ``parameters`` (e.g. ``{"timeout": us}``);
+    the ``raw`` format has nowhere to put them.
+    """
     item = np.asarray(item, dtype=np.bool_)[None]
+    params = dict(parameters or {})
     if fmt == "packed":
-        return _binary("UINT8", np.packbits(item, axis=-1, bitorder="big"))
+        return _binary("UINT8", np.packbits(item, axis=-1, bitorder="big"), params)
     if fmt == "bool":
-        return _binary("BOOL", item)
+        return _binary("BOOL", item, params)
     if fmt == "json":
         # json.dumps of a list of Python bools writes true/false, as the V2 spec asks for BOOL.
-        doc = {
+        doc: dict[str, Any] = {
             "inputs": [
                 {
                     "name": INPUT_NAME,
@@ -78,9 +87,13 @@ def encode(fmt: Format, item: np.ndarray[Any, Any]) -> Body:
             ],
             "outputs": [{"name": OUTPUT_NAME}],
         }
+        if params:
+            doc["parameters"] = params
         body = json.dumps(doc, separators=(",", ":")).encode()
         return Body(body, {"Content-Type": "application/json"})
     if fmt == "raw":
+        if params:
+            raise ValueError("the raw format carries no parameters")
         packed = np.packbits(item, axis=-1, bitorder="big")
         return Body(packed.tobytes(), {"Content-Type": "application/octet-stream"})
     raise ValueError(f"unknown format {fmt!r}")
