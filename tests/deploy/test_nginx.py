@@ -75,12 +75,12 @@ def test_loopback_copy_changes_only_addresses() -> None:
     changed = [(a.strip(), b.strip()) for a, b in zip(original, copy, strict=True) if a != b]
     assert changed == [
         (
-            "server replica-0:8000 max_fails=1 fail_timeout=5s;",
-            "server 127.0.0.1:40001 max_fails=1 fail_timeout=5s;",
+            "server replica-0:8000 max_fails=3 fail_timeout=5s;",
+            "server 127.0.0.1:40001 max_fails=3 fail_timeout=5s;",
         ),
         (
-            "server replica-1:8000 max_fails=1 fail_timeout=5s;",
-            "server 127.0.0.1:40002 max_fails=1 fail_timeout=5s;",
+            "server replica-1:8000 max_fails=3 fail_timeout=5s;",
+            "server 127.0.0.1:40002 max_fails=3 fail_timeout=5s;",
         ),
         ("listen 8080;", "listen 127.0.0.1:40000;"),
     ]
