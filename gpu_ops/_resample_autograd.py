@@ -56,7 +56,7 @@ def kernel_backward_f(
     if g.device.type == "cpu":
         lib = _resample_cpu.kernels()
         if lib is not None:
-            return _resample_cpu.backward_f_c(lib, g, starts, weights, B)
+            return _resample_cpu.backward_f_c(lib, g, starts, weights, B, sorted_starts)
     return _resample_cpu.backward_f_torch(g, starts, weights, B)
 
 

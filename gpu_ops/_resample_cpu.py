@@ -26,6 +26,7 @@ _SOURCE = Path(__file__).with_name("_resample_cpu.c")
 _FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
     ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
+    ["-O3", "-fPIC", "-shared", "-fno-strict-aliasing"],  # no OpenMP runtime: one thread
 )
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Fine points per task in the transposed band: big enough that scanning the A windows per
@@ -41,43 +42,75 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _compiler_id(compiler: str) -> str:
+    """The compiler's ``--version`` banner, so an upgraded compiler gets a fresh build."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return compiler + "\n" + done.stdout.decode(errors="replace")
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    """Build into a private temporary file, then ``os.replace`` it onto ``target``.
+
+    Processes that race on first use each build their own file; the rename is atomic, so a
+    reader only ever maps a complete library.
+    """
+    # 0o700: a library another user could swap in would run as us.
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if target.parent.stat().st_uid == os.getuid():
+        target.parent.chmod(0o700)  # tighten a folder an older version made wider
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *flags, str(_SOURCE), "-o", str(out)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(out, target)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.bs_forward.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
+    lib.bs_backward_f.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, i64, cint]
+    lib.bs_backward_f_sorted.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
+    lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+    for fn in (lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w):
+        fn.restype = None
+    return lib
+
+
 def _build() -> ctypes.CDLL | None:
     """Compile (or reuse) the kernel library; ``None`` when that is impossible here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
+        _log.warning(
+            "no C compiler found (set CC): the CPU resample kernels fall back to torch code"
+        )
         return None
     source = _SOURCE.read_bytes()
+    ident = _compiler_id(compiler)
     for flags in _FLAG_SETS:
-        key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"resample_cpu_{key}.so"
-        if not target.exists():
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                    out = Path(tmp) / target.name
-                    subprocess.run(
-                        [compiler, *flags, str(_SOURCE), "-o", str(out)],
-                        check=True,
-                        capture_output=True,
-                        timeout=120,
-                    )
-                    # Atomic, so concurrent processes never load a half-written library.
-                    os.replace(out, target)
-            except (OSError, subprocess.SubprocessError) as exc:
-                _log.info("building the CPU resample kernels with %s failed: %s", flags, exc)
-                continue
+        key = hashlib.sha256(b"\0".join([source, ident.encode(), *map(str.encode, flags)]))
+        target = _cache_dir() / f"resample_cpu_{key.hexdigest()[:20]}.so"
         try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as exc:
-            _log.info("loading %s failed: %s", target, exc)
-            continue
-        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.bs_forward.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
-        lib.bs_backward_f.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, i64, cint]
-        lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
-        for fn in (lib.bs_forward, lib.bs_backward_f, lib.bs_backward_w):
-            fn.restype = None
-        return lib
+            if not target.exists():
+                _compile(compiler, flags, target)
+            return _bind(ctypes.CDLL(str(target)))
+        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            _log.info(
+                "CPU resample kernels with %s %s: %s %s",
+                compiler, " ".join(flags), exc, detail.decode(errors="replace")[-500:],
+            )  # fmt: skip
+    _log.warning(
+        "could not build the CPU resample kernels with %s (cache %s): falling back to torch "
+        "code; run with DEBUG/INFO logging of %s for the compiler output",
+        compiler, _cache_dir(), __name__,
+    )  # fmt: skip
     return None
 
 
@@ -113,16 +146,28 @@ def forward_c(
 
 
 def backward_f_c(
-    lib: ctypes.CDLL, g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int
+    lib: ctypes.CDLL,
+    g: torch.Tensor,
+    starts: torch.Tensor,
+    weights: torch.Tensor,
+    B: int,
+    sorted_starts: bool = False,
 ) -> torch.Tensor:
-    """grad_f (M, N, B) float32 from g (M, N, A) float32: the transposed band."""
+    """grad_f (M, N, B) float32 from g (M, N, A) float32: the transposed band.
+
+    With ``sorted_starts`` (non-decreasing along each row, as BandedResampler stores them)
+    the register-blocked tile kernel runs; any other order scans every window per block.
+    """
     M, N, A = g.shape
     W = weights.shape[-1]
     out = torch.empty(M, N, B, dtype=torch.float32)
-    lib.bs_backward_f(
-        g.data_ptr(), weights.data_ptr(), _WEIGHT_CODES[weights.dtype], starts.data_ptr(),
-        out.data_ptr(), M, N, A, B, W, _BACKWARD_BLOCK, torch.get_num_threads(),
-    )  # fmt: skip
+    args = (g.data_ptr(), weights.data_ptr(), _WEIGHT_CODES[weights.dtype], starts.data_ptr())
+    if sorted_starts:
+        lib.bs_backward_f_sorted(*args, out.data_ptr(), M, N, A, B, W, torch.get_num_threads())
+    else:
+        lib.bs_backward_f(
+            *args, out.data_ptr(), M, N, A, B, W, _BACKWARD_BLOCK, torch.get_num_threads()
+        )
     return out
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -148,6 +152,93 @@ def test_cpu_kernels_and_torch_path_match_reference(M: int, wdtype: torch.dtype)
         _assert_close(out, ref.detach(), 1e-5)
         _assert_close(grad_f, ref_f.grad, 1e-5)
         _assert_close(grad_w, ref_w.grad, 1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 4, 13, 16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_sorted_transposed_band_matches_reference(M: int, wdtype: torch.dtype) -> None:
+    """The register-blocked grad_f kernel (sorted starts): every input block size (8, 4, 1),
+    tiles cut by the grid's end and by windows ending/starting inside them, windows at both
+    edges, repeated starts."""
+    lib = _resample_cpu.kernels()
+    if lib is None:
+        pytest.skip("no C compiler here: the torch path is tested elsewhere")
+    gen = torch.Generator().manual_seed(100 + M)
+    N, A, B, W = 3, 50, 1237, 71  # B is a multiple of neither the tile nor the task block
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)
+    starts[:, :3] = 0
+    starts[:, -3:] = B - W
+    starts = starts.sort(dim=1).values
+    weights = torch.randn(N, A, W, generator=gen).to(wdtype)
+    g = torch.randn(M, N, A, generator=gen)
+    ref_f = torch.randn(M, N, B, generator=gen, dtype=torch.float64).requires_grad_()
+    banded_resample_reference(ref_f, starts, weights.double()).backward(g.double())
+    assert ref_f.grad is not None
+    out = _resample_cpu.backward_f_c(lib, g, starts, weights, B, sorted_starts=True)
+    _assert_close(out, ref_f.grad, 1e-5)
+    unsorted = _resample_cpu.backward_f_c(lib, g, starts, weights, B, sorted_starts=False)
+    _assert_close(unsorted, ref_f.grad, 1e-5)
+
+
+def test_functional_form_detects_sorted_starts_on_cpu() -> None:
+    gen = torch.Generator().manual_seed(11)
+    N, A, B, W = 2, 30, 400, 40
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)
+    for s in (starts, starts.sort(dim=1).values):
+        w = torch.randn(N, A, W, generator=gen, dtype=torch.float64)
+        f = torch.randn(3, N, B, generator=gen, requires_grad=True)
+        g = torch.randn(3, N, A, generator=gen)
+        (banded_resample(f, s, w.float()) * g).sum().backward()
+        ref_f = f.detach().double().requires_grad_()
+        (banded_resample_reference(ref_f, s, w) * g.double()).sum().backward()
+        assert f.grad is not None
+        assert ref_f.grad is not None
+        _assert_close(f.grad, ref_f.grad, 1e-5)
+
+
+def test_torch_fallback_without_compiled_kernels(tmp_path: Path) -> None:
+    """BITSERVE_CPU_KERNELS=0 and a missing compiler both give the torch path, not a crash."""
+    code = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from gpu_ops import _resample_cpu, banded_resample\n"
+        "assert _resample_cpu.kernels() is None\n"
+        "s = torch.tensor([[0, 2]], dtype=torch.int32)\n"
+        "f = torch.arange(6.0).reshape(1, 6).requires_grad_()\n"
+        "out = banded_resample(f, s, torch.ones(1, 2, 3))\n"
+        "out.sum().backward()\n"
+        "print(out.tolist(), f.grad.tolist())\n"
+    )
+    expected = "[[3.0, 9.0]] [[1.0, 1.0, 2.0, 1.0, 1.0, 0.0]]"
+    root = Path(__file__).resolve().parents[2]
+    base = {**os.environ, "BITSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(root)}
+    envs = [
+        {**base, "BITSERVE_CPU_KERNELS": "0"},
+        {**base, "CC": str(tmp_path / "no-such-compiler")},
+    ]
+    for env in envs:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected
+    assert "falling back to torch" in done.stderr
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_kernel_cache_is_private_and_shared_by_racing_processes(tmp_path: Path) -> None:
+    """Several first uses at once: one library per cache key, mode 0o700, no temp leftovers."""
+    if _resample_cpu.kernels() is None:
+        pytest.skip("no C compiler here")
+    cache = tmp_path / "cache"
+    code = "from gpu_ops import _resample_cpu; assert _resample_cpu.kernels() is not None"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "BITSERVE_CACHE_DIR": str(cache), "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    assert len(list(cache.glob("resample_cpu_*.so"))) == 1
+    assert not [p for p in cache.iterdir() if p.name.startswith(".build-")]
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
 
 
 @needs_triton
