@@ -3,6 +3,7 @@
 Each op family lives in its own module; the public names are re-exported here.
 """
 
+from gpu_ops.bits import packbits, unpackbits
 from gpu_ops.resample import BandedResampler, banded_resample
 from gpu_ops.transfer import (
     StagingBuffer,
@@ -21,7 +22,9 @@ __all__: list[str] = [
     "StagingStats",
     "banded_resample",
     "from_dlpack",
+    "packbits",
     "to_device",
     "to_dlpack",
     "to_numpy",
+    "unpackbits",
 ]

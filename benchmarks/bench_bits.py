@@ -1,0 +1,205 @@
+"""gpu_ops.unpackbits / packbits against NumPy and naive torch shifts (issue 2).
+
+Run as ``python -m benchmarks.bench_bits [--smoke] [--device cpu|cuda]``. 32 MiB of packed
+input (256 KiB with ``--smoke``). "new" rows allocate the result, as NumPy does; "out=" rows
+write into a preallocated tensor, as the server's batcher does. GB/s counts bytes written;
+the copy row is the floor: a ``copy_`` of the same number of bytes between preallocated
+buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks._common import copy_bandwidth, markdown_table, median_time, parse_args, report
+from gpu_ops import _bits_cpu, packbits, unpackbits
+
+HEADERS = ("case", "median ms", "output GB/s", "% of copy", "speed-up vs baseline")
+
+
+def _naive_unpack(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What users write today: broadcast shifts, then a conversion."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=x.device)
+    return ((x[:, None] >> shifts) & 1).reshape(-1).to(dtype)
+
+
+def _naive_pack(bits: torch.Tensor) -> torch.Tensor:
+    weights = 1 << torch.arange(7, -1, -1, device=bits.device)
+    return (bits.reshape(-1, 8).long() * weights).sum(-1).to(torch.uint8)
+
+
+class _Table:
+    """Collects rows: each case's time, its output rate and its ratio to a baseline."""
+
+    def __init__(self, device: str, copy_bw: float, repeat: int) -> None:
+        self.device, self.copy_bw, self.repeat = device, copy_bw, repeat
+        self.rows: list[list[object]] = []
+        self.times: dict[str, float] = {}
+
+    def add(
+        self,
+        case: str,
+        fn: Callable[[], object],
+        out_bytes: int,
+        baseline: str | None = None,
+        repeat: int | None = None,
+    ) -> None:
+        t = median_time(fn, device=self.device, repeat=repeat or self.repeat, warmup=1)
+        self.times[case] = t
+        rate = out_bytes / t
+        ratio = f"{self.times[baseline] / t:.2f}x vs {baseline}" if baseline else "baseline"
+        self.rows.append([case, t * 1e3, rate / 1e9, f"{100 * rate / self.copy_bw:.0f}%", ratio])
+
+
+def _cpu_section(n_bytes: int, repeat: int) -> str:
+    gen = np.random.default_rng(0)
+    a = gen.integers(0, 256, n_bytes, dtype=np.uint8)
+    x = torch.from_numpy(a)
+    n_out = 8 * n_bytes
+    bw = copy_bandwidth("cpu", n_out * 4)
+    tab = _Table("cpu", bw, repeat)
+    slow = max(2, repeat // 5)
+    tab.add("numpy.unpackbits", lambda: np.unpackbits(a), n_out)
+    tab.add(
+        "torch naive shifts -> uint8",
+        lambda: _naive_unpack(x, torch.uint8),
+        n_out,
+        "numpy.unpackbits",
+        slow,
+    )
+    tab.add("ours -> uint8 (new)", lambda: unpackbits(x), n_out, "numpy.unpackbits")
+    out8 = torch.empty(n_out, dtype=torch.uint8)
+    tab.add("ours -> uint8 (out=)", lambda: unpackbits(x, out=out8), n_out, "numpy.unpackbits")
+    base32 = "numpy.unpackbits().astype(float32)"
+    tab.add(base32, lambda: np.unpackbits(a).astype(np.float32), 4 * n_out)
+    tab.add(
+        "torch naive shifts -> float32",
+        lambda: _naive_unpack(x, torch.float32),
+        4 * n_out,
+        base32,
+        slow,
+    )
+    f32 = torch.float32
+    tab.add("ours -> float32 (new)", lambda: unpackbits(x, dtype=f32), 4 * n_out, base32)
+    out32 = torch.empty(n_out, dtype=f32)
+    tab.add(
+        "ours -> float32 (out=)", lambda: unpackbits(x, dtype=f32, out=out32), 4 * n_out, base32
+    )
+    # The server's call: a slice of a batch buffer, rows of L bits, count mid-byte.
+    L = 50_000
+    rows = n_bytes // ((L + 7) // 8)
+    packed = x[: rows * ((L + 7) // 8)].view(rows, -1)
+    batch = out32[: rows * (L + 8)].view(rows, L + 8)
+    tab.add(
+        f"ours -> float32 (out=buf[:, :L], L={L})",
+        lambda: unpackbits(packed, dim=-1, count=L, dtype=f32, out=batch[:, :L]),
+        4 * rows * L,
+        base32,
+    )
+    for dt in (torch.bfloat16, torch.float16):
+        name = str(dt).removeprefix("torch.")
+        size = n_out * 2
+        tab.add(f"ours -> {name} (new)", lambda dt=dt: unpackbits(x, dtype=dt), size, base32)
+        out16 = torch.empty(n_out, dtype=dt)
+        tab.add(
+            f"ours -> {name} (out=)",
+            lambda dt=dt, o=out16: unpackbits(x, dtype=dt, out=o),
+            size,
+            base32,
+        )
+        del out16
+    bits_np = np.unpackbits(a).view(np.bool_)
+    bits = torch.from_numpy(bits_np)
+    tab.add("numpy.packbits (bool)", lambda: np.packbits(bits_np), n_bytes)
+    tab.add("ours packbits (bool)", lambda: packbits(bits), n_bytes, "numpy.packbits (bool)")
+    tab.add(
+        "ours packbits, torch-only path (bool)",
+        lambda: _pack_torch(bits),
+        n_bytes,
+        "numpy.packbits (bool)",
+    )
+    head = (
+        f"### CPU ({torch.get_num_threads()} torch threads), {n_bytes / 2**20:g} MiB packed\n\n"
+        f"Copy bandwidth (floor): {bw / 1e9:.1f} GB/s.\n\n"
+    )
+    return head + markdown_table(HEADERS, tab.rows)
+
+
+def _pack_torch(bits: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((bits.numel() + 7) // 8, dtype=torch.uint8, device=bits.device)
+    _bits_cpu.pack_into_torch(bits.view(torch.uint8), out, 0, "big")
+    return out
+
+
+def _cuda_section(n_bytes: int, repeat: int) -> str:
+    dev = "cuda"
+    x = torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=dev)
+    n_out = 8 * n_bytes
+    bw = copy_bandwidth(dev, n_out * 4)
+    tab = _Table(dev, bw, repeat)
+    for dt in (torch.uint8, torch.bfloat16, torch.float32):
+        name = str(dt).removeprefix("torch.")
+        size = n_out * dt.itemsize
+        naive = f"torch naive shifts -> {name}"
+        tab.add(naive, lambda dt=dt: _naive_unpack(x, dt), size)
+        out = torch.empty(n_out, dtype=dt, device=dev)
+        tab.add(
+            f"ours -> {name} (out=)",
+            lambda dt=dt, o=out: unpackbits(x, dtype=dt, out=o),
+            size,
+            naive,
+        )
+        tab.add(f"ours -> {name} (new)", lambda dt=dt: unpackbits(x, dtype=dt), size, naive)
+        tab.add(
+            f"ours, torch-only path -> {name} (out=)",
+            lambda o=out: _bits_cpu.unpack_into(
+                x, o.view(torch.uint8) if o.dtype == torch.bool else o, 0, "big"
+            ),
+            size,
+            naive,
+        )
+    L = 50_000
+    nb = (L + 7) // 8
+    rows = n_bytes // nb
+    packed = x[: rows * nb].view(rows, nb)
+    buf = torch.empty(rows, L + 8, dtype=torch.float32, device=dev)
+    tab.add(
+        f"ours -> float32 (out=buf[:, :L], L={L})",
+        lambda: unpackbits(packed, dim=-1, count=L, dtype=torch.float32, out=buf[:, :L]),
+        4 * rows * L,
+        "torch naive shifts -> float32",
+    )
+    bits = unpackbits(x, dtype=torch.bool)
+    tab.add("torch naive pack", lambda: _naive_pack(bits), n_bytes)
+    tab.add("ours packbits (bool)", lambda: packbits(bits), n_bytes, "torch naive pack")
+    head = (
+        f"### CUDA ({torch.cuda.get_device_name()}), {n_bytes / 2**20:g} MiB packed\n\n"
+        f"Copy bandwidth (floor): {bw / 1e9:.0f} GB/s. Target: unpack at >= 70% of it.\n\n"
+    )
+    return head + markdown_table(HEADERS, tab.rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(__doc__ or "", argv)
+    n_bytes = (256 << 10) if args.smoke else (32 << 20)
+    repeat = 3 if args.smoke else 7
+    sections = []
+    for device in args.device:
+        if torch.device(device).type == "cuda":
+            sections.append(_cuda_section(n_bytes, 5 if args.smoke else 20))
+        else:
+            sections.append(_cpu_section(n_bytes, repeat))
+    report(
+        "bits",
+        "bit unpacking and packing",
+        "\n\n".join(sections),
+        smoke=args.smoke,
+        devices=args.device,
+    )
+
+
+if __name__ == "__main__":
+    main()
