@@ -193,7 +193,8 @@ async def run_level(
             return
         if record:
             res.latencies_ms.append(dt * 1e3)
-            resp_bytes.append(len(r.content))
+            # Bytes on the wire (compressed when the server gzips the answer).
+            resp_bytes.append(r.num_bytes_downloaded)
 
     async def worker(client: httpx.AsyncClient, record: bool) -> None:
         while (i := take()) is not None:

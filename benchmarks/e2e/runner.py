@@ -167,7 +167,8 @@ def targets(rows: Sequence[Row], c: int = TARGETS_AT) -> str:
         if value is None:
             lines.append([what, "not measured", f">= {goal:g}x", "-"])
         else:
-            lines.append([what, f"{value:.1f}x", f">= {goal:g}x", "yes" if value >= goal else "NO"])
+            met = "yes" if value >= goal else "NO"
+            lines.append([what, f"{value:.2f}x", f">= {goal:g}x", met])
 
     def speedup(label: str) -> float | None:
         other = _at(rows, label, c)
