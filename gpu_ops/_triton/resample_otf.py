@@ -1,0 +1,243 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Triton kernels of the on-the-fly banded operator: weights computed in registers.
+
+No weight is ever stored: each program evaluates ``r(c[a] - x[b])`` of a named response for
+the (coarse x fine) tile it is about to use, from ``x (B,)`` (loaded per tile), ``c`` (one per
+coarse point) and the response parameter. The windows ``[first, last)`` come from one
+``searchsorted`` per call (exactly the torch path's windows). Coarse points are sorted per
+row once per call so a block of consecutive coarse points has a short union window, and the
+transposed band (grad f) is banded; results are put back in the caller's order.
+
+Backward: ``grad_f`` is the transposed band with recomputed weights; ``grad_c`` and the
+parameter gradient use ``dr/dd`` and ``dr/dparam`` evaluated analytically per response. Each
+program owns a block of coarse points and reduces over all M inputs itself, so every
+``grad_c`` is written once; the parameter gradient is written as per-coarse-point partials
+and summed with torch. No atomics anywhere: results are deterministic.
+
+Offsets ``c - x`` are formed in float64 (c and x may be large while the response is narrow)
+and the response is evaluated in float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
+
+
+@triton.jit
+def _response(d, p, RESP: tl.constexpr):
+    """(r, dr/dd, dr/dp) of the named response at offsets d (float32 tiles)."""
+    if RESP == 0:  # gaussian: exp(-u^2 / 2), u = d / p
+        u = d / p
+        r = tl.exp(-0.5 * u * u)
+        return r, -u / p * r, u * u / p * r
+    elif RESP == 1:  # boxcar: piecewise constant, zero derivatives almost everywhere
+        r = tl.where(tl.abs(d) <= p, 1.0, 0.0)
+        return r, 0.0 * d, 0.0 * d
+    elif RESP == 2:  # triangle: max(0, 1 - |d| / p)
+        t = 1.0 - tl.abs(d) / p
+        sgn = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        on = t > 0
+        return (
+            tl.where(on, t, 0.0),
+            tl.where(on, -sgn / p, 0.0),
+            tl.where(on, tl.abs(d) / (p * p), 0.0),
+        )
+    else:  # lorentzian: 1 / (1 + u^2)
+        u = d / p
+        q = 1.0 / (1.0 + u * u)
+        return q, -2.0 * u * q * q / p, 2.0 * u * u * q * q / p
+
+
+@triton.jit
+def _forward_kernel(
+    f_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, M, N, A, B,
+    RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ok = a < A
+    m_ok = m < M
+    fi = tl.load(fi_ptr + n * A + a, mask=a_ok, other=B)
+    la = tl.load(la_ptr + n * A + a, mask=a_ok, other=0)
+    cv = tl.load(c_ptr + n * A + a, mask=a_ok, other=0.0).to(tl.float64)
+    lo = tl.min(fi, axis=0)
+    hi = tl.max(la, axis=0)
+    f_rows = (m.to(tl.int64) * N + n) * B
+    acc = tl.zeros((BLOCK_A, BLOCK_M), dtype=tl.float32)
+    for u0 in range(lo, hi, BLOCK_U):
+        u = u0 + tl.arange(0, BLOCK_U)
+        u_ok = u < B
+        xv = tl.load(x_ptr + u, mask=u_ok, other=0.0).to(tl.float64)
+        d = (cv[:, None] - xv[None, :]).to(tl.float32)
+        r, _, _ = _response(d, p, RESP)
+        inside = (u[None, :] >= fi[:, None]) & (u[None, :] < la[:, None])
+        wt = tl.where(inside, r, 0.0)
+        f_ok = u_ok[:, None] & m_ok[None, :]
+        ft = tl.load(f_ptr + f_rows[None, :] + u[:, None], mask=f_ok, other=0.0).to(tl.float32)
+        acc += tl.dot(wt, ft, input_precision="ieee")
+    out = out_ptr + (m[None, :].to(tl.int64) * N + n) * A + a[:, None]
+    tl.store(out, acc, mask=a_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _grad_cp_kernel(
+    f_ptr, g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, gc_ptr, gp_ptr, p, M, N, A, B,
+    RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
+    a_ok = a < A
+    fi = tl.load(fi_ptr + n * A + a, mask=a_ok, other=B)
+    la = tl.load(la_ptr + n * A + a, mask=a_ok, other=0)
+    cv = tl.load(c_ptr + n * A + a, mask=a_ok, other=0.0).to(tl.float64)
+    lo = tl.min(fi, axis=0)
+    hi = tl.max(la, axis=0)
+    gc = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    gp = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        f_rows = (m.to(tl.int64) * N + n) * B
+        acc_c = tl.zeros((BLOCK_A, BLOCK_M), dtype=tl.float32)
+        acc_p = tl.zeros((BLOCK_A, BLOCK_M), dtype=tl.float32)
+        for u0 in range(lo, hi, BLOCK_U):
+            u = u0 + tl.arange(0, BLOCK_U)
+            u_ok = u < B
+            xv = tl.load(x_ptr + u, mask=u_ok, other=0.0).to(tl.float64)
+            d = (cv[:, None] - xv[None, :]).to(tl.float32)
+            _, dr_dd, dr_dp = _response(d, p, RESP)
+            inside = (u[None, :] >= fi[:, None]) & (u[None, :] < la[:, None])
+            f_ok = u_ok[:, None] & m_ok[None, :]
+            ft = tl.load(f_ptr + f_rows[None, :] + u[:, None], mask=f_ok, other=0.0)
+            ft = ft.to(tl.float32)
+            acc_c += tl.dot(tl.where(inside, dr_dd, 0.0), ft, input_precision="ieee")
+            acc_p += tl.dot(tl.where(inside, dr_dp, 0.0), ft, input_precision="ieee")
+        g_off = (m[None, :].to(tl.int64) * N + n) * A + a[:, None]
+        gt = tl.load(g_ptr + g_off, mask=a_ok[:, None] & m_ok[None, :], other=0.0)
+        gt = gt.to(tl.float32)
+        gc += tl.sum(acc_c * gt, axis=1)
+        gp += tl.sum(acc_p * gt, axis=1)
+    tl.store(gc_ptr + n * A + a, gc, mask=a_ok)
+    tl.store(gp_ptr + n * A + a, gp, mask=a_ok)
+
+
+@triton.jit
+def _grad_f_kernel(
+    g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, alo_ptr, ahi_ptr, out_ptr, p, M, N, A, B, NBLK,
+    RESP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    k = tl.program_id(1)
+    b = k * BLOCK_B + tl.arange(0, BLOCK_B)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_ok = b < B
+    m_ok = m < M
+    xv = tl.load(x_ptr + b, mask=b_ok, other=0.0).to(tl.float64)
+    a_lo = tl.load(alo_ptr + n * NBLK + k)
+    a_hi = tl.load(ahi_ptr + n * NBLK + k)
+    acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    for a0 in range(a_lo, a_hi, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        a_ok = a < a_hi
+        fi = tl.load(fi_ptr + n * A + a, mask=a_ok, other=B)
+        la = tl.load(la_ptr + n * A + a, mask=a_ok, other=0)
+        cv = tl.load(c_ptr + n * A + a, mask=a_ok, other=0.0).to(tl.float64)
+        d = (cv[None, :] - xv[:, None]).to(tl.float32)
+        r, _, _ = _response(d, p, RESP)
+        inside = (b[:, None] >= fi[None, :]) & (b[:, None] < la[None, :])
+        wt = tl.where(inside, r, 0.0)
+        g_off = (m[None, :].to(tl.int64) * N + n) * A + a[:, None]
+        gt = tl.load(g_ptr + g_off, mask=a_ok[:, None] & m_ok[None, :], other=0.0)
+        acc += tl.dot(wt, gt.to(tl.float32), input_precision="ieee")
+    out = out_ptr + (m[None, :].to(tl.int64) * N + n) * B + b[:, None]
+    tl.store(out, acc, mask=b_ok[:, None] & m_ok[None, :])
+
+
+class Geometry(NamedTuple):
+    """Per-call geometry: coarse points sorted per row and their windows in that order."""
+
+    x: torch.Tensor  # (B,) float64
+    c: torch.Tensor  # (N, A) sorted along each row, c's dtype
+    first: torch.Tensor  # (N, A) int32, window [first, last) in fine points
+    last: torch.Tensor  # (N, A) int32
+    order: torch.Tensor  # (N, A) int64: sorted position -> caller's position
+    inverse: torch.Tensor  # (N, A) int64: caller's position -> sorted position
+    param: float
+    code: int
+
+
+def prepare(x: torch.Tensor, c: torch.Tensor, name: str, param: float, half: float) -> Geometry:
+    """Sort c per row and find each window ``|c - x| <= half`` with one searchsorted."""
+    c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
+    c64 = c_sorted.to(x.dtype).contiguous()
+    first = torch.searchsorted(x, c64 - half, side="left").to(torch.int32)
+    last = torch.searchsorted(x, c64 + half, side="right").to(torch.int32)
+    return Geometry(
+        x, c_sorted.contiguous(), first, last, order, torch.argsort(order, dim=1),
+        float(param), RESPONSE_CODES[name],
+    )  # fmt: skip
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64  # tl.dot needs every dimension >= 16
+
+
+def forward(f: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """out (M, N, A) float32 in the caller's coarse order from contiguous f (M, N, B)."""
+    M, N, B = f.shape
+    A = geo.c.shape[1]
+    out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
+    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
+    grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(M, BLOCK_M))
+    _forward_kernel[grid](
+        f, geo.x, geo.c, geo.first, geo.last, out, geo.param, M, N, A, B,
+        RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+    )  # fmt: skip
+    return out.gather(-1, geo.inverse.expand(M, N, A))
+
+
+def grad_c_param(
+    f: torch.Tensor, g: torch.Tensor, geo: Geometry
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_c (N, A) in the caller's order, grad_param 0-d), float32, for g (M, N, A)."""
+    M, N, B = f.shape
+    A = geo.c.shape[1]
+    g_sorted = g.gather(-1, geo.order.expand(M, N, A)).contiguous()
+    gc = torch.empty(N, A, dtype=torch.float32, device=f.device)
+    gp = torch.empty(N, A, dtype=torch.float32, device=f.device)
+    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
+    grid = (N, triton.cdiv(A, BLOCK_A))
+    _grad_cp_kernel[grid](
+        f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, geo.param, M, N, A, B,
+        RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+    )  # fmt: skip
+    return gc.gather(1, geo.inverse), gp.double().sum().float()
+
+
+def grad_f(g: torch.Tensor, geo: Geometry, B: int) -> torch.Tensor:
+    """grad_f (M, N, B) float32 for g (M, N, A): the transposed band, weights recomputed."""
+    M, N, A = g.shape
+    g_sorted = g.gather(-1, geo.order.expand(M, N, A)).contiguous()
+    BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, _block_m(M)
+    nblk = triton.cdiv(B, BLOCK_B)
+    b0 = (torch.arange(nblk, device=g.device, dtype=torch.int32) * BLOCK_B).expand(N, nblk)
+    # Sorted c: first and last are non-decreasing, so the windows reaching a fine block
+    # [b0, b0 + BLOCK_B) (last > b0 and first < b0 + BLOCK_B) are one contiguous range.
+    lo = torch.searchsorted(geo.last, b0.contiguous(), right=True).to(torch.int32)
+    hi = torch.searchsorted(geo.first, (b0 + BLOCK_B).contiguous(), right=False)
+    hi = torch.maximum(hi.to(torch.int32), lo)
+    out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
+    grid = (N, nblk, triton.cdiv(M, BLOCK_M))
+    _grad_f_kernel[grid](
+        g_sorted, geo.x, geo.c, geo.first, geo.last, lo.contiguous(), hi.contiguous(), out,
+        geo.param, M, N, A, B, nblk,
+        RESP=geo.code, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
+    )  # fmt: skip
+    return out
