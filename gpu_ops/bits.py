@@ -215,7 +215,7 @@ def unpackbits(
     shape = list(x.shape)
     shape[d] = n_bits
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=x.device)
+        out = _bits_cpu.empty(shape, dtype, x.device)
     else:
         out = _check_out(out, shape, dtype, x.device)
     if out.numel() == 0:

@@ -306,3 +306,16 @@ def test_public_names() -> None:
     assert gpu_ops.packbits is packbits
     assert gpu_ops.unpackbits is unpackbits
     assert {"packbits", "unpackbits"} <= set(gpu_ops.__all__)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.bfloat16, torch.float16])
+def test_large_cpu_results(dtype: torch.dtype) -> None:
+    """Results past the huge-page threshold (allocated through NumPy) are ordinary tensors."""
+    a = np.random.default_rng(6).integers(0, 256, (512, 1024), dtype=np.uint8)
+    got = unpackbits(torch.from_numpy(a), dim=1, count=8000, bitorder="little", dtype=dtype)
+    assert got.dtype == dtype
+    assert got.shape == (512, 8000)
+    assert got.is_contiguous()
+    expected = np.unpackbits(a, axis=1, count=8000, bitorder="little")
+    np.testing.assert_array_equal(got.to(torch.float64).numpy(), expected)
+    got.add_(1) if dtype != torch.bool else got.logical_not_()  # writable, owns its memory
