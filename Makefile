@@ -26,10 +26,12 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/bitserve serve --host $(HOST) --port $(PORT)
 
-# System packages the end-to-end tests use (nginx as the load balancer in front of replicas).
+# System packages the end-to-end tests use: nginx (the load balancer in front of replicas) and
+# prometheus (promtool and a real scrape of the replicas for the dashboard queries).
 system-deps:
-	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
+	@{ command -v nginx || [ -x /usr/sbin/nginx ]; } >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends nginx prometheus >/dev/null; }
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
