@@ -107,37 +107,56 @@ def create_app(
         title="bitserve",
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        # The schema describes the routes (no secrets) and is served like the health
+        # endpoints, without a token: tools (schemathesis, client generators) read it first.
+        openapi_url="/openapi.json",
         lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.repository = repo
     app.state.metrics = metrics
-    ep = Endpoints(repo, metrics, settings.max_body_bytes)
+    ep = Endpoints(repo, metrics, settings.max_body_bytes, settings.response_compression)
 
+    # Every route gets its own operation id (FastAPI derives ids from the function name, and
+    # one function serves several paths and methods here), so the OpenAPI schema is valid.
     open_routes = APIRouter()
-    open_routes.add_api_route("/v2/health/live", ep.live, methods=["GET"])
-    open_routes.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
+    open_routes.add_api_route(
+        "/v2/health/live", ep.live, methods=["GET"], operation_id="server_live"
+    )
+    open_routes.add_api_route(
+        "/v2/health/ready", ep.ready, methods=["GET"], operation_id="server_ready"
+    )
 
     auth = [Depends(make_auth_check(settings.auth_token))]
     routes = APIRouter(dependencies=auth)
-    get: dict[str, Any] = {"methods": ["GET"]}
-    post: dict[str, Any] = {"methods": ["POST"]}
-    routes.add_api_route("/v2", ep.server_metadata, **get)
-    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        routes.add_api_route(base, ep.model_metadata, **get)
-        routes.add_api_route(base + "/ready", ep.model_ready, **get)
-        routes.add_api_route(base + "/config", ep.model_config, **get)
-        routes.add_api_route(base + "/infer", ep.infer, **post)
-    routes.add_api_route("/v2/repository/index", ep.repository_index, methods=["GET", "POST"])
-    routes.add_api_route("/v2/repository/models/{model}/load", ep.load, **post)
-    routes.add_api_route("/v2/repository/models/{model}/unload", ep.unload, **post)
-    routes.add_api_route("/metrics", ep.metrics_text, **get)
+
+    def add(path: str, endpoint: Any, method: str, operation_id: str) -> None:
+        routes.add_api_route(path, endpoint, methods=[method], operation_id=operation_id)
+
+    add("/v2", ep.server_metadata, "GET", "server_metadata")
+    for base, suffix in (
+        ("/v2/models/{model}", ""),
+        ("/v2/models/{model}/versions/{version}", "_version"),
+    ):
+        add(base, ep.model_metadata, "GET", "model_metadata" + suffix)
+        add(base + "/ready", ep.model_ready, "GET", "model_ready" + suffix)
+        add(base + "/config", ep.model_config, "GET", "model_config" + suffix)
+        add(base + "/infer", ep.infer, "POST", "model_infer" + suffix)
+    add("/v2/repository/index", ep.repository_index, "GET", "repository_index_get")
+    add("/v2/repository/index", ep.repository_index, "POST", "repository_index")
+    add("/v2/repository/models/{model}/load", ep.load, "POST", "repository_model_load")
+    add("/v2/repository/models/{model}/unload", ep.unload, "POST", "repository_model_unload")
+    add("/metrics", ep.metrics_text, "GET", "metrics")
     app.include_router(open_routes)
     app.include_router(routes)
 
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(RequestContextMiddleware, access_log=settings.access_log)
+    app.add_middleware(
+        RequestContextMiddleware,
+        access_log=settings.access_log,
+        max_headers=settings.max_headers,
+        max_header_bytes=settings.max_header_bytes,
+    )
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging.config
+import signal
 import sys
 import types
 import typing
@@ -121,8 +122,27 @@ def serve(settings: Settings) -> int:
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
     # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
-    server.run()
-    return 0 if server.started else 1
+    # Then it restores the handlers it found and raises the signal again, which by default
+    # kills the process (exit status -15/143 after a clean drain, which supervisors count as
+    # a failure). The handlers it restores are these: they take the re-raised signal as the
+    # end of a graceful shutdown and let ``serve`` return, so a drained server exits 0.
+    received: list[int] = []
+
+    def after_drain(sig: int, frame: types.FrameType | None) -> None:
+        if not server.should_exit:  # uvicorn was not running yet: stop at once
+            raise SystemExit(128 + sig)
+        received.append(sig)
+
+    previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        return 1
+    # Ctrl-C keeps the shell's convention; SIGTERM (a supervisor's stop) is a clean exit.
+    return 128 + signal.SIGINT if signal.SIGINT in received else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,16 +20,21 @@ from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, Service
 from service.metrics import Metrics
 from service.protocol import (
     HEADER_LENGTH,
+    CompressionMode,
+    EncodedResponse,
     InferRequest,
     InferResponse,
     choose_encoding,
+    compress,
     decode_infer_request,
     decompress,
     dumps,
     encode_infer_response,
     parse_header_length,
     raw_input_spec,
+    worth_compressing,
 )
+from service.protocol.compression import MIN_BYTES
 from service.protocol.response import wants_binary
 
 # Work above these sizes leaves the event loop for a worker thread (JSON parsing, inflating,
@@ -119,12 +124,21 @@ class Endpoints:
         repository: the model repository (see :class:`Repository`).
         metrics: where request outcomes and in-flight counts go.
         max_body_bytes: the body limit, before and after decompression.
+        response_compression: the response compression policy (``auto``, ``always``,
+            ``never``; see :func:`service.protocol.worth_compressing`).
     """
 
-    def __init__(self, repository: Repository, metrics: Metrics, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        repository: Repository,
+        metrics: Metrics,
+        max_body_bytes: int,
+        response_compression: CompressionMode = "auto",
+    ) -> None:
         self.repository = repository
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.response_compression: CompressionMode = response_compression
 
     async def live(self) -> Response:
         return json_response({"live": True})
@@ -228,15 +242,29 @@ class Endpoints:
         else:
             infer_request = decode()
         result = await handle.infer(infer_request)
-        accept = choose_encoding(request.headers.get("accept-encoding"))
+        accept = None
+        if self.response_compression != "never":
+            accept = choose_encoding(request.headers.get("accept-encoding"))
+        mode = self.response_compression
 
-        def encode() -> Response:
-            enc = encode_infer_response(result, infer_request, encoding=accept)
-            return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
+        def encode() -> EncodedResponse:
+            return encode_infer_response(result, infer_request)
 
-        # Binary outputs are one memcpy; JSON lists and compression cost CPU per element.
+        # Binary outputs are one memcpy; JSON lists cost CPU per element.
         all_binary = all(wants_binary(infer_request, o.name) for o in result.outputs)
-        costly = accept is not None or not all_binary
-        if costly and sum(o.data.nbytes for o in result.outputs) > _THREAD_OUTPUT_BYTES:
-            return await anyio.to_thread.run_sync(encode)
-        return encode()
+        if not all_binary and sum(o.data.nbytes for o in result.outputs) > _THREAD_OUTPUT_BYTES:
+            enc = await anyio.to_thread.run_sync(encode)
+        else:
+            enc = encode()
+        if accept is not None and len(enc.body) >= MIN_BYTES:
+            enc = await anyio.to_thread.run_sync(_compressed, enc, accept, mode)
+        return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
+
+
+def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> EncodedResponse:
+    # In a worker thread: even level 1 costs ~1 ms per 100 KB, which the event loop (serving
+    # every other connection) must not pay.
+    if not worth_compressing(enc.body, enc.binary_from, mode):
+        return enc
+    headers = {**enc.headers, "Content-Encoding": encoding}
+    return EncodedResponse(compress(enc.body, encoding), headers, enc.media_type, enc.binary_from)

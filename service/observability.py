@@ -1,4 +1,9 @@
-"""Request ids, access logs and the last-resort 500 handler, as one pure ASGI middleware.
+"""Request ids, access logs, header limits and the last-resort 500 handler, as one pure ASGI
+middleware.
+
+Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
+cannot be trusted with them: h11 bounds only an *incomplete* request head, so a head that
+arrives whole in one read passes at any size, and no parser bounds the number of headers.
 
 Every request gets an id: the client's ``X-Request-ID`` when it is a sane token, else a fresh
 one. It is echoed in the response's ``X-Request-ID``, put on every log record emitted while
@@ -65,11 +70,32 @@ class RequestContextMiddleware:
     Args:
         app: the wrapped ASGI application.
         access_log: log one line per HTTP request.
+        max_headers: requests with more header lines are answered 431.
+        max_header_bytes: requests whose headers (``name: value\\r\\n`` each) add up to
+            more bytes are answered 431.
     """
 
-    def __init__(self, app: ASGIApp, *, access_log: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        access_log: bool = True,
+        max_headers: int = 100,
+        max_header_bytes: int = 64 << 10,
+    ) -> None:
         self.app = app
         self.access_log = access_log
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
+
+    def header_problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """Why ``headers`` are refused (a message for the 431), or None when they are fine."""
+        if len(headers) > self.max_headers:
+            return f"too many request headers: {len(headers)} (limit {self.max_headers})"
+        size = sum(len(k) + len(v) + 4 for k, v in headers)  # as sent: "k: v\r\n"
+        if size > self.max_header_bytes:
+            return f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,6 +126,24 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
+            problem = self.header_problem(scope.get("headers", []))
+            if problem is not None:
+                status = 431
+                body = dumps({"error": problem})
+                await send_with_id(
+                    {
+                        "type": "http.response.start",
+                        "status": 431,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            # the body was not read: the connection cannot be reused safely
+                            (b"connection", b"close"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
             await self.app(scope, receive, send_with_id)
         except Exception:
             error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])

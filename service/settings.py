@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest HTTP request head (request line and headers); enforced by the h11 parser."""
 
+    max_headers: int = Field(default=100, ge=8)
+    """Most request headers accepted; more are answered 431 (h11 counts only their bytes)."""
+
+    response_compression: Literal["auto", "always", "never"] = "auto"
+    """Compress inference responses when the client's ``Accept-Encoding`` allows it:
+    ``auto`` compresses JSON bodies and binary bodies that a trial on a prefix shows to shrink
+    (float tensors rarely do), ``always`` every body of 1 KiB or more, ``never`` none."""
+
     auth_token: SecretStr | None = None
     """If set, every endpoint except health needs ``Authorization: Bearer <token>`` (prefer
     the environment variable: a flag is visible to other users in ``ps``)."""

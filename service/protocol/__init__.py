@@ -4,7 +4,13 @@ Nothing in this package knows about FastAPI: it turns bytes and headers into
 :class:`InferRequest` objects and :class:`InferResponse` objects back into bytes.
 """
 
-from service.protocol.compression import choose_encoding, compress, decompress
+from service.protocol.compression import (
+    CompressionMode,
+    choose_encoding,
+    compress,
+    decompress,
+    worth_compressing,
+)
 from service.protocol.request import (
     HEADER_LENGTH,
     RawInputSpec,
@@ -27,6 +33,7 @@ __all__ = [
     "BYTES",
     "DATATYPES",
     "HEADER_LENGTH",
+    "CompressionMode",
     "EncodedResponse",
     "InferRequest",
     "InferResponse",
@@ -42,4 +49,5 @@ __all__ = [
     "encode_infer_response",
     "parse_header_length",
     "raw_input_spec",
+    "worth_compressing",
 ]

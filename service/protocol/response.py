@@ -29,6 +29,8 @@ class EncodedResponse:
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
     media_type: str = JSON_TYPE
+    binary_from: int | None = None
+    """Where binary tensor data starts in the uncompressed body (None: JSON only)."""
 
 
 def dumps(obj: object) -> bytes:
@@ -109,4 +111,4 @@ def encode_infer_response(
     if encoding:
         body = compress(body, encoding)
         headers["Content-Encoding"] = encoding
-    return EncodedResponse(body, headers, media_type)
+    return EncodedResponse(body, headers, media_type, len(header) if payloads else None)

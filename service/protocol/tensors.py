@@ -157,6 +157,38 @@ def _flatten(data: list[Any], shape: tuple[int, ...], what: str) -> list[Any]:
     return flat
 
 
+def _numeric_probe(
+    data: list[Any], shape: tuple[int, ...], what: str
+) -> tuple[np.ndarray[Any, Any] | None, list[Any] | None]:
+    """One ``np.asarray`` over ``data`` (flat or nested), its layout checked against ``shape``.
+
+    NumPy walks the lists in C; only when its result does not fit ``shape`` (or NumPy refuses
+    ragged data) does :func:`_flatten` walk them in Python, to name what is wrong.
+
+    Returns:
+        ``(probe, flat)``: the elements as a flat-or-shaped array, or None when there are
+        none; ``flat`` is the flattened list when the slow path built it, else None.
+    """
+    count = element_count(shape)
+    try:
+        probe = np.asarray(data)
+    except (ValueError, TypeError):  # ragged or mixed lists and scalars
+        probe = None
+    if probe is not None and probe.dtype != object:
+        # A flat list is a 1-D array; nested lists must come out exactly as ``shape``.
+        if probe.ndim == 1 and probe.size == count and (not data or not isinstance(data[0], list)):
+            return (probe if count else None), None
+        if probe.shape == shape and probe.ndim > 1:
+            return (probe if count else None), None
+    flat = _flatten(data, shape, what)  # raises with the exact layout problem
+    if not flat:
+        return None, flat
+    try:
+        return np.asarray(flat), flat
+    except (ValueError, TypeError) as e:  # ragged or mixed data
+        raise InvalidInput(f"{what}: 'data' is not a list of numbers ({e})") from None
+
+
 def from_json(
     data: object, datatype: str, shape: tuple[int, ...], what: str
 ) -> np.ndarray[Any, Any]:
@@ -174,31 +206,31 @@ def from_json(
             data = [data]
         else:
             raise InvalidInput(f"{what}: 'data' must be a list")
-    flat = _flatten(data, shape, what)
     if datatype == BYTES:
-        out = np.empty(len(flat), dtype=object)
-        for i, v in enumerate(flat):
+        strings = _flatten(data, shape, what)
+        out = np.empty(len(strings), dtype=object)
+        for i, v in enumerate(strings):
             if not isinstance(v, str):
                 raise InvalidInput(f"{what}: BYTES data must be strings, got {type(v).__name__}")
             out[i] = v.encode()
         return out.reshape(shape)
     dtype = DATATYPES[datatype]
-    if not flat:
+    probe, flat = _numeric_probe(data, shape, what)
+    if probe is None:
         return np.empty(shape, dtype=dtype)
-    try:
-        probe = np.asarray(flat)
-    except (ValueError, TypeError) as e:  # ragged or mixed data
-        raise InvalidInput(f"{what}: 'data' is not a list of numbers ({e})") from None
     kind = probe.dtype.kind
     if datatype == "BOOL":
-        ok = kind == "b" or (kind in "iu" and bool(np.isin(probe, (0, 1)).all()))
+        ok = kind == "b" or (kind in "iu" and int(probe.min()) >= 0 and int(probe.max()) <= 1)
         if not ok:
             raise InvalidInput(f"{what}: BOOL data must be true/false (or 0/1)")
     elif dtype.kind in "iu":
         info = np.iinfo(dtype)
         out_of_range = f"{what}: {datatype} data out of range [{info.min}, {info.max}]"
-        if kind not in "biu" and all(type(v) is int for v in flat):
-            # Integers past int64 (UINT64's upper half, or out of range) make an object array.
+        if kind not in "biu":
+            flat = flat if flat is not None else _flatten(data, shape, what)
+        if kind not in "biu" and all(type(v) is int for v in flat or ()):
+            # Integers past int64 (UINT64's upper half, or out of range) make an object
+            # (or float) array; convert them one by one, exactly.
             try:
                 return np.array(flat, dtype=dtype).reshape(shape)
             except OverflowError:

@@ -317,7 +317,10 @@ async def test_request_ids(client: httpx.AsyncClient) -> None:
 async def test_compressed_request_and_response(
     client: httpx.AsyncClient, name: str, squash: Any
 ) -> None:
-    body, headers = binary_request(X, parameters={"binary_data_output": True})
+    # Small integers as float32 compress well, so the default ``auto`` policy compresses them
+    # (random floats would not be; see test_app_http.py); 800 rows make it worth it.
+    x = np.random.default_rng(0).integers(0, 4, size=(800, 4), dtype=np.uint8)
+    body, headers = binary_request(x, parameters={"binary_data_output": True})
     resp = await client.post(
         "/v2/models/echo/infer",
         content=squash(body),
@@ -325,8 +328,9 @@ async def test_compressed_request_and_response(
     )
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-encoding"] == name
+    assert int(resp.headers["content-length"]) < len(resp.content) // 2
     _, arrays = split_binary(resp)  # httpx inflated it
-    np.testing.assert_array_equal(arrays["y"], 2.0 * X)
+    np.testing.assert_array_equal(arrays["y"], 2.0 * x)
 
 
 async def test_body_limit_checked_before_reading(client: httpx.AsyncClient) -> None:

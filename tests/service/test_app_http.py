@@ -1,0 +1,205 @@
+"""HTTP-level policies of the app in process: header limits (431), the response compression
+policy (``auto``/``always``/``never``), and the served OpenAPI schema."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import warnings
+import zlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from service.app import create_app
+from service.protocol import InferRequest, InferResponse, ResponseOutput, worth_compressing
+from service.protocol.compression import MIN_BYTES, TRIAL_BYTES
+from service.settings import Settings
+from tests.service.app_fakes import FakeHandle, FakeRepository
+
+pytestmark = pytest.mark.anyio
+
+Client = Callable[..., Any]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class NoiseHandle(FakeHandle):
+    """Answers ``y``: ``rows`` x 100 random normal float32 (incompressible, like real
+    outputs) or, with ``smooth``, a constant (compresses to almost nothing)."""
+
+    def __init__(self, rows: int, *, smooth: bool = False) -> None:
+        super().__init__("noise")
+        self.rows = rows
+        self.smooth = smooth
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        rng = np.random.default_rng(len(self.requests))
+        self.requests.append(request)
+        y = (
+            np.full((self.rows, 100), 0.5, np.float32)
+            if self.smooth
+            else rng.normal(size=(self.rows, 100)).astype(np.float32)
+        )
+        return InferResponse("noise", "1", request.id, [ResponseOutput("y", "FP32", y.shape, y)])
+
+
+@asynccontextmanager
+async def serve(settings: Settings, repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings, repo)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            yield c
+
+
+def infer_body(binary: bool) -> tuple[bytes, dict[str, str]]:
+    """A JSON request for model ``noise`` (one row of ``x``), outputs binary or JSON."""
+    body = {
+        "inputs": [{"name": "x", "datatype": "UINT8", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": binary}}],
+    }
+    return json.dumps(body).encode(), {"Content-Type": "application/json"}
+
+
+async def post_noise(
+    mode: str, rows: int, *, binary: bool, accept: str | None = "gzip", smooth: bool = False
+) -> httpx.Response:
+    repo = FakeRepository()
+    repo.models["noise"] = NoiseHandle(rows, smooth=smooth)
+    settings = Settings(access_log=False, response_compression=mode)  # type: ignore[arg-type]
+    body, headers = infer_body(binary)
+    if accept is not None:
+        headers["Accept-Encoding"] = accept
+    async with serve(settings, repo) as client:
+        resp = await client.post("/v2/models/noise/infer", content=body, headers=headers)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def output_of(resp: httpx.Response) -> np.ndarray:  # type: ignore[type-arg]
+    """The ``y`` output of a (possibly binary) response, after httpx inflated it."""
+    n = resp.headers.get("inference-header-content-length")
+    if n is None:
+        out = resp.json()["outputs"][0]
+        return np.asarray(out["data"], np.float32).reshape(out["shape"])
+    head = json.loads(resp.content[: int(n)])
+    return np.frombuffer(resp.content[int(n) :], "<f4").reshape(head["outputs"][0]["shape"])
+
+
+# ---- header limits ------------------------------------------------------------------------
+
+
+async def test_too_many_headers_answer_431() -> None:
+    async with serve(Settings(access_log=False, max_headers=20), FakeRepository()) as client:
+        ok = await client.get("/v2/health/live", headers={f"X-H{i}": "v" for i in range(10)})
+        assert ok.status_code == 200
+        resp = await client.get("/v2/health/live", headers={f"X-H{i}": "v" for i in range(30)})
+    assert resp.status_code == 431
+    assert resp.json() == {"error": "too many request headers: 35 (limit 20)"}  # + httpx's 5
+    assert resp.headers["x-request-id"]
+
+
+async def test_header_bytes_answer_431_whatever_the_parser_let_through() -> None:
+    settings = Settings(access_log=False, max_header_bytes=2048)
+    async with serve(settings, FakeRepository()) as client:
+        resp = await client.get("/v2/models/echo", headers={"X-Big": "v" * 3000})
+    assert resp.status_code == 431
+    error = resp.json()["error"]
+    assert error.startswith("request headers of ")
+    assert error.endswith(" exceed the limit of 2048")
+
+
+def test_max_headers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BITSERVE_MAX_HEADERS", "42")
+    monkeypatch.setenv("BITSERVE_RESPONSE_COMPRESSION", "never")
+    s = Settings()
+    assert (s.max_headers, s.response_compression) == (42, "never")
+    with pytest.raises(ValueError, match="response_compression"):
+        Settings(response_compression="sometimes")  # type: ignore[arg-type]
+
+
+# ---- response compression policy -----------------------------------------------------------
+
+
+async def test_auto_leaves_incompressible_binary_floats_alone() -> None:
+    resp = await post_noise("auto", 200, binary=True)
+    assert "content-encoding" not in resp.headers
+    assert output_of(resp).shape == (200, 100)
+
+
+async def test_auto_compresses_json_and_compressible_binary() -> None:
+    for binary, smooth in ((False, False), (True, True)):
+        resp = await post_noise("auto", 200, binary=binary, smooth=smooth)
+        assert resp.headers["content-encoding"] == "gzip", (binary, smooth)
+        assert int(resp.headers["content-length"]) < len(resp.content) * 0.5
+        assert output_of(resp).shape == (200, 100)
+
+
+async def test_always_and_never() -> None:
+    resp = await post_noise("always", 200, binary=True, accept="deflate")
+    assert resp.headers["content-encoding"] == "deflate"
+    np.testing.assert_array_equal(
+        output_of(resp),
+        np.random.default_rng(0).normal(size=(200, 100)).astype(np.float32),
+    )
+    resp = await post_noise("never", 200, binary=False)
+    assert "content-encoding" not in resp.headers
+
+
+async def test_small_bodies_and_unasked_are_never_compressed() -> None:
+    resp = await post_noise("always", 1, binary=True)  # ~ 550 bytes
+    assert len(resp.content) < MIN_BYTES
+    assert "content-encoding" not in resp.headers
+    resp = await post_noise("always", 200, binary=False, accept="identity")
+    assert "content-encoding" not in resp.headers
+
+
+def test_worth_compressing_decides_on_the_tensor_bytes() -> None:
+    rng = np.random.default_rng(1)
+    header = json.dumps({"outputs": [{"name": "y"}] * 50}).encode()  # compressible
+    noise = rng.normal(size=3 * TRIAL_BYTES // 4).astype(np.float32).tobytes()
+    smooth = np.repeat(rng.normal(size=64), 4 * TRIAL_BYTES // 64).astype(np.float32).tobytes()
+    assert not worth_compressing(header + noise, len(header), "auto")
+    assert worth_compressing(header + smooth, len(header), "auto")
+    assert worth_compressing(header + noise, None, "auto")  # JSON-only: always worth it
+    assert worth_compressing(header + noise, len(header), "always")
+    assert not worth_compressing(header + smooth, len(header), "never")
+    assert not worth_compressing(b"x" * (MIN_BYTES - 1), None, "always")
+    # the real ratio agrees with the trial
+    assert len(zlib.compress(noise, 1)) > 0.9 * len(noise)
+    assert len(gzip.compress(smooth, 1)) < 0.1 * len(smooth)
+
+
+# ---- OpenAPI -------------------------------------------------------------------------------
+
+
+async def test_openapi_is_served_open_with_unique_operation_ids() -> None:
+    settings = Settings(access_log=False, auth_token="tok")  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns on duplicate operation ids
+        async with serve(settings, FakeRepository()) as client:
+            resp = await client.get("/openapi.json")
+            guarded = await client.get("/v2")
+    assert guarded.status_code == 401
+    assert resp.status_code == 200
+    schema = resp.json()
+    ops = [
+        (path, method, op["operationId"])
+        for path, item in schema["paths"].items()
+        for method, op in item.items()
+    ]
+    ids = [op_id for _, _, op_id in ops]
+    assert len(ids) == len(set(ids)), ids
+    routes = {(path, method) for path, method, _ in ops}
+    assert ("/v2/models/{model}/infer", "post") in routes
+    assert ("/v2/models/{model}/versions/{version}/infer", "post") in routes
+    assert {("/v2/repository/index", "get"), ("/v2/repository/index", "post")} <= routes
+    assert ("/v2/health/live", "get") in routes
