@@ -59,13 +59,10 @@ INLINE float hsum(v16 v) {
     return t;
 }
 
-/* out[m0 .. m0 + mb, n, a] for one coarse point; two vectors per input for ILP. */
-INLINE void dot_mb(const float *f, const void *w, const int wdt, float *out, const int mb,
-                   int64_t m0, int64_t n, int64_t a, int64_t s, int64_t N, int64_t A, int64_t B,
-                   int64_t W) {
-    const int64_t row = (n * A + a) * W;
-    const float *fr = f + (m0 * N + n) * B + s;
-    const int64_t fstride = N * B;
+/* out[k * ostride] = sum_j w[row + j] * fr[k * fstride + j] for k < mb: one coarse point,
+ * mb inputs sharing each weight load, two vectors per input for ILP. */
+INLINE void dot_mb(const float *fr, int64_t fstride, const void *w, const int wdt, int64_t row,
+                   int64_t W, float *out, int64_t ostride, const int mb) {
     v16 acc[4][2];
     for (int k = 0; k < mb; k++) acc[k][0] = acc[k][1] = (v16){0};
     int64_t j = 0;
@@ -79,21 +76,38 @@ INLINE void dot_mb(const float *f, const void *w, const int wdt, float *out, con
     for (int k = 0; k < mb; k++) {
         float t = hsum(acc[k][0] + acc[k][1]);
         for (int64_t i = j; i < W; i++) t += wload(w, wdt, row + i) * fr[k * fstride + i];
-        out[((m0 + k) * N + n) * A + a] = t;
+        out[k * ostride] = t;
     }
 }
 
 INLINE void forward_body(const float *f, const void *w, const int wdt, const int32_t *starts,
                          float *out, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
                          int nthreads) {
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t a = 0; a < A; a++) {
-            const int64_t s = starts[n * A + a];
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4) dot_mb(f, w, wdt, out, 4, m, n, a, s, N, A, B, W);
-            for (; m < M; m++) dot_mb(f, w, wdt, out, 1, m, n, a, s, N, A, B, W);
+    /* Half-precision weights with many inputs: widen each row once into an L1 buffer rather
+     * than once per input block (measured faster at M = 64; fused is as fast at M <= 4). */
+    const int widen = wdt != 0 && M > 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = widen ? (float *)malloc(sizeof(float) * (size_t)W) : NULL;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t a = 0; a < A; a++) {
+                const int64_t s = starts[n * A + a], row = (n * A + a) * W;
+                const float *fr = f + n * B + s;
+                float *o = out + n * A + a;
+                const int64_t fs = N * B, os = N * A;
+                int64_t m = 0;
+                if (buf != NULL) {
+                    for (int64_t j = 0; j < W; j++) buf[j] = wload(w, wdt, row + j);
+                    for (; m + 4 <= M; m += 4) dot_mb(fr + m * fs, fs, buf, 0, 0, W, o + m * os, os, 4);
+                    for (; m < M; m++) dot_mb(fr + m * fs, fs, buf, 0, 0, W, o + m * os, os, 1);
+                } else {
+                    for (; m + 4 <= M; m += 4) dot_mb(fr + m * fs, fs, w, wdt, row, W, o + m * os, os, 4);
+                    for (; m < M; m++) dot_mb(fr + m * fs, fs, w, wdt, row, W, o + m * os, os, 1);
+                }
+            }
         }
+        free(buf);
     }
 }
 
