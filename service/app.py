@@ -127,7 +127,8 @@ def create_app(
         "/v2/health/ready", ep.ready, methods=["GET"], operation_id="server_ready"
     )
 
-    auth = [Depends(make_auth_check(settings.auth_token))]
+    # No dependency at all without a token: each one costs a little on every request.
+    auth = [Depends(make_auth_check(settings.auth_token))] if settings.auth_token else []
     routes = APIRouter(dependencies=auth)
 
     def add(path: str, endpoint: Any, method: str, operation_id: str) -> None:
