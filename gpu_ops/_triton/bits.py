@@ -35,7 +35,10 @@ def _offsets(base, k_or_pos, stride_b, i64, stride_i, UNIT_B: tl.constexpr, UNIT
     return base + along_b + along_i
 
 
-@triton.jit
+# Sizes that only bound loads or the tail, and the bit-order flag, are not specialised
+# (Triton would otherwise compile a variant per divisibility-by-16 pattern of each); strides
+# and the sizes that mask the stores are, since they decide whether stores are vectorised.
+@triton.jit(do_not_specialize=["n_bytes", "count", "n_kb", "n_ib", "big"])
 def _unpack_kernel(
     x_ptr,
     out_ptr,
@@ -50,7 +53,7 @@ def _unpack_kernel(
     soo,
     sob,
     soi,
-    BIG: tl.constexpr,
+    big,
     FLOAT_OUT: tl.constexpr,
     X_UNIT_B: tl.constexpr,
     X_UNIT_I: tl.constexpr,
@@ -74,7 +77,7 @@ def _unpack_kernel(
     # Bytes past n_bytes read as 0: they are the zero padding when count > 8n.
     x_offs = _offsets(o * sxo, k64[:, None], sxk, i64[None, :], sxi, X_UNIT_B, X_UNIT_I)
     byte = tl.load(x_ptr + x_offs, mask=(k[:, None] < n_bytes) & i_ok, other=0).to(tl.int32)
-    shift = 7 - j if BIG else j
+    shift = tl.where(big != 0, 7 - j, j)
     bits = (byte[:, None, :] >> shift[None, :, None]) & 1  # [BLOCK_K, 8, BLOCK_I]
     if FLOAT_OUT:
         # Through float32: exact for 0/1, and the interpreter casts ints to bfloat16 wrongly.
@@ -93,7 +96,7 @@ def _unpack_kernel(
         tl.store(out_ptr + out_offs, values, mask=tail)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_kb", "n_ib", "big"])
 def _pack_kernel(
     x_ptr,
     out_ptr,
@@ -108,7 +111,7 @@ def _pack_kernel(
     soo,
     sok,
     soi,
-    BIG: tl.constexpr,
+    big,
     FLOAT_OUT: tl.constexpr,
     X_UNIT_B: tl.constexpr,
     X_UNIT_I: tl.constexpr,
@@ -136,7 +139,7 @@ def _pack_kernel(
     if (n > full * 8) & (full >= kb * BLOCK_K) & (full < kb * BLOCK_K + BLOCK_K):
         tail = (k[:, None, None] == full) & (pos < n) & i_ok3
         v += tl.load(x_ptr + x_offs, mask=tail, other=0)  # elements past n stay 0: padding
-    shift = 7 - j if BIG else j
+    shift = tl.where(big != 0, 7 - j, j)
     weighted = (v != 0).to(tl.int32) << shift[None, :, None]
     byte = tl.sum(weighted, axis=1)  # [BLOCK_K, BLOCK_I]
     out_offs = _offsets(o * soo, k64[:, None], sok, i64[None, :], soi, OUT_UNIT_B, OUT_UNIT_I)
@@ -174,14 +177,17 @@ def _plan(x: torch.Tensor, out: torch.Tensor, dim: int) -> tuple[_Dim, _Dim] | N
     return None
 
 
+# (BLOCK_K, BLOCK_I) tiles of _TILE_BYTES packed bytes, by the length of the axis that is
+# contiguous in memory. A short menu keeps the number of compiled variants small.
+_TILES_BITS_CONTIGUOUS = ((256, (1024, 1)), (64, (128, 8)), (16, (32, 32)), (0, (16, 64)))
+_TILES_INNER_CONTIGUOUS = ((256, (4, 256)), (64, (8, 128)), (16, (32, 32)), (0, (64, 16)))
+
+
 def _blocks(bits_contiguous: bool, K: int, n_inner: int) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_I) for a tile of about _TILE_BYTES packed bytes."""
-    k2, i2 = triton.next_power_of_2(K), triton.next_power_of_2(n_inner)
-    if bits_contiguous:  # spend the tile along the bits first: those stores are contiguous
-        bk = min(k2, _TILE_BYTES)
-        return bk, min(i2, _TILE_BYTES // bk)
-    bi = min(i2, _TILE_BYTES)
-    return min(k2, _TILE_BYTES // bi), bi
+    """(BLOCK_K, BLOCK_I): long runs along the contiguous axis, short rows several per tile."""
+    if bits_contiguous:
+        return next(tile for limit, tile in _TILES_BITS_CONTIGUOUS if limit < K)
+    return next(tile for limit, tile in _TILES_INNER_CONTIGUOUS if limit < n_inner)
 
 
 def _run(
@@ -222,7 +228,7 @@ def _run(
         soo,
         out.stride(dim),
         soi,
-        BIG=bitorder == "big",
+        int(bitorder == "big"),
         FLOAT_OUT=out.dtype.is_floating_point,
         X_UNIT_B=x.stride(dim) == 1,
         X_UNIT_I=sxi == 1,
@@ -230,7 +236,7 @@ def _run(
         OUT_UNIT_I=soi == 1,
         BLOCK_K=block_k,
         BLOCK_I=block_i,
-        num_warps=8 if block_k * block_i >= 512 else 4,
+        num_warps=8,  # 8192 outputs per tile: 32 per thread
     )
 
 
