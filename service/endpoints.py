@@ -41,6 +41,8 @@ from service.protocol.response import wants_binary
 # compressing); below them the thread hop costs more than the work.
 _THREAD_BYTES = 256 << 10
 _THREAD_OUTPUT_BYTES = 64 << 10
+# How many responses reuse one compression trial's verdict for a model's binary outputs.
+_VERDICT_REUSE = 32
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
 
@@ -139,6 +141,8 @@ class Endpoints:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.response_compression: CompressionMode = response_compression
+        # (model, version) -> (compress?, responses left that reuse this trial's verdict)
+        self._verdicts: dict[tuple[str, str], tuple[bool, int]] = {}
 
     async def live(self) -> Response:
         return json_response({"live": True})
@@ -256,8 +260,21 @@ class Endpoints:
             enc = await anyio.to_thread.run_sync(encode)
         else:
             enc = encode()
-        if accept is not None and len(enc.body) >= MIN_BYTES:
+        if accept is None or len(enc.body) < MIN_BYTES:
+            return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
+        # A model's binary outputs compress about as well from one response to the next, so
+        # the trial's verdict is reused for a while: most responses then skip the thread hop.
+        key = (handle.name, handle.version)
+        verdict = self._verdicts.get(key) if mode == "auto" and enc.binary_from else None
+        if verdict is not None and verdict[1] > 0:
+            self._verdicts[key] = (verdict[0], verdict[1] - 1)
+            if not verdict[0]:
+                return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
+            enc = await anyio.to_thread.run_sync(_compressed, enc, accept, "always")
+        else:
             enc = await anyio.to_thread.run_sync(_compressed, enc, accept, mode)
+            if mode == "auto" and enc.binary_from:
+                self._verdicts[key] = ("Content-Encoding" in enc.headers, _VERDICT_REUSE)
         return Response(enc.body, media_type=enc.media_type, headers=enc.headers)
 
 

@@ -203,3 +203,23 @@ async def test_openapi_is_served_open_with_unique_operation_ids() -> None:
     assert ("/v2/models/{model}/versions/{version}/infer", "post") in routes
     assert {("/v2/repository/index", "get"), ("/v2/repository/index", "post")} <= routes
     assert ("/v2/health/live", "get") in routes
+
+
+async def test_auto_reuses_a_models_trial_verdict_for_a_while() -> None:
+    repo = FakeRepository()
+    handle = NoiseHandle(200)
+    repo.models["noise"] = handle
+    body, headers = infer_body(True)
+    headers["Accept-Encoding"] = "gzip"
+    async with serve(Settings(access_log=False), repo) as client:
+        first = await client.post("/v2/models/noise/infer", content=body, headers=headers)
+        handle.smooth = True  # would compress now, but the verdict of the trial stands
+        second = await client.post("/v2/models/noise/infer", content=body, headers=headers)
+        json_body, json_headers = infer_body(False)  # JSON bodies have no trial
+        third = await client.post(
+            "/v2/models/noise/infer", content=json_body, headers={**json_headers, **headers}
+        )
+    assert "content-encoding" not in first.headers
+    assert "content-encoding" not in second.headers
+    np.testing.assert_array_equal(output_of(second), np.full((200, 100), 0.5, np.float32))
+    assert third.headers["content-encoding"] == "gzip"
