@@ -174,6 +174,17 @@ def test_compressed_request_bodies(make: Callable[..., Harness], compression: st
     assert int(req.headers["Content-Length"]) == len(req.content)
 
 
+@pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
+def test_responses_are_asked_uncompressed_unless_compression_is_set(
+    make: Callable[..., Harness], compression: str | None
+) -> None:
+    # Binary float tensors barely compress: by default the client asks for identity so the
+    # server spends no CPU on gzip; with compression set it accepts that encoding.
+    h = make(compression=compression)
+    h("infer", "bits", np.zeros((1, 3, 13), dtype=bool))
+    assert h.fake.requests[-1].headers["Accept-Encoding"] == (compression or "identity")
+
+
 def test_token_and_headers_are_sent(make: Callable[..., Harness]) -> None:
     h = make(token="s3cret", headers={"X-Team": "a"})
     assert h("is_live") is True
