@@ -320,3 +320,14 @@ def test_large_cpu_results(dtype: torch.dtype) -> None:
     expected = np.unpackbits(a, axis=1, count=8000, bitorder="little")
     np.testing.assert_array_equal(got.to(torch.float64).numpy(), expected)
     got.add_(1) if dtype != torch.bool else got.logical_not_()  # writable, owns its memory
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_packbits_unsigned_wide_ints(device: str, dtype: torch.dtype) -> None:
+    """torch's newer unsigned dtypes take the torch-only path on the CPU."""
+    a = np.random.default_rng(7).integers(0, 3, (4, 19)).astype(str(dtype).removeprefix("torch."))
+    x = torch.from_numpy(a).to(device)
+    for dim in (None, 0, 1):
+        expected = np.packbits(a, axis=dim)
+        np.testing.assert_array_equal(packbits(x, dim=dim).cpu().numpy(), expected)
