@@ -15,6 +15,8 @@ bit axis or the inner axis, checked in the sm_90 PTX).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -214,30 +216,33 @@ def _run(
     block_k, block_i = _blocks(bits_stride == 1, K, n_inner)
     n_kb, n_ib = triton.cdiv(K, block_k), triton.cdiv(n_inner, block_i)
     grid = (n_outer * n_kb * n_ib,)
-    kernel[grid](
-        x,
-        out,
-        n_in,
-        n_out,
-        n_inner,
-        n_kb,
-        n_ib,
-        sxo,
-        x.stride(dim),
-        sxi,
-        soo,
-        out.stride(dim),
-        soi,
-        int(bitorder == "big"),
-        FLOAT_OUT=out.dtype.is_floating_point,
-        X_UNIT_B=x.stride(dim) == 1,
-        X_UNIT_I=sxi == 1,
-        OUT_UNIT_B=out.stride(dim) == 1,
-        OUT_UNIT_I=soi == 1,
-        BLOCK_K=block_k,
-        BLOCK_I=block_i,
-        num_warps=8,  # 8192 outputs per tile: 32 per thread
-    )
+    # Triton launches on the current device; make that the tensors' one (cuda:1 etc.).
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with guard:
+        kernel[grid](
+            x,
+            out,
+            n_in,
+            n_out,
+            n_inner,
+            n_kb,
+            n_ib,
+            sxo,
+            x.stride(dim),
+            sxi,
+            soo,
+            out.stride(dim),
+            soi,
+            int(bitorder == "big"),
+            FLOAT_OUT=out.dtype.is_floating_point,
+            X_UNIT_B=x.stride(dim) == 1,
+            X_UNIT_I=sxi == 1,
+            OUT_UNIT_B=out.stride(dim) == 1,
+            OUT_UNIT_I=soi == 1,
+            BLOCK_K=block_k,
+            BLOCK_I=block_i,
+            num_warps=8,  # 8192 outputs per tile: 32 per thread
+        )
 
 
 def unpack_into(x: torch.Tensor, out: torch.Tensor, dim: int, bitorder: str) -> None:
