@@ -174,14 +174,22 @@ def targets(rows: Sequence[Row], c: int = TARGETS_AT) -> str:
         other = _at(rows, label, c)
         return ours["rps"] / other["rps"] if other and other["rps"] > 0 else None
 
-    def smaller(label: str) -> float | None:
+    def smaller(label: str, mine: dict[str, Any] | None = ours) -> float | None:
         other = _at(rows, label, c)
-        return other["request_bytes"] / ours["request_bytes"] if other else None
+        if other is None or mine is None:
+            return None
+        return float(other["request_bytes"] / mine["request_bytes"])
 
     add("req/s vs hand-written FastAPI", speedup("hand-written"), 3)
     add("req/s vs MLServer (JSON)", speedup("MLServer"), 10)
     add("req/s vs KServe (binary BOOL)", speedup("KServe BOOL (binary)"), 30)
     add("request bytes vs binary BOOL", smaller("bitserve BOOL (binary)"), 8)
+    raw = _at(rows, "bitserve packed UINT8 (raw", c)
+    add(
+        "request bytes vs binary BOOL (raw binary form)",
+        smaller("bitserve BOOL (binary)", raw),
+        8,
+    )
     add("request bytes vs JSON", smaller("bitserve BOOL (JSON)"), 40)
     ratio = ours["p99_ms"] / ours["p50_ms"]
     lines.append(

@@ -85,6 +85,7 @@ class Peer:
 
 PEERS: tuple[Peer, ...] = (
     Peer("bitserve packed UINT8 (binary)", BITSERVE, "packed"),
+    Peer("bitserve packed UINT8 (raw binary form)", BITSERVE, "v2raw"),
     Peer("bitserve BOOL (binary)", BITSERVE, "bool"),
     Peer("bitserve BOOL (JSON)", BITSERVE, "json"),
     Peer("hand-written FastAPI + packbits", BASELINE, "raw"),
@@ -92,7 +93,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("KServe BOOL (binary)", KSERVE, "bool"),
     Peer("KServe BOOL (JSON)", KSERVE, "json"),
 )
-SMOKE_PEERS: tuple[Peer, ...] = (PEERS[0], PEERS[3])
+SMOKE_PEERS: tuple[Peer, ...] = (PEERS[0], PEERS[4])
 
 
 def write_mlserver_settings(folder: Path, port: int, grpc_port: int, metrics_port: int) -> None:

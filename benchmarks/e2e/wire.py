@@ -8,6 +8,9 @@ bytes and decodes answers. Formats:
 - ``bool``: V2 binary extension, input BOOL (1, N, B), one byte per feature, binary output;
 - ``json``: plain V2 JSON, BOOL data as ``true``/``false`` (what MLServer's and KServe's own
   codecs produce), JSON output;
+- ``v2raw``: Triton's raw binary form for single-input models
+  (``Inference-Header-Content-Length: 0``): the body is the packed UINT8 bytes alone, with no
+  JSON header; binary V2 answer;
 - ``raw``: the hand-written baseline's body, ``np.packbits`` bytes; the answer is raw
   little-endian float32 bytes.
 """
@@ -23,8 +26,8 @@ import numpy as np
 
 from benchmarks.e2e.workload import INPUT_NAME, N_COARSE, N_FUNCTIONS, OUTPUT_NAME
 
-Format = Literal["packed", "bool", "json", "raw"]
-FORMATS: tuple[Format, ...] = ("packed", "bool", "json", "raw")
+Format = Literal["packed", "v2raw", "bool", "json", "raw"]
+FORMATS: tuple[Format, ...] = ("packed", "v2raw", "bool", "json", "raw")
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,14 @@ def encode(
             doc["parameters"] = params
         body = json.dumps(doc, separators=(",", ":")).encode()
         return Body(body, {"Content-Type": "application/json"})
-    if fmt == "raw":
+    if fmt in ("raw", "v2raw"):
         if params:
-            raise ValueError("the raw format carries no parameters")
+            raise ValueError(f"the {fmt} format carries no parameters")
         packed = np.packbits(item, axis=-1, bitorder="big")
-        return Body(packed.tobytes(), {"Content-Type": "application/octet-stream"})
+        headers = {"Content-Type": "application/octet-stream"}
+        if fmt == "v2raw":
+            headers["Inference-Header-Content-Length"] = "0"
+        return Body(packed.tobytes(), headers)
     raise ValueError(f"unknown format {fmt!r}")
 
 
