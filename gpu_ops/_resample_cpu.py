@@ -1,75 +1,27 @@
 """CPU kernels of the banded operator: a small C library built on first use, plus a torch path.
 
 The C kernels (``_resample_cpu.c``) are compiled once per machine with the system C compiler
-(``cc -O3 -march=native -fopenmp``) into a cache folder (``$BITSERVE_CACHE_DIR``, else
-``~/.cache/bitserve``) and called through :mod:`ctypes`; they release the GIL. Where no
-compiler is found, or ``BITSERVE_CPU_KERNELS=0`` is set, the same ops run as chunked torch
-code (:func:`forward_torch` and friends), which needs nothing but torch.
+(see :mod:`gpu_ops._cbuild`: ``cc -O3 -march=native -fopenmp``, cached in
+``$BITSERVE_CACHE_DIR``, else ``~/.cache/bitserve``) and called through :mod:`ctypes`; they
+release the GIL. Where no compiler is found, or ``BITSERVE_CPU_KERNELS=0`` is set, the same
+ops run as chunked torch code (:func:`forward_torch` and friends), which needs nothing but
+torch.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-_log = logging.getLogger(__name__)
+from gpu_ops import _cbuild
+
 _SOURCE = Path(__file__).with_name("_resample_cpu.c")
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
-    ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
-    ["-O3", "-fPIC", "-shared", "-fno-strict-aliasing"],  # no OpenMP runtime: one thread
-)
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Fine points per task in the transposed band: big enough that scanning the A windows per
 # task is cheap, small enough that M such rows stay in L2.
 _BACKWARD_BLOCK = 2048
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("BITSERVE_CACHE_DIR") or Path.home() / ".cache" / "bitserve"
-    return Path(root)
-
-
-def _compiler_id(compiler: str) -> str:
-    """The compiler's ``--version`` banner, so an upgraded compiler gets a fresh build."""
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return compiler
-    return compiler + "\n" + done.stdout.decode(errors="replace")
-
-
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
-    """Build into a private temporary file, then ``os.replace`` it onto ``target``.
-
-    Processes that race on first use each build their own file; the rename is atomic, so a
-    reader only ever maps a complete library.
-    """
-    # 0o700: a library another user could swap in would run as us.
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if target.parent.stat().st_uid == os.getuid():
-        target.parent.chmod(0o700)  # tighten a folder an older version made wider
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, str(_SOURCE), "-o", str(out)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(out, target)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -83,47 +35,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile (or reuse) the kernel library; ``None`` when that is impossible here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _log.warning(
-            "no C compiler found (set CC): the CPU resample kernels fall back to torch code"
-        )
-        return None
-    source = _SOURCE.read_bytes()
-    ident = _compiler_id(compiler)
-    for flags in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, ident.encode(), *map(str.encode, flags)]))
-        target = _cache_dir() / f"resample_cpu_{key.hexdigest()[:20]}.so"
-        try:
-            if not target.exists():
-                _compile(compiler, flags, target)
-            return _bind(ctypes.CDLL(str(target)))
-        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            _log.info(
-                "CPU resample kernels with %s %s: %s %s",
-                compiler, " ".join(flags), exc, detail.decode(errors="replace")[-500:],
-            )  # fmt: skip
-    _log.warning(
-        "could not build the CPU resample kernels with %s (cache %s): falling back to torch "
-        "code; run with DEBUG/INFO logging of %s for the compiler output",
-        compiler, _cache_dir(), __name__,
-    )  # fmt: skip
-    return None
+_LIBRARY = _cbuild.Library(_SOURCE, "resample_cpu", _bind, "CPU resample kernels")
 
 
 def kernels() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first call; ``None`` if unavailable/disabled."""
-    global _lib, _tried
-    if os.environ.get("BITSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    with _lock:
-        if not _tried:
-            _lib = _build()
-            _tried = True
-    return _lib
+    return _LIBRARY.get()
 
 
 def _shape(f: torch.Tensor, weights: torch.Tensor) -> tuple[int, int, int, int, int]:
