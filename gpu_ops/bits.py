@@ -11,8 +11,10 @@ into a preallocated ``out`` such as a slice of a batch buffer::
     tensor([[1., 0., 1., 1., 0., 0., 0., 0., 1.]])
 
 Kernels: a fused Triton kernel per direction for CUDA tensors (``gpu_ops._triton.bits``);
-chunked lookup tables in plain torch elsewhere, and on CUDA when Triton is not installed
-(``gpu_ops._bits_cpu``). ``gpu_ops._reference`` holds the slow reference the tests compare
+on the CPU a small compiled C kernel (``gpu_ops._bits_cpu.c``, built on first use) for
+unpacking and NumPy for packing; chunked lookup tables in plain torch elsewhere: on the CPU
+without a C compiler or with ``BITSERVE_CPU_KERNELS=0``, and on CUDA when Triton is not
+installed (``gpu_ops._bits_cpu``). ``gpu_ops._reference`` holds the slow reference the tests compare
 both with.
 """
 
@@ -214,6 +216,7 @@ def unpackbits(
             n_bits += total
     shape = list(x.shape)
     shape[d] = n_bits
+    fresh = out is None
     if out is None:
         out = _bits_cpu.empty(shape, dtype, x.device)
     else:
@@ -225,5 +228,5 @@ def unpackbits(
     if kernels is not None:
         kernels.unpack_into(x, target, d, order)
     else:
-        _bits_cpu.unpack_into(x, target, d, order)
+        _bits_cpu.unpack_into(x, target, d, order, fresh)
     return out

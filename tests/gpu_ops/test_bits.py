@@ -139,7 +139,8 @@ def test_unpackbits_larger_inputs_match_reference(
 @pytest.mark.parametrize("chunk", [1, 3, 8, 100])
 @pytest.mark.parametrize("dtype", UNPACK_DTYPES)
 def test_cpu_chunking(monkeypatch: pytest.MonkeyPatch, chunk: int, dtype: torch.dtype) -> None:
-    """Tiny chunks: pieces split along the byte axis and along each leading dim."""
+    """Tiny chunks of the torch path: pieces split along the byte axis and each leading dim."""
+    monkeypatch.setenv("BITSERVE_CPU_KERNELS", "0")  # unpack through the chunked torch path
     monkeypatch.setattr(_bits_cpu, "CPU_CHUNK_BYTES", chunk)
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(0, 256, (4, 3, 21), dtype=torch.uint8, generator=gen)
