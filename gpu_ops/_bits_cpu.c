@@ -1,7 +1,7 @@
 /* CPU bit unpacking for gpu_ops.bits: one table-row copy per input byte.
  *
- * Built on first use by gpu_ops/_cbuild.py (cc -O3 -march=native -fopenmp) and called
- * through ctypes from gpu_ops/_bits_cpu.py, which owns the argument checks.
+ * Built on first use by gpu_ops/_cbuild.py (cc -O3 -march=native ...; no OpenMP used here)
+ * and called through ctypes from gpu_ops/_bits_cpu.py, which owns the argument checks.
  *
  * The table holds, for each byte value, its 8 bits as finished output values in output
  * order (256 x 8 x esize bytes: 2 KiB for uint8, 8 KiB for float32, so it stays in L1).
@@ -10,60 +10,58 @@
  * constant size. The work is the flattened (row, byte) index space split evenly over the
  * threads, so both many short rows and one long row use every thread.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__AVX__)
 #include <immintrin.h>
 #define BS_STREAM 1
 #endif
 
-/* One specialised loop per element size, so every copy has a compile-time size. */
-#define UNPACK_SPAN(E)                                                                     \
-    static void unpack_span_##E(const uint8_t *x, int64_t xrs, int64_t xis, char *out,     \
-                                int64_t ors, const char *table, int64_t valid, int64_t nb, \
-                                int64_t lo, int64_t hi) {                                  \
-        const int64_t full = valid / 8; /* bytes whose 8 values are all kept */            \
-        int64_t r = lo / nb, k = lo % nb;                                                  \
-        for (int64_t i = lo; i < hi; r++, k = 0) {                                         \
-            const uint8_t *xr = x + r * xrs;                                               \
-            char *orow = out + r * ors * E;                                                \
-            int64_t kend = k + (hi - i);                                                   \
-            if (kend > nb) kend = nb;                                                      \
-            i += kend - k;                                                                 \
-            int64_t kfull = kend < full ? kend : full;                                     \
-            if (xis == 1) {                                                                \
-                for (; k < kfull; k++)                                                     \
-                    memcpy(orow + k * 8 * E, table + (int64_t)xr[k] * 8 * E, 8 * E);       \
-            } else {                                                                       \
-                for (; k < kfull; k++)                                                     \
-                    memcpy(orow + k * 8 * E, table + (int64_t)xr[k * xis] * 8 * E, 8 * E); \
-            }                                                                              \
-            if (k < kend) /* the row's last byte, cut mid-byte by count */                 \
-                memcpy(orow + k * 8 * E, table + (int64_t)xr[k * xis] * 8 * E,             \
-                       (size_t)(valid - 8 * k) * E);                                       \
-        }                                                                                  \
+#define BS_MAX_THREADS 64
+
+typedef struct {
+    const uint8_t *x; /* row r, byte k at x[r * xrs + k * xis] */
+    int64_t xrs, xis;
+    char *out; /* row r, element j at out[(r * ors + j) * esize] */
+    int64_t ors;
+    const char *table; /* 256 rows of 8 elements */
+    int64_t valid;     /* elements per row */
+    int64_t nb;        /* bytes read per row: ceil(valid / 8) */
+    int64_t lo, hi;    /* this span of the flattened (row, byte) index space */
+    int esize, stream;
+} span_t;
+
+/* Bytes k..kfull-1 of one row (all 8 values kept), one specialised loop per element size
+ * so that every copy has a compile-time size. */
+#define PLAIN_ROW(E)                                                                          \
+    static void plain_row_##E(const uint8_t *xr, int64_t xis, char *orow, const char *table, \
+                              int64_t k, int64_t kfull) {                                     \
+        if (xis == 1) {                                                                       \
+            for (; k < kfull; k++)                                                            \
+                memcpy(orow + k * 8 * E, table + (int64_t)xr[k] * 8 * E, 8 * E);              \
+        } else {                                                                              \
+            for (; k < kfull; k++)                                                            \
+                memcpy(orow + k * 8 * E, table + (int64_t)xr[k * xis] * 8 * E, 8 * E);        \
+        }                                                                                     \
     }
 
-UNPACK_SPAN(1)
-UNPACK_SPAN(2)
-UNPACK_SPAN(4)
-UNPACK_SPAN(8)
+PLAIN_ROW(1)
+PLAIN_ROW(2)
+PLAIN_ROW(4)
+PLAIN_ROW(8)
 
 #ifdef BS_STREAM
 /* Non-temporal stores of whole table rows: the output goes to memory without first being
- * read into the cache (a normal store reads each line before overwriting it). Only for
- * outputs much bigger than the cache, which the caller would not find there anyway.
- * Returns the number of bytes done from k (0 when dst is not aligned for streaming). */
+ * read into the cache (an ordinary store reads each line before overwriting it). Only for
+ * big outputs, which the caller would not find in the cache anyway. Returns the first byte
+ * not done: k itself when the destination is not aligned for streaming. */
 static int64_t stream_row(const uint8_t *xr, int64_t xis, char *orow, const char *table,
                           int esize, int64_t k, int64_t kfull) {
     const int64_t w = 8 * esize;
-    const int64_t align = w < 32 ? w : 32;
-    if (((uintptr_t)(orow + k * w)) % (uintptr_t)align) return 0;
-    int64_t k0 = k;
+    const uintptr_t align = w < 32 ? (uintptr_t)w : 32;
+    if ((uintptr_t)(orow + k * w) % align) return k;
     switch (esize) {
         case 1:
             for (; k < kfull; k++) {
@@ -73,88 +71,104 @@ static int64_t stream_row(const uint8_t *xr, int64_t xis, char *orow, const char
             }
             break;
         case 2:
-            for (; k < kfull; k++)
-                _mm_stream_si128((__m128i *)(orow + k * 16),
-                                 _mm_loadu_si128((const __m128i *)(table + (int64_t)xr[k * xis] * 16)));
+            for (; k < kfull; k++) {
+                const char *src = table + (int64_t)xr[k * xis] * 16;
+                _mm_stream_si128((__m128i *)(orow + k * 16), _mm_loadu_si128((const __m128i *)src));
+            }
             break;
         case 4:
-            for (; k < kfull; k++)
+            for (; k < kfull; k++) {
+                const char *src = table + (int64_t)xr[k * xis] * 32;
                 _mm256_stream_si256((__m256i *)(orow + k * 32),
-                                    _mm256_loadu_si256((const __m256i *)(table + (int64_t)xr[k * xis] * 32)));
+                                    _mm256_loadu_si256((const __m256i *)src));
+            }
             break;
         default:
             for (; k < kfull; k++) {
                 const char *src = table + (int64_t)xr[k * xis] * 64;
-                _mm256_stream_si256((__m256i *)(orow + k * 64), _mm256_loadu_si256((const __m256i *)src));
-                _mm256_stream_si256((__m256i *)(orow + k * 64 + 32),
+                char *dst = orow + k * 64;
+                _mm256_stream_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)src));
+                _mm256_stream_si256((__m256i *)(dst + 32),
                                     _mm256_loadu_si256((const __m256i *)(src + 32)));
             }
             break;
     }
-    return k - k0;
-}
-
-static void stream_span(const uint8_t *x, int64_t xrs, int64_t xis, char *out, int64_t ors,
-                        const char *table, int64_t valid, int64_t nb, int64_t lo, int64_t hi,
-                        int esize) {
-    const int64_t full = valid / 8;
-    int64_t r = lo / nb, k = lo % nb;
-    for (int64_t i = lo; i < hi; r++, k = 0) {
-        const uint8_t *xr = x + r * xrs;
-        char *orow = out + r * ors * esize;
-        int64_t kend = k + (hi - i);
-        if (kend > nb) kend = nb;
-        i += kend - k;
-        int64_t kfull = kend < full ? kend : full;
-        k += stream_row(xr, xis, orow, table, esize, k, kfull);
-        for (; k < kend; k++) { /* unaligned rows, and the last byte cut by count */
-            int64_t m = valid - 8 * k < 8 ? valid - 8 * k : 8;
-            memcpy(orow + k * 8 * esize, table + (int64_t)xr[k * xis] * 8 * esize, (size_t)(m * esize));
-        }
-    }
-    _mm_sfence(); /* order the streamed stores before the threads join */
+    return k;
 }
 #endif
 
-/* Unpack `rows` rows of packed bytes.
+static void run_span(const span_t *s) {
+    const int E = s->esize;
+    const int64_t full = s->valid / 8; /* bytes whose 8 values are all kept */
+    int64_t r = s->lo / s->nb, k = s->lo % s->nb;
+    for (int64_t i = s->lo; i < s->hi; r++, k = 0) {
+        const uint8_t *xr = s->x + r * s->xrs;
+        char *orow = s->out + r * s->ors * E;
+        int64_t kend = k + (s->hi - i);
+        if (kend > s->nb) kend = s->nb;
+        i += kend - k;
+        const int64_t kfull = kend < full ? kend : full;
+#ifdef BS_STREAM
+        if (s->stream) k = stream_row(xr, s->xis, orow, s->table, E, k, kfull);
+#endif
+        switch (E) {
+            case 1: plain_row_1(xr, s->xis, orow, s->table, k, kfull); break;
+            case 2: plain_row_2(xr, s->xis, orow, s->table, k, kfull); break;
+            case 4: plain_row_4(xr, s->xis, orow, s->table, k, kfull); break;
+            default: plain_row_8(xr, s->xis, orow, s->table, k, kfull); break;
+        }
+        if (kfull < kend) { /* the row's last byte, cut mid-byte by count */
+            memcpy(orow + kfull * 8 * E, s->table + (int64_t)xr[kfull * s->xis] * 8 * E,
+                   (size_t)(s->valid - 8 * kfull) * (size_t)E);
+        }
+    }
+#ifdef BS_STREAM
+    if (s->stream) _mm_sfence(); /* streamed stores are weakly ordered: publish them */
+#endif
+}
+
+static void *span_thread(void *arg) {
+    run_span((const span_t *)arg);
+    return NULL;
+}
+
+/* Unpack `rows` rows of packed bytes (see span_t for the layout; strides of x in bytes,
+ * ors in elements; the elements of an output row are contiguous).
  *
- * x:      row r, byte k at x[r * xrs + k * xis] (strides in bytes).
- * out:    row r, element j at ((char *)out)[(r * ors + j) * esize] (ors in elements); the
- *         elements of a row are contiguous.
- * table:  256 * 8 elements of esize bytes.
- * valid:  elements written per row (<= 8 * nb); nb = ceil(valid / 8) bytes are read.
+ * valid:  elements written per row; nb = ceil(valid / 8) bytes are read per row.
  * esize:  1, 2, 4 or 8.
- * nthreads: OpenMP threads to use (1: run on the caller's thread).
+ * nthreads: threads to use (1: only the caller's).
  * stream: nonzero for non-temporal stores (where the CPU has them).
+ *
+ * Threads are plain pthreads started per call and joined by blocking, not OpenMP: an
+ * OpenMP barrier spin-waits, and on a host where another process holds a core the spinning
+ * caller kept the worker off the CPU for a whole time slice (measured: 8-12 ms per call
+ * for a 0.5 ms unpack, against 1 ms with pthreads). Starting a thread costs tens of
+ * microseconds, hence the caller's size threshold.
  */
 void bs_unpack(const uint8_t *x, int64_t rows, int64_t xrs, int64_t xis, void *out, int64_t ors,
                const void *table, int64_t valid, int esize, int nthreads, int stream) {
     const int64_t nb = (valid + 7) / 8;
     const int64_t total = rows * nb;
     if (total <= 0) return;
-    (void)stream;
     if (nthreads < 1) nthreads = 1;
+    if (nthreads > BS_MAX_THREADS) nthreads = BS_MAX_THREADS;
     if (nthreads > total) nthreads = (int)total;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
-        const char *tab = (const char *)table;
-        char *o = (char *)out;
-#ifdef BS_STREAM
-        if (stream) {
-            stream_span(x, xrs, xis, o, ors, tab, valid, nb, lo, hi, esize);
-        } else
-#endif
-        switch (esize) {
-            case 1: unpack_span_1(x, xrs, xis, o, ors, tab, valid, nb, lo, hi); break;
-            case 2: unpack_span_2(x, xrs, xis, o, ors, tab, valid, nb, lo, hi); break;
-            case 4: unpack_span_4(x, xrs, xis, o, ors, tab, valid, nb, lo, hi); break;
-            default: unpack_span_8(x, xrs, xis, o, ors, tab, valid, nb, lo, hi); break;
-        }
+    span_t spans[BS_MAX_THREADS];
+    pthread_t ids[BS_MAX_THREADS];
+    int started[BS_MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        spans[t] = (span_t){x,     xrs, xis, (char *)out,           ors,
+                            (const char *)table, valid, nb, total * t / nthreads,
+                            total * (t + 1) / nthreads, esize, stream};
+    }
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&ids[t], NULL, span_thread, &spans[t]) == 0;
+    run_span(&spans[0]);
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            run_span(&spans[t]); /* no thread to be had: do its share here */
     }
 }

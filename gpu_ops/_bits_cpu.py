@@ -69,9 +69,11 @@ _NUMPY_PACK_DTYPES = frozenset(
 _TABLES: dict[tuple[str, str, torch.device], torch.Tensor] = {}
 _C_TABLES: dict[tuple[torch.dtype, str], torch.Tensor] = {}
 
-# Outputs smaller than this are unpacked on the calling thread: waking OpenMP threads costs
-# more than it saves there (measured on 2 cores: break-even at ~1-2 MiB of output).
-C_PARALLEL_MIN_BYTES = 2 << 20
+# Outputs smaller than this are unpacked on the calling thread alone; bigger ones are split
+# over torch.get_num_threads() threads started for the call. Starting threads costs tens of
+# microseconds, and with every core busy a second thread only adds that (measured on the
+# shared 2-core host: break-even at ~1-2 MiB when a core is free; 2x faster at 1 GiB).
+C_PARALLEL_MIN_BYTES = 4 << 20
 # Reused outputs at least this big are written with non-temporal stores, which skip reading
 # each cache line before overwriting it (measured, float32: 2x faster at 64 MiB, 10% at
 # 16 MiB, slower below 4 MiB). Not for fresh results: their pages are first touched (and
