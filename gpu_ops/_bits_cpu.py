@@ -350,7 +350,10 @@ def pack_into(x: torch.Tensor, out: torch.Tensor, dim: int, bitorder: str) -> No
         return
     for os, xs in _chunks(om, xm, CPU_CHUNK_BYTES):
         packed = np.packbits(xs.numpy(), axis=-1, bitorder=order)
-        os.copy_(torch.from_numpy(packed))
+        # NumPy's copy, not torch's: each torch op is an OpenMP region, and on a loaded host
+        # every region can stall for a time slice (measured: 451 ms instead of 55 ms for
+        # 32 MiB at 2 threads, one region per chunk).
+        np.copyto(os.numpy(), packed)
 
 
 def pack_into_torch(x: torch.Tensor, out: torch.Tensor, dim: int, bitorder: str) -> None:

@@ -1,0 +1,102 @@
+"""gpu_ops._cbuild: on-first-use C builds, their cache, and the ways they can be refused."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_ops import _cbuild
+
+SOURCE = "int bs_answer(int x) { return x + %d; }\n"
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.bs_answer.argtypes = [ctypes.c_int]
+    lib.bs_answer.restype = ctypes.c_int
+    return lib
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BITSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BITSERVE_CPU_KERNELS", raising=False)
+    if _cbuild.build(_write(tmp_path, 0), "probe", _bind, "probe") is None:
+        pytest.skip("no C compiler here")
+    return tmp_path / "cache"
+
+
+def _write(folder: Path, k: int) -> Path:
+    path = folder / "answer.c"
+    path.write_text(SOURCE % k)
+    return path
+
+
+def test_builds_once_per_source_in_a_private_folder(tmp_path: Path, cache: Path) -> None:
+    lib = _cbuild.Library(_write(tmp_path, 40), "answer", _bind, "test kernels").get()
+    assert lib is not None
+    assert lib.bs_answer(2) == 42
+    assert len(list(cache.glob("answer_*.so"))) == 1
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    # Cached: a second Library finds the file; an edited source gets its own file.
+    again = _cbuild.Library(_write(tmp_path, 40), "answer", _bind, "test kernels").get()
+    assert again is not None
+    assert again.bs_answer(2) == 42
+    assert len(list(cache.glob("answer_*.so"))) == 1
+    edited = _cbuild.Library(_write(tmp_path, 1), "answer", _bind, "test kernels").get()
+    assert edited is not None
+    assert edited.bs_answer(2) == 3
+    assert len(list(cache.glob("answer_*.so"))) == 2
+    assert not [p for p in cache.iterdir() if p.name.startswith(".build-")]
+
+
+def test_disabled_by_environment(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library = _cbuild.Library(_write(tmp_path, 40), "answer", _bind, "test kernels")
+    monkeypatch.setenv("BITSERVE_CPU_KERNELS", "0")
+    assert library.get() is None
+    monkeypatch.setenv("BITSERVE_CPU_KERNELS", "1")
+    assert library.get() is not None
+
+
+def test_broken_source_or_compiler_warns_and_returns_none(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    with caplog.at_level(logging.INFO, logger=_cbuild.__name__):
+        assert _cbuild.Library(bad, "bad", _bind, "broken kernels").get() is None
+    assert "could not build the broken kernels" in caplog.text
+    assert "falling back to torch" in caplog.text
+    assert "error" in caplog.text  # the compiler's message, at INFO
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert _cbuild.build(_write(tmp_path, 7), "answer", _bind, "test kernels") is None
+    assert not list(cache.glob("bad_*.so"))
+
+
+def test_racing_processes_share_one_build(tmp_path: Path, cache: Path) -> None:
+    """Several first uses at once: one file per cache key, complete when loaded."""
+    source = _write(tmp_path, 5)
+    code = (
+        "import ctypes, sys\n"
+        "from pathlib import Path\n"
+        "from gpu_ops import _cbuild\n"
+        "def bind(lib):\n"
+        "    lib.bs_answer.restype = ctypes.c_int\n"
+        "    return lib\n"
+        f"lib = _cbuild.Library(Path({str(source)!r}), 'race', bind, 'race').get()\n"
+        "sys.exit(0 if lib is not None and lib.bs_answer(1) == 6 else 1)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "BITSERVE_CACHE_DIR": str(cache), "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    assert len(list(cache.glob("race_*.so"))) == 1
+    assert not [p for p in cache.iterdir() if p.name.startswith(".build-")]
