@@ -89,6 +89,13 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
         "numpy.unpackbits",
         slow,
     )
+    # A fresh result's first touch (page faults, the OS zeroing pages) bounds every "new" row.
+    tab.add(
+        "fresh uint8 result, fill only (floor for new)",
+        lambda: _bits_cpu.empty([n_out], torch.uint8, x.device).fill_(0),
+        n_out,
+        "numpy.unpackbits",
+    )
     tab.add(f"{ours} -> uint8 (new)", lambda: unpackbits(x), n_out, "numpy.unpackbits")
     out8 = torch.empty(n_out, dtype=torch.uint8)
     tab.add(f"{ours} -> uint8 (out=)", lambda: unpackbits(x, out=out8), n_out, "numpy.unpackbits")
@@ -104,6 +111,13 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
         itemsize=4,
     )
     f32 = torch.float32
+    tab.add(
+        "fresh float32 result, fill only (floor for new)",
+        lambda: _bits_cpu.empty([n_out], f32, x.device).fill_(0),
+        4 * n_out,
+        base32,
+        itemsize=4,
+    )
     tab.add(
         f"{ours} -> float32 (new)",
         lambda: unpackbits(x, dtype=f32),
