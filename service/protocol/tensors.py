@@ -240,7 +240,15 @@ def from_json(
         if probe.size and (int(probe.min()) < info.min or int(probe.max()) > info.max):
             raise InvalidInput(out_of_range)
     elif kind not in "biuf":
-        raise InvalidInput(f"{what}: {datatype} data must be numbers")
+        flat = flat if flat is not None else _flatten(data, shape, what)
+        if kind != "O" or not all(type(v) in (int, float, bool) for v in flat or ()):
+            raise InvalidInput(f"{what}: {datatype} data must be numbers")
+        # Integers past int64 make an object array; for a float datatype they are just large
+        # numbers (and those past the float range are refused below).
+        try:
+            probe = np.array(flat, dtype=np.float64)
+        except OverflowError:
+            raise InvalidInput(f"{what}: {datatype} data out of range") from None
     try:
         with np.errstate(over="raise", invalid="raise"):
             return probe.astype(dtype, copy=False).reshape(shape)

@@ -117,3 +117,17 @@ def test_large_bool_body_flat_and_nested() -> None:
     ints[1, 2, 3] = 2
     with pytest.raises(InvalidInput, match="BOOL data must be true/false"):
         from_json(ints.tolist(), "BOOL", (2, 20, 500), "x")
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64"])
+def test_integers_past_int64_are_large_floats(datatype: str) -> None:
+    # NumPy makes an object array of them; found by the reference comparison above.
+    got = from_json([2**70, 1], datatype, (2,), "x")
+    np.testing.assert_array_equal(got, np.array([2.0**70, 1.0], dtype=DATATYPES[datatype]))
+    with pytest.raises(InvalidInput, match=r"^x: FP\d+ data out of range"):
+        from_json([2**2000, 1], datatype, (2,), "x")
+
+
+def test_integers_past_the_float_range_are_refused() -> None:
+    with pytest.raises(InvalidInput, match=r"^x: FP16 data out of range"):
+        from_json([2**70, 1], "FP16", (2,), "x")
