@@ -33,6 +33,8 @@ from service.protocol.tensors import (
 from service.protocol.types import BYTES, DATATYPES, InferRequest, RequestInput, RequestOutput
 
 HEADER_LENGTH = "inference-header-content-length"
+# ``(name, datatype, shape)`` -> None, raising InvalidInput for a tensor the model refuses.
+InputCheck = Callable[[str, str, tuple[int, ...]], object]
 # Request-level parameters this server understands; others are passed through, except the
 # ``triton_`` prefix which Triton reserves and we refuse rather than silently ignore.
 _RESERVED_PREFIX = "triton_"
@@ -101,6 +103,7 @@ def decode_infer_request(
     body: bytes | bytearray,
     header_length: int | None,
     raw_spec: Callable[[], RawInputSpec] | None = None,
+    check_input: InputCheck | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -110,6 +113,9 @@ def decode_infer_request(
             :func:`parse_header_length`), or None when the header was absent.
         raw_spec: called only for the raw binary form, returns the model's single input (the
             app passes ``lambda: raw_input_spec(handle.metadata())``).
+        check_input: called with each input's ``(name, datatype, shape)`` before its data are
+            converted (the app passes ``handle.check_input``): a tensor the model refuses is
+            refused before any element is parsed.
 
     Returns:
         the request; binary input data are read-only views over ``body``.
@@ -124,7 +130,7 @@ def decode_infer_request(
         return _decode_raw(view, raw_spec())
     n = len(body) if header_length is None else header_length
     header = _load_json(view[:n])
-    return _decode_header(header, view[n:], binary=header_length is not None)
+    return _decode_header(header, view[n:], binary=header_length is not None, check=check_input)
 
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
@@ -179,7 +185,9 @@ def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
     return v
 
 
-def _decode_header(header: dict[str, Any], rest: memoryview, *, binary: bool) -> InferRequest:
+def _decode_header(
+    header: dict[str, Any], rest: memoryview, *, binary: bool, check: InputCheck | None
+) -> InferRequest:
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput("request 'id' must be a string")
@@ -198,7 +206,7 @@ def _decode_header(header: dict[str, Any], rest: memoryview, *, binary: bool) ->
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, binary=binary)
+        inp, size = _decode_input(item, i, rest, offset, binary=binary, check=check)
         if inp.name in seen:
             raise InvalidInput(f"input {inp.name!r} appears more than once")
         seen.add(inp.name)
@@ -221,7 +229,13 @@ def _decode_header(header: dict[str, Any], rest: memoryview, *, binary: bool) ->
 
 
 def _decode_input(
-    item: object, index: int, rest: memoryview, offset: int, *, binary: bool
+    item: object,
+    index: int,
+    rest: memoryview,
+    offset: int,
+    *,
+    binary: bool,
+    check: InputCheck | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -232,6 +246,8 @@ def _decode_input(
     datatype = check_datatype(item.get("datatype"), what)
     shape = check_shape(item.get("shape"), what)
     params = _check_parameters(item.get("parameters"), what)
+    if check is not None:
+        check(name, datatype, shape)
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in item:

@@ -44,6 +44,10 @@ def check_shape(shape: object, what: str) -> tuple[int, ...]:
             raise InvalidInput(f"{what}: shape {shape} has a non-integer dimension {d!r}")
         if d < 0:
             raise InvalidInput(f"{what}: shape {shape} has a negative dimension {d}")
+        if d > MAX_ELEMENTS:
+            # Bounded one by one too: with a zero elsewhere the product is 0, but NumPy
+            # cannot even describe a dimension past the int64 range.
+            raise InvalidInput(f"{what}: shape {shape} has a dimension {d} past {MAX_ELEMENTS}")
         dims.append(d)
     count = math.prod(dims)  # Python int: exact, cannot overflow
     if count > MAX_ELEMENTS:
@@ -136,7 +140,6 @@ def _flatten(data: list[Any], shape: tuple[int, ...], what: str) -> list[Any]:
                 f"{what}: 'data' has {len(data)} elements, shape {list(shape)} needs {count}"
             )
         return data
-    flat: list[Any] = []
     # Walk level by level so a mismatch names the level instead of a generic count error.
     level: list[Any] = [data]
     for depth, dim in enumerate(shape):
@@ -153,8 +156,7 @@ def _flatten(data: list[Any], shape: tuple[int, ...], what: str) -> list[Any]:
     for v in level:
         if isinstance(v, list):
             raise InvalidInput(f"{what}: nested 'data' is deeper than shape {list(shape)}")
-    flat = level
-    return flat
+    return level
 
 
 def _numeric_probe(

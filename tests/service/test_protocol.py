@@ -183,6 +183,53 @@ def test_duplicate_input_names() -> None:
         decode_infer_request(body, None)
 
 
+@pytest.mark.parametrize("shape", [[0, 2**70], [2**70, 0], [0, 2**63], [2**41, 0, 3]])
+def test_zero_element_shape_with_a_huge_dimension_is_refused(shape: list[int]) -> None:
+    # The product is 0, so only a per-dimension bound catches what NumPy cannot describe.
+    json_body = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}
+    )
+    with pytest.raises(InvalidInput, match=r"input 'x': shape .* has a dimension \d+ past"):
+        decode_infer_request(json_body.encode(), None)
+    head = {"name": "x", "datatype": "FP32", "shape": shape, "parameters": {"binary_data_size": 0}}
+    body, n = binary_body({"inputs": [head]})
+    with pytest.raises(InvalidInput, match="has a dimension"):
+        decode_infer_request(body, n)
+
+
+def test_check_input_runs_before_any_data_conversion() -> None:
+    seen: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def check(name: str, datatype: str, shape: tuple[int, ...]) -> None:
+        seen.append((name, datatype, shape))
+        if datatype == "BYTES":
+            raise InvalidInput(f"model 'm': input '{name}' cannot be BYTES")
+
+    # The BYTES data are malformed (a length past the end): the check must answer first.
+    body, n = binary_body(
+        {
+            "inputs": [
+                {
+                    "name": "s",
+                    "datatype": "BYTES",
+                    "shape": [2],
+                    "parameters": {"binary_data_size": 8},
+                }
+            ]
+        },
+        struct.pack("<I", 99) + b"abcd",
+    )
+    with pytest.raises(InvalidInput, match="input 's' cannot be BYTES"):
+        decode_infer_request(body, n, check_input=check)
+    ok = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 2], "data": [1, 2]}]}
+    )
+    assert decode_infer_request(ok.encode(), None, check_input=check).inputs[0].data.tolist() == [
+        [1, 2]
+    ]
+    assert seen == [("s", "BYTES", (2,)), ("x", "INT32", (1, 2))]
+
+
 # ---- requests: binary tensors ---------------------------------------------------------------
 
 
