@@ -115,7 +115,14 @@ def create_app(
     app.state.settings = settings
     app.state.repository = repo
     app.state.metrics = metrics
-    ep = Endpoints(repo, metrics, settings.max_body_bytes, settings.response_compression)
+    ep = Endpoints(
+        repo,
+        metrics,
+        settings.max_body_bytes,
+        settings.response_compression,
+        max_json_bytes=settings.max_json_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.

@@ -6,6 +6,7 @@ import time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Protocol
@@ -16,7 +17,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 import service
-from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ServiceError
+from service.errors import (
+    InvalidInput,
+    ModelNotReady,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+)
 from service.metrics import Metrics
 from service.protocol import (
     HEADER_LENGTH,
@@ -37,10 +44,17 @@ from service.protocol import (
 from service.protocol.compression import MIN_BYTES
 from service.protocol.response import wants_binary
 
-# Work above these sizes leaves the event loop for a worker thread (JSON parsing, inflating,
-# compressing); below them the thread hop costs more than the work.
-_THREAD_BYTES = 256 << 10
+# Work above these sizes leaves the event loop for a worker thread; below them the thread hop
+# costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
+# part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
+_THREAD_BYTES = 64 << 10
 _THREAD_OUTPUT_BYTES = 64 << 10
+# Compressed bodies above this inflate in a worker thread: at ~1000:1 even a small gzip bomb
+# is megabytes of inflating.
+_THREAD_COMPRESSED_BYTES = 4 << 10
+# A body with a Content-Length is read into a buffer of at most this size up front; past it
+# the buffer grows as bytes arrive, so a slow client pins only what it has actually sent.
+_PREALLOCATE_BYTES = 1 << 20
 # How many responses reuse one compression trial's verdict for a model's binary outputs.
 _VERDICT_REUSE = 32
 
@@ -56,6 +70,7 @@ class Handle(Protocol):
     def is_ready(self) -> bool: ...
     def metadata(self) -> dict[str, Any]: ...
     def config(self) -> dict[str, Any]: ...
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> object: ...
     async def infer(self, request: InferRequest) -> InferResponse: ...
 
 
@@ -77,46 +92,69 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(dumps(obj), status_code=status, media_type="application/json")
 
 
-async def read_body(request: Request, limit: int) -> bytes | bytearray:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytearray:
     """Read the whole body into one buffer, refusing more than ``limit`` bytes.
 
-    With a ``Content-Length`` the limit is checked before reading a byte and the body goes
-    straight into a buffer of that size; a chunked body is checked as it arrives.
+    A ``Content-Length`` is checked against the limit before a byte is read; a chunked body is
+    checked as it arrives. The buffer grows with the bytes received (up to 1 MiB is allocated
+    up front), so a client that declares 64 MiB and trickles bytes holds only what it sent.
+
+    Args:
+        request: the request whose body to read.
+        limit: the most bytes accepted.
+        timeout_s: the most seconds the whole body may take to arrive; None: no limit.
 
     Raises:
         PayloadTooLarge: the body is (or would become) larger than ``limit``.
         InvalidInput: a malformed Content-Length, or the client went away mid-body.
+        RequestTimeout: the body took longer than ``timeout_s``.
     """
     declared = request.headers.get("content-length")
+    n: int | None = None
+    if declared is not None:
+        # int() would also take "-1", "+5", "1_0" and " 7 "; HTTP allows only digits.
+        if not (declared.isascii() and declared.isdigit()):
+            raise InvalidInput(f"malformed Content-Length {declared[:64]!r}") from None
+        n = int(declared)
+        if n > limit:
+            raise PayloadTooLarge(f"request body of {n} bytes exceeds the limit of {limit} bytes")
     try:
-        if declared is not None:
-            try:
-                n = int(declared)
-            except ValueError:
-                raise InvalidInput(f"malformed Content-Length {declared!r}") from None
-            if n > limit:
-                raise PayloadTooLarge(
-                    f"request body of {n} bytes exceeds the limit of {limit} bytes"
-                )
-            buf = bytearray(n)
-            pos = 0
-            async for chunk in request.stream():
-                end = pos + len(chunk)
-                if end > n:  # the HTTP server enforces this; belt and braces
-                    raise InvalidInput("request body is longer than its Content-Length")
-                buf[pos:end] = chunk
-                pos = end
-            if pos != n:
-                raise InvalidInput(f"request body ended after {pos} of {n} bytes")
-            return buf
-        out = bytearray()
-        async for chunk in request.stream():
-            if len(out) + len(chunk) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            out += chunk
-        return out
+        async with asyncio.timeout(timeout_s):
+            return await _read_chunks(request, limit, n)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s (body timeout)"
+        ) from None
     except ClientDisconnect:
         raise InvalidInput("client disconnected while sending the body") from None
+
+
+async def _read_chunks(request: Request, limit: int, n: int | None) -> bytearray:
+    if n is not None and n <= _PREALLOCATE_BYTES:
+        buf = bytearray(n)  # small: one allocation, each chunk copied once into place
+        pos = 0
+        async for chunk in request.stream():
+            end = pos + len(chunk)
+            if end > n:  # the HTTP server enforces this; belt and braces
+                raise InvalidInput("request body is longer than its Content-Length")
+            buf[pos:end] = chunk
+            pos = end
+        if pos != n:
+            raise InvalidInput(f"request body ended after {pos} of {n} bytes")
+        return buf
+    # Large or chunked: append as bytes arrive. ``+=`` grows geometrically, and glibc moves a
+    # big buffer by remapping its pages, so this is about one copy per byte as well.
+    out = bytearray()
+    bound = limit if n is None else n
+    async for chunk in request.stream():
+        if len(out) + len(chunk) > bound:
+            if n is not None:
+                raise InvalidInput("request body is longer than its Content-Length")
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        out += chunk
+    if n is not None and len(out) != n:
+        raise InvalidInput(f"request body ended after {len(out)} of {n} bytes")
+    return out
 
 
 class Endpoints:
@@ -126,6 +164,8 @@ class Endpoints:
         repository: the model repository (see :class:`Repository`).
         metrics: where request outcomes and in-flight counts go.
         max_body_bytes: the body limit, before and after decompression.
+        max_json_bytes: the limit of an inference request's JSON part (see ``Settings``).
+        body_timeout_s: the most seconds a request body may take to arrive.
         response_compression: the response compression policy (``auto``, ``always``,
             ``never``; see :func:`service.protocol.worth_compressing`).
     """
@@ -136,10 +176,15 @@ class Endpoints:
         metrics: Metrics,
         max_body_bytes: int,
         response_compression: CompressionMode = "auto",
+        *,
+        max_json_bytes: int = 16 << 20,
+        body_timeout_s: float | None = 60.0,
     ) -> None:
         self.repository = repository
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_json_bytes = max_json_bytes
+        self.body_timeout_s = body_timeout_s
         self.response_compression: CompressionMode = response_compression
         # (model, version) -> (compress?, responses left that reuse this trial's verdict)
         self._verdicts: dict[tuple[str, str], tuple[bool, int]] = {}
@@ -172,7 +217,7 @@ class Endpoints:
     async def repository_index(self, request: Request) -> Response:
         only_ready = False
         if request.method == "POST":
-            body = await read_body(request, 64 << 10)
+            body = await read_body(request, 64 << 10, self.body_timeout_s)
             if body.strip():
                 try:
                     opts = json.loads(bytes(body))
@@ -208,9 +253,10 @@ class Endpoints:
         outcome = "success"
         self.metrics.in_flight.inc()
         try:
+            # Looked up before the body is read, so an unknown model is a fast 404...
             handle = self.repository.get(model, version)
             label = handle.name
-            return await self._infer(request, handle)
+            return await self._infer(request, handle, version)
         except ServiceError as e:
             outcome = type(e).__name__
             raise
@@ -221,12 +267,12 @@ class Endpoints:
             self.metrics.in_flight.dec()
             self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
 
-    async def _infer(self, request: Request, handle: Handle) -> Response:
+    async def _infer(self, request: Request, handle: Handle, version: str | None) -> Response:
         limit = self.max_body_bytes
-        body = await read_body(request, limit)
+        body: bytes | bytearray = await read_body(request, limit, self.body_timeout_s)
         encoding = request.headers.get("content-encoding")
         if encoding and encoding.strip().lower() != "identity":
-            if len(body) > _THREAD_BYTES // 8:  # compressed bytes expand
+            if len(body) > _THREAD_COMPRESSED_BYTES:
                 raw = body
                 body = await anyio.to_thread.run_sync(
                     lambda: decompress(raw, encoding, limit=limit)
@@ -235,16 +281,27 @@ class Endpoints:
                 body = decompress(body, encoding, limit=limit)
         header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
         json_bytes = len(body) if header_length is None else header_length
+        if json_bytes > self.max_json_bytes:
+            raise PayloadTooLarge(
+                f"the request's JSON part is {json_bytes} bytes, more than the limit of "
+                f"{self.max_json_bytes} bytes; send large tensors as binary data (the "
+                "binary_tensor_data extension: Inference-Header-Content-Length and "
+                "parameters.binary_data_size)"
+            )
         data = body
+        model = handle
 
         def decode() -> InferRequest:
-            spec = lambda: raw_input_spec(handle.metadata())  # noqa: E731 - only raw bodies call it
-            return decode_infer_request(data, header_length, spec)
+            spec = lambda: raw_input_spec(model.metadata())  # noqa: E731 - only raw bodies call it
+            return decode_infer_request(data, header_length, spec, model.check_input)
 
-        if json_bytes > _THREAD_BYTES:
+        if len(body) > _THREAD_BYTES:
             infer_request = await anyio.to_thread.run_sync(decode)
         else:
             infer_request = decode()
+        # ...and again now: a reload while the body arrived has retired the version found
+        # then (UNLOADING), and the request belongs to the one serving now.
+        handle = self.repository.get(handle.name, version)
         result = await handle.infer(infer_request)
         accept = None
         if self.response_compression != "never":

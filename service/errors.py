@@ -7,6 +7,7 @@ handlers that turn these into responses are registered in ``service.app.create_a
      +-- InvalidInput (400)
      +-- Unauthorized (401)
      +-- ModelNotFound (404)
+     +-- RequestTimeout (408, Connection: close)
      +-- PayloadTooLarge (413)
      +-- UnsupportedMediaType (415)
      +-- Overloaded (503, Retry-After)
@@ -47,6 +48,16 @@ class ModelNotFound(ServiceError):
     """No model (or no such version) by that name in the repository."""
 
     status_code = 404
+
+
+class RequestTimeout(ServiceError):
+    """The body did not arrive within the body timeout; the connection is closed after it."""
+
+    status_code = 408
+
+    def __init__(self, message: str) -> None:
+        # The rest of the body is never read, so the connection cannot be reused.
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class PayloadTooLarge(ServiceError):

@@ -123,6 +123,60 @@ class ModelHandle:
 
     # --- inference ------------------------------------------------------------------------
 
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        """Check one input's name, datatype and shape against the config (no data needed).
+
+        The decoder calls this before it converts an input's data, so a request the model
+        refuses (a BYTES tensor, a wrong shape) costs no element parsing.
+
+        Args:
+            name: the input's name.
+            datatype: its V2 datatype as sent.
+            shape: its declared shape.
+
+        Returns:
+            the request's batch size (1 for a model without a batch dimension).
+
+        Raises:
+            InvalidInput: naming what is wrong.
+        """
+        spec = self.cfg.inputs[0]
+        m = f"model '{self.name}'"
+        if name != spec.name:
+            raise InvalidInput(f"{m}: unknown input '{name}' (expected inputs: ['{spec.name}'])")
+        packed_dims = spec.packed_shape
+        if spec.packing == "bits":
+            accepted = {"UINT8": packed_dims, "BOOL": list(spec.shape)}
+        else:
+            accepted = {spec.datatype: list(spec.shape)}
+        if datatype not in accepted:
+            forms = " or ".join(f"{d} {self._batch_dims() + s}" for d, s in accepted.items())
+            raise InvalidInput(
+                f"{m}: input '{name}' has datatype {datatype}; expected {forms}"
+                + (" (UINT8: bits packed along the last axis)" if spec.packing == "bits" else "")
+            )
+        dims = accepted[datatype]
+        dims_shape = list(shape)
+        if self.cfg.max_batch_size > 0:
+            if dims_shape[1:] != dims or not dims_shape or dims_shape[0] < 1:
+                raise InvalidInput(
+                    f"{m}: input '{name}' has shape {dims_shape}; expected [batch, "
+                    f"{', '.join(map(str, dims))}] for {datatype}"
+                )
+            size = dims_shape[0]
+            if size > self.cfg.max_batch_size:
+                raise InvalidInput(
+                    f"{m}: input '{name}' has batch size {size}, more than the model's "
+                    f"max_batch_size {self.cfg.max_batch_size}"
+                )
+            return size
+        if dims_shape != dims:
+            raise InvalidInput(
+                f"{m}: input '{name}' has shape {dims_shape}; expected {dims} for {datatype} "
+                "(this model has max_batch_size 0: no batch dimension)"
+            )
+        return 1
+
     def _validate(self, request: InferRequest) -> tuple[WireInput, list[int]]:
         """Check a request against the config; returns the staged input and output indices.
 
@@ -140,38 +194,9 @@ class ModelHandle:
         if not names:
             raise InvalidInput(f"{m}: missing input '{spec.name}'")
         t = request.inputs[0]
-        packed_dims = spec.packed_shape
-        if spec.packing == "bits":
-            accepted = {"UINT8": packed_dims, "BOOL": list(spec.shape)}
-        else:
-            accepted = {spec.datatype: list(spec.shape)}
-        if t.datatype not in accepted:
-            forms = " or ".join(f"{d} {self._batch_dims() + s}" for d, s in accepted.items())
-            raise InvalidInput(
-                f"{m}: input '{t.name}' has datatype {t.datatype}; expected {forms}"
-                + (" (UINT8: bits packed along the last axis)" if spec.packing == "bits" else "")
-            )
-        dims = accepted[t.datatype]
+        size = self.check_input(t.name, t.datatype, t.shape)
         shape = list(t.shape)
-        if self.cfg.max_batch_size > 0:
-            if shape[1:] != dims or not shape or shape[0] < 1:
-                raise InvalidInput(
-                    f"{m}: input '{t.name}' has shape {shape}; expected [batch, "
-                    f"{', '.join(map(str, dims))}] for {t.datatype}"
-                )
-            size = shape[0]
-            if size > self.cfg.max_batch_size:
-                raise InvalidInput(
-                    f"{m}: input '{t.name}' has batch size {size}, more than the model's "
-                    f"max_batch_size {self.cfg.max_batch_size}"
-                )
-        else:
-            if shape != dims:
-                raise InvalidInput(
-                    f"{m}: input '{t.name}' has shape {shape}; expected {dims} for {t.datatype} "
-                    "(this model has max_batch_size 0: no batch dimension)"
-                )
-            size = 1
+        dims = shape[1:] if self.cfg.max_batch_size > 0 else shape
         wire_dtype = DATATYPES[t.datatype]
         data = np.asarray(t.data)
         if data.shape != tuple(shape):

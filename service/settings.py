@@ -41,6 +41,17 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     """Largest request body accepted, checked before reading and again after decompression."""
 
+    max_json_bytes: int = Field(default=16 << 20, gt=0)
+    """Largest JSON part of an inference request (the whole body without
+    ``Inference-Header-Content-Length``, else the header's first bytes), checked before it is
+    parsed: JSON tensors cost tens of bytes of memory per element, so big tensors belong in
+    the binary tensor data extension. Larger is answered 413."""
+
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """Most seconds a request body may take to arrive, from the first read to the last byte;
+    a slower upload is answered 408 and its connection closed (a client trickling bytes holds
+    only what it has sent, and only this long)."""
+
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest HTTP request head (request line and headers); enforced by the h11 parser."""
 
@@ -72,7 +83,10 @@ class Settings(BaseSettings):
     """HTTP/1.1 parser; ``h11`` enforces ``max_header_bytes``, ``httptools`` is faster."""
 
     limit_concurrency: int | None = Field(default=None, gt=0)
-    """Connections plus tasks above which new requests get a 503 (unset: no limit)."""
+    """Connections plus tasks above which new requests get a 503 (unset: no limit). That 503
+    comes from uvicorn itself before the application runs: its body is the plain text
+    ``Service Unavailable`` (not ``{"error": ...}``) and it carries no ``Retry-After``, so
+    clients should treat any 503 as retryable with their own backoff."""
 
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""

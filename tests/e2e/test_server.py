@@ -232,6 +232,29 @@ def test_errors_over_the_wire(server: BitserveServer) -> None:
     assert set(r.json()) == {"error"}
 
 
+def test_refused_tensors_over_the_wire(server: BitserveServer) -> None:
+    url = server.url + "/v2/models/tri/infer"
+    # 300 KB of empty BYTES strings: refused from the header alone (the model takes UINT8/BOOL).
+    n = 75_000
+    head = json.dumps(
+        {"inputs": [{"name": "bits", "datatype": "BYTES", "shape": [n],
+                     "parameters": {"binary_data_size": 4 * n}}]}
+    ).encode()  # fmt: skip
+    r = httpx.post(
+        url,
+        content=head + bytes(4 * n),
+        headers={"Inference-Header-Content-Length": str(len(head))},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    assert "input 'bits' has datatype BYTES; expected UINT8" in r.json()["error"]
+    # A zero-element shape with a dimension NumPy cannot describe: 400, not 500.
+    body = {"inputs": [{"name": "bits", "datatype": "UINT8", "shape": [0, 2**70], "data": []}]}
+    r = httpx.post(url, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "has a dimension 1180591620717411303424 past" in r.json()["error"]
+
+
 def batch_requests_histogram(server: BitserveServer, model: str) -> tuple[float, float]:
     """(sum, count) of the bitserve_batch_requests histogram for ``model``."""
     text = httpx.get(server.url + "/metrics").text

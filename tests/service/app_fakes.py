@@ -25,6 +25,7 @@ class FakeHandle:
         self.name = name
         self.version = version
         self.requests: list[InferRequest] = []
+        self.checked: list[tuple[str, str, tuple[int, ...]]] = []
 
     def is_ready(self) -> bool:
         return True
@@ -43,6 +44,13 @@ class FakeHandle:
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "platform": "bitserve", "max_batch_size": 8}
+
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        """The decoder's early check: only the datatype (names are checked by ``infer``)."""
+        self.checked.append((name, datatype, shape))
+        if datatype != "UINT8":
+            raise InvalidInput(f"model {self.name!r}: input {name!r} must be UINT8, not {datatype}")
+        return shape[0] if shape else 1
 
     async def infer(self, request: InferRequest) -> InferResponse:
         self.requests.append(request)
