@@ -6,8 +6,13 @@ sets, the last one without OpenMP) into a cache folder (``$BITSERVE_CACHE_DIR``,
 ``~/.cache/bitserve``, mode 0o700). The file name hashes the source, the compiler's version
 banner and the flags, so an edited source or an upgraded compiler gets a fresh build, and
 processes racing on first use each build a private file that ``os.replace`` moves into place
-atomically. ``BITSERVE_CPU_KERNELS=0`` disables every such library; callers then run their
-torch code, as they do (after a warning) when no compiler is found or no build succeeds.
+atomically. Before a library is loaded, the folder and the file must be ours (owned by this
+user, not writable by group or others, not symbolic links): a library someone else could
+have written would run as us. When the cache fails that check (``BITSERVE_CACHE_DIR`` on a
+shared path), a warning is logged and the library is built into a private temporary folder
+for this process instead. ``BITSERVE_CPU_KERNELS=0`` disables every such library; callers
+then run their torch code, as they do (after a warning) when no compiler is found or no build
+succeeds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -52,16 +58,56 @@ def _compiler_id(compiler: str) -> str:
     return compiler + "\n" + done.stdout.decode(errors="replace")
 
 
+def _why_unsafe(path: Path) -> str | None:
+    """Why loading from ``path`` could run code another user wrote; ``None`` when it cannot.
+
+    ``lstat``: a symbolic link is refused itself, whoever owns what it points to.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _cache_problem(root: Path) -> str | None:
+    """Create (0o700) or tighten the cache folder; why it cannot be trusted, or ``None``."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+        if st.st_uid == os.getuid() and not stat.S_ISLNK(st.st_mode):
+            root.chmod(0o700)  # tighten a folder an older version made wider
+        return _why_unsafe(root)
+    except OSError as exc:
+        return f"cannot be used ({exc})"
+
+
+def _load_private(
+    compiler: str,
+    flags: list[str],
+    source: Path,
+    name: str,
+    bind: Callable[[ctypes.CDLL], ctypes.CDLL],
+) -> ctypes.CDLL:
+    """Build into a fresh private folder (0o700, ours), load, and delete the files.
+
+    The loaded mapping outlives the unlinked file, so nothing is left behind.
+    """
+    with tempfile.TemporaryDirectory(prefix="bitserve-cc-") as tmp:
+        target = Path(tmp) / name
+        _compile(compiler, flags, source, target)
+        return bind(ctypes.CDLL(str(target)))
+
+
 def _compile(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     """Build into a private temporary file, then ``os.replace`` it onto ``target``.
 
     Processes that race on first use each build their own file; the rename is atomic, so a
     reader only ever maps a complete library.
     """
-    # 0o700: a library another user could swap in would run as us.
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if target.parent.stat().st_uid == os.getuid():
-        target.parent.chmod(0o700)  # tighten a folder an older version made wider
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
@@ -70,6 +116,7 @@ def _compile(compiler: str, flags: list[str], source: Path, target: Path) -> Non
             capture_output=True,
             timeout=120,
         )
+        out.chmod(0o700)  # whatever the umask: a group-writable file would be refused
         os.replace(out, target)
 
 
@@ -91,12 +138,30 @@ def build(
         return None
     code = source.read_bytes()
     ident = _compiler_id(compiler)
+    root = cache_dir()
+    problem = _cache_problem(root)
+    if problem is not None:
+        _log.warning(
+            "not using the cache folder %s for the %s: it %s; building into a private "
+            "temporary folder instead (set BITSERVE_CACHE_DIR to a folder only you can write)",
+            root, what, problem,
+        )  # fmt: skip
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join([code, ident.encode(), *map(str.encode, flags)]))
-        target = cache_dir() / f"{name}_{key.hexdigest()[:20]}.so"
+        file_name = f"{name}_{key.hexdigest()[:20]}.so"
+        target = root / file_name
         try:
-            if not target.exists():
+            if problem is not None:
+                return _load_private(compiler, flags, source, file_name, bind)
+            if not os.path.lexists(target):
                 _compile(compiler, flags, source, target)
+            unsafe = _why_unsafe(target)
+            if unsafe is not None:
+                _log.warning(
+                    "not loading the cached %s %s: it %s; building a private copy instead",
+                    what, target, unsafe,
+                )  # fmt: skip
+                return _load_private(compiler, flags, source, file_name, bind)
             return bind(ctypes.CDLL(str(target)))
         except (OSError, AttributeError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""

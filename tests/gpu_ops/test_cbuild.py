@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -100,3 +101,77 @@ def test_racing_processes_share_one_build(tmp_path: Path, cache: Path) -> None:
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
     assert len(list(cache.glob("race_*.so"))) == 1
     assert not [p for p in cache.iterdir() if p.name.startswith(".build-")]
+
+
+def _evil(tmp_path: Path, target: Path) -> None:
+    """Put a library answering x + 1000 where the cache expects ``target``."""
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", str(_write(tmp_path / "evil", 1000)), "-o", str(target)],
+        check=True,
+    )
+
+
+@pytest.mark.parametrize("how", ["foreign owner", "group writable", "symlink"])
+def test_untrusted_cached_library_is_not_loaded(
+    tmp_path: Path, cache: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = _write(tmp_path, 40)
+    assert _cbuild.build(source, "answer", _bind, "test kernels") is not None
+    (cached,) = cache.glob("answer_*.so")
+    (tmp_path / "evil").mkdir()
+    if how == "symlink":
+        _evil(tmp_path, tmp_path / "evil" / "lib.so")
+        cached.unlink()
+        cached.symlink_to(tmp_path / "evil" / "lib.so")
+    else:
+        _evil(tmp_path, cached)
+        if how == "group writable":
+            cached.chmod(0o770)
+        elif os.getuid() != 0:
+            pytest.skip("chown to another user needs root")
+        else:
+            os.chown(cached, 12345, 12345)
+    with caplog.at_level(logging.WARNING, logger=_cbuild.__name__):
+        lib = _cbuild.build(source, "answer", _bind, "test kernels")
+    assert lib is not None
+    assert lib.bs_answer(2) == 42  # a private build, not the planted x + 1000
+    assert "not loading the cached test kernels" in caplog.text
+    assert {"foreign owner": "owned by uid 12345", "group writable": "writable by group"}.get(
+        how, "symbolic link"
+    ) in caplog.text
+
+
+@pytest.mark.parametrize("how", ["foreign world-writable", "symlink"])
+def test_untrusted_cache_folder_builds_privately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    if how == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        shared.rmdir()
+        shared.symlink_to(tmp_path / "real")
+    elif os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    else:
+        os.chown(shared, 12345, 12345)
+        shared.chmod(0o777)
+    monkeypatch.setenv("BITSERVE_CACHE_DIR", str(shared))
+    with caplog.at_level(logging.WARNING, logger=_cbuild.__name__):
+        lib = _cbuild.build(_write(tmp_path, 40), "answer", _bind, "test kernels")
+    assert lib is not None
+    assert lib.bs_answer(2) == 42
+    assert "not using the cache folder" in caplog.text
+    assert not list(shared.iterdir())  # nothing written where others could swap it
+    if how != "symlink":
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o777  # not ours to change
+
+
+def test_cache_folder_of_ours_made_wider_is_tightened(tmp_path: Path, cache: Path) -> None:
+    cache.chmod(0o777)
+    assert _cbuild.build(_write(tmp_path, 40), "answer", _bind, "test kernels") is not None
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    for lib in cache.glob("*.so"):
+        assert stat.S_IMODE(lib.stat().st_mode) & 0o022 == 0
