@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,12 @@ def as_array(obj: Any) -> np.ndarray[Any, Any]:
         raise TypeError(f"buffer format {view.format!r} is not a numeric type: {exc}") from None
 
 
+def check_dtype(arr: np.ndarray[Any, Any]) -> None:
+    """Raise TypeError unless ``arr`` holds numbers torch has a dtype for."""
+    if arr.dtype.kind not in "biufc":
+        raise TypeError(f"unsupported dtype {arr.dtype}: expected bool, integer, float or complex")
+
+
 def host_view(arr: np.ndarray[Any, Any], *, share_readonly: bool) -> tuple[torch.Tensor, bool]:
     """A CPU tensor with ``arr``'s values and whether it shares ``arr``'s memory.
 
@@ -45,14 +52,29 @@ def host_view(arr: np.ndarray[Any, Any], *, share_readonly: bool) -> tuple[torch
     DLPack, which does not warn, only when ``share_readonly``; callers that merely read the
     result pass ``True``. Negative strides and non-native byte order have no torch equivalent
     and are copied (DLPack would even abort the process on a negative stride).
+
+    Read-only arrays cross DLPack only where both sides speak DLPack 1.0 (its read-only flag:
+    NumPy >= 2.1 with a recent torch); elsewhere NumPy raises ``BufferError`` and the array is
+    shared through ``torch.from_numpy`` instead, its "not writable" warning silenced: the
+    callers only read.
     """
-    if arr.dtype.kind not in "biufc":
-        raise TypeError(f"unsupported dtype {arr.dtype}: expected bool, integer, float or complex")
+    check_dtype(arr)
     if any(s < 0 for s in arr.strides) or not arr.dtype.isnative:
         arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
         return torch.from_numpy(arr), False
     if arr.flags.writeable:
         return torch.from_numpy(arr), True
     if share_readonly:
-        return _torch_from_dlpack(arr), True
+        return _share_readonly(arr), True
     return torch.from_numpy(arr.copy()), False
+
+
+def _share_readonly(arr: np.ndarray[Any, Any]) -> torch.Tensor:
+    try:
+        return _torch_from_dlpack(arr)
+    except BufferError:  # NumPy < 2.1 or a torch without DLPack 1.0: no read-only flag
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The given NumPy array is not writable", category=UserWarning
+            )
+            return torch.from_numpy(arr)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_ops._hostmem import DeviceLike, as_array, cuda_available, host_view
+from gpu_ops._hostmem import DeviceLike, as_array, check_dtype, cuda_available
 
 
 @dataclass(frozen=True)
@@ -97,17 +97,27 @@ class StagingBuffer:
             if data.device.type != "cpu":
                 raise ValueError(f"write() takes host data, got a tensor on {data.device}")
             src = data.detach().contiguous().reshape(-1).view(torch.uint8)
-        else:
-            # Only read, so read-only payloads (request bodies) are aliased, not copied.
-            src = host_view(as_array(data), share_readonly=True)[0]
-            src = src.contiguous().reshape(-1).view(torch.uint8)
-        end = offset + src.numel()
+            end = self._span(offset, src.numel())
+            self._block[offset:end].copy_(src)
+            return end
+        # NumPy copies straight from the payload (request bodies are read-only ``bytes``):
+        # no torch alias of read-only memory, which older NumPy/torch cannot make.
+        arr = as_array(data)
+        check_dtype(arr)
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))  # values, as torch would hold them
+        end = self._span(offset, arr.nbytes)
+        dst = self._block[offset:end].numpy().view(arr.dtype).reshape(arr.shape)
+        np.copyto(dst, arr, casting="no")  # any source strides, written in C order
+        return end
+
+    def _span(self, offset: int, nbytes: int) -> int:
+        end = offset + nbytes
         if offset < 0 or end > self._nbytes:
             raise ValueError(
-                f"{src.numel()} bytes at offset {offset} do not fit in a {self._nbytes}-byte "
+                f"{nbytes} bytes at offset {offset} do not fit in a {self._nbytes}-byte "
                 "staging buffer"
             )
-        self._block[offset:end].copy_(src)
         return end
 
     def to_device(

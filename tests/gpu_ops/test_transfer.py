@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_ops import _hostmem
 from gpu_ops.transfer import (
     StagingPool,
     from_dlpack,
@@ -400,3 +401,51 @@ def test_cuda_copy_from_side_stream() -> None:
         host = buf.copy_from(src, stream=stream)
         assert host.is_pinned()
         torch.testing.assert_close(host, src.cpu(), rtol=0, atol=0)
+
+
+@pytest.fixture
+def old_dlpack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy < 2.1 or an older torch: read-only arrays cannot cross DLPack."""
+
+    def refuse(obj: Any) -> torch.Tensor:
+        raise BufferError("Cannot export readonly array since signalling readonly is unsupported")
+
+    monkeypatch.setattr(_hostmem, "_torch_from_dlpack", refuse)
+
+
+@pytest.mark.usefixtures("old_dlpack")
+def test_readonly_sharing_without_dlpack_1_falls_back_silently() -> None:
+    body = b"\x01\x02\x03\x04"
+    t = to_device(body, "cpu", share_readonly=True)  # warnings are errors in this suite
+    assert t.tolist() == [1, 2, 3, 4]
+    assert t.data_ptr() == _addr(body)
+    arr = np.frombuffer(body, dtype=np.uint8)
+    assert from_dlpack(arr).data_ptr() == _addr(body)
+
+
+@pytest.mark.usefixtures("old_dlpack")
+def test_staging_write_copies_any_host_payload_without_dlpack() -> None:
+    big = np.arange(12, dtype=">i4").reshape(3, 4)  # non-native byte order: values kept
+    parts: list[Any] = [
+        b"\x01\x02\x03",
+        memoryview(np.arange(3, dtype=np.float32).tobytes()).cast("f"),
+        np.arange(20, dtype=np.int16).reshape(4, 5)[:, ::2],  # strided
+        np.arange(6, dtype=np.float64)[::-1],  # negative stride
+        np.array([True, False, True]),
+        np.float32(2.5),
+        big.T,
+        np.zeros((0, 3), dtype=np.float32),
+    ]
+    expected = b"".join(np.ascontiguousarray(np.asarray(p)).astype(
+        np.asarray(p).dtype.newbyteorder("=")
+    ).tobytes() for p in parts)  # fmt: skip
+    data, offsets = StagingPool("cpu").gather(parts)
+    assert offsets[-1] == len(expected)
+    assert data.numpy().tobytes() == expected
+    pool = StagingPool("cpu")
+    with pool.acquire(8) as buf:
+        assert buf.write(b"\xff" * 4, offset=3) == 7  # unaligned offsets are fine
+        with pytest.raises(ValueError, match="do not fit"):
+            buf.write(np.zeros(2, dtype=np.float32), offset=4)
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            buf.write(np.array(["a"]))
