@@ -67,8 +67,13 @@ class StagingBuffer:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The buffer as a 1-D uint8 CPU tensor of ``nbytes`` (a view, no copy)."""
+        """The buffer as a 1-D uint8 CPU tensor of ``nbytes`` (a view, no copy).
+
+        Waits first for a copy still reading the buffer (as :meth:`numpy` does): the caller
+        is about to write or read it.
+        """
         self._check_usable()
+        self._wait_inflight()
         return self._block[: self._nbytes]
 
     def numpy(self) -> np.ndarray[Any, Any]:

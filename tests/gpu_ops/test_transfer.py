@@ -449,3 +449,30 @@ def test_staging_write_copies_any_host_payload_without_dlpack() -> None:
             buf.write(np.zeros(2, dtype=np.float32), offset=4)
         with pytest.raises(TypeError, match="unsupported dtype"):
             buf.write(np.array(["a"]))
+
+
+class _PendingCopy:
+    """Stands in for the CUDA event of a copy still reading the buffer."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def query(self) -> bool:
+        return self.waited
+
+
+@pytest.mark.parametrize("access", ["tensor", "numpy", "write"])
+def test_every_way_into_the_buffer_waits_for_its_inflight_copy(access: str) -> None:
+    with StagingPool("cpu").acquire(4) as buf:
+        pending = _PendingCopy()
+        buf._event = pending  # type: ignore[assignment]
+        if access == "tensor":
+            buf.tensor.fill_(1)
+        elif access == "numpy":
+            buf.numpy().fill(1)
+        else:
+            buf.write(b"\x01" * 4)
+        assert pending.waited
