@@ -15,11 +15,11 @@ bit axis or the inner axis, checked in the sm_90 PTX).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from gpu_ops._triton import on_device
 
 # Packed bytes per program: 8192 output elements, 32 KiB of float32 stores.
 _TILE_BYTES = 1024
@@ -216,9 +216,7 @@ def _run(
     block_k, block_i = _blocks(bits_stride == 1, K, n_inner)
     n_kb, n_ib = triton.cdiv(K, block_k), triton.cdiv(n_inner, block_i)
     grid = (n_outer * n_kb * n_ib,)
-    # Triton launches on the current device; make that the tensors' one (cuda:1 etc.).
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-    with guard:
+    with on_device(x):
         kernel[grid](
             x,
             out,

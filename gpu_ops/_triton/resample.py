@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_ops._triton import on_device
+
 
 @triton.jit
 def _forward_kernel(
@@ -113,10 +115,11 @@ def forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> tor
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
     grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(M, BLOCK_M))
-    _forward_kernel[grid](
-        f, weights, starts, out, M, N, A, B, W,
-        BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
-    )  # fmt: skip
+    with on_device(out):
+        _forward_kernel[grid](
+            f, weights, starts, out, M, N, A, B, W,
+            BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+        )  # fmt: skip
     return out
 
 
@@ -151,10 +154,11 @@ def backward_f(
     lo, hi = coarse_ranges(starts, W, B, BLOCK_B, sorted_starts)
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
     grid = (N, triton.cdiv(B, BLOCK_B), triton.cdiv(M, BLOCK_M))
-    _backward_f_kernel[grid](
-        g, weights, starts, lo, hi, out, M, N, A, B, W, lo.shape[1],
-        BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
-    )  # fmt: skip
+    with on_device(out):
+        _backward_f_kernel[grid](
+            g, weights, starts, lo, hi, out, M, N, A, B, W, lo.shape[1],
+            BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
+        )  # fmt: skip
     return out
 
 
@@ -165,7 +169,8 @@ def backward_w(g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int) -
     out = torch.empty(N, A, W, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_W, BLOCK_M = 16, 64, 4
     grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(W, BLOCK_W))
-    _backward_w_kernel[grid](
-        g, f, starts, out, M, N, A, B, W, BLOCK_A=BLOCK_A, BLOCK_W=BLOCK_W, BLOCK_M=BLOCK_M
-    )
+    with on_device(out):
+        _backward_w_kernel[grid](
+            g, f, starts, out, M, N, A, B, W, BLOCK_A=BLOCK_A, BLOCK_W=BLOCK_W, BLOCK_M=BLOCK_M
+        )
     return out

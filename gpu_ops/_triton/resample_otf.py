@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_ops._triton import on_device
+
 RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
 
 
@@ -196,10 +198,11 @@ def forward(f: torch.Tensor, geo: Geometry) -> torch.Tensor:
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
     grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(M, BLOCK_M))
-    _forward_kernel[grid](
-        f, geo.x, geo.c, geo.first, geo.last, out, geo.param, M, N, A, B,
-        RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
-    )  # fmt: skip
+    with on_device(out):
+        _forward_kernel[grid](
+            f, geo.x, geo.c, geo.first, geo.last, out, geo.param, M, N, A, B,
+            RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+        )  # fmt: skip
     return out.gather(-1, geo.inverse.expand(M, N, A))
 
 
@@ -214,10 +217,11 @@ def grad_c_param(
     gp = torch.empty(N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
     grid = (N, triton.cdiv(A, BLOCK_A))
-    _grad_cp_kernel[grid](
-        f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, geo.param, M, N, A, B,
-        RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
-    )  # fmt: skip
+    with on_device(gc):
+        _grad_cp_kernel[grid](
+            f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, geo.param, M, N, A, B,
+            RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+        )  # fmt: skip
     return gc.gather(1, geo.inverse), gp.double().sum().float()
 
 
@@ -235,9 +239,10 @@ def grad_f(g: torch.Tensor, geo: Geometry, B: int) -> torch.Tensor:
     hi = torch.maximum(hi.to(torch.int32), lo)
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
     grid = (N, nblk, triton.cdiv(M, BLOCK_M))
-    _grad_f_kernel[grid](
-        g_sorted, geo.x, geo.c, geo.first, geo.last, lo.contiguous(), hi.contiguous(), out,
-        geo.param, M, N, A, B, nblk,
-        RESP=geo.code, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
-    )  # fmt: skip
+    with on_device(out):
+        _grad_f_kernel[grid](
+            g_sorted, geo.x, geo.c, geo.first, geo.last, lo.contiguous(), hi.contiguous(), out,
+            geo.param, M, N, A, B, nblk,
+            RESP=geo.code, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
+        )  # fmt: skip
     return out

@@ -415,3 +415,28 @@ def test_cuda_dispatch_matches_cpu() -> None:
     assert fc.grad is not None
     torch.testing.assert_close(out_c.cpu(), out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fc.grad.cpu(), f.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("on_the_fly", [False, True])
+def test_cuda_kernels_run_on_the_tensors_device_not_the_current_one(on_the_fly: bool) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    gen = torch.Generator().manual_seed(12)
+    x, c = _grid(500, gen), _coarse(2, 30, gen)
+    f = torch.randn(3, 2, 500, generator=gen)
+    ref_op = BandedResampler.from_response(x, c, "gaussian", on_the_fly=on_the_fly, sigma=0.5)
+    fr = f.clone().requires_grad_()
+    ref_op(fr).square().sum().backward()
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    op = BandedResampler.from_response(
+        x, c, "gaussian", device=dev, on_the_fly=on_the_fly, sigma=0.5
+    )
+    fc = f.to(dev).requires_grad_()
+    with torch.cuda.device(0):
+        out = op(fc)
+        out.square().sum().backward()
+    assert fc.grad is not None
+    assert fr.grad is not None
+    torch.testing.assert_close(out.cpu(), ref_op(f).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fc.grad.cpu(), fr.grad, rtol=1e-5, atol=1e-4)
