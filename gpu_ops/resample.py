@@ -68,6 +68,25 @@ def _check_band(starts: torch.Tensor, weights: torch.Tensor, B: int) -> None:
         raise ValueError(f"starts must lie in [0, B - W] = [0, {B - W}] so windows stay inside f")
 
 
+def _check_permutation(inverse_order: torch.Tensor, starts: torch.Tensor) -> None:
+    if not isinstance(inverse_order, torch.Tensor) or inverse_order.dtype != torch.int64:
+        got = getattr(inverse_order, "dtype", type(inverse_order).__name__)
+        raise TypeError(f"inverse_order must be an int64 tensor; got {got}")
+    if inverse_order.shape != starts.shape:
+        raise ValueError(
+            f"inverse_order must have the shape of starts {tuple(starts.shape)}; "
+            f"got {tuple(inverse_order.shape)}"
+        )
+    if inverse_order.device != starts.device:
+        raise ValueError(
+            f"inverse_order is on {inverse_order.device} but starts on {starts.device}"
+        )
+    A = starts.shape[1]
+    expect = torch.arange(A, device=starts.device)
+    if not bool((inverse_order.sort(dim=1).values == expect).all()):
+        raise ValueError(f"each row of inverse_order must be a permutation of 0..{A - 1}")
+
+
 def banded_resample(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``out[..., n, a] = sum_j weights[n, a, j] * f[..., n, starts[n, a] + j]``.
 
@@ -115,14 +134,35 @@ class BandedResampler(nn.Module):
         *,
         inverse_order: torch.Tensor | None = None,
     ) -> None:
-        """Stored mode from a validated band; starts must be sorted along each row."""
+        """Stored mode from a band whose starts are sorted along each row.
+
+        Args:
+            starts: (N, A) int32 window starts, non-decreasing along each row.
+            weights: (N, A, W) weights on starts' device.
+            num_fine: B, the number of fine points.
+            inverse_order: (N, A) int64 on starts' device, a permutation of ``0..A-1`` per
+                row: output column ``a`` is band row ``inverse_order[n, a]``; ``None`` keeps
+                the band's order.
+
+        Raises:
+            ValueError: unsorted starts, or an ``inverse_order`` that is not a permutation.
+
+        Everything is checked here, once, so :meth:`forward` can trust it (the kernels rely
+        on sorted rows; a bad permutation would gather garbage or trip a device assert).
+        """
         super().__init__()
         _check_band(starts, weights, num_fine)
+        if starts.shape[1] > 1 and not bool((starts[:, 1:] >= starts[:, :-1]).all()):
+            row = int((starts[:, 1:] < starts[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(
+                f"starts must be sorted (non-decreasing) along each row; row {row} is not "
+                "(sort the rows and pass inverse_order to keep the caller's order)"
+            )
+        if inverse_order is not None:
+            _check_permutation(inverse_order, starts)
         self.num_fine = int(num_fine)
         self.register_buffer("starts", starts.to(torch.int32).contiguous())
         self.register_buffer("weights", weights.contiguous())
-        if inverse_order is not None and inverse_order.shape != starts.shape:
-            raise ValueError("inverse_order must have the shape of starts")
         self.register_buffer("inverse_order", inverse_order)
         self._otf: tuple[responses.NamedResponse, float | None] | None = None
 
@@ -406,3 +446,5 @@ class BandedResampler(nn.Module):
             )
         except KeyError as exc:
             raise ValueError(f"{path}: missing {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:  # a band that fails __init__'s checks
+            raise type(exc)(f"{path}: {exc}") from None

@@ -440,3 +440,31 @@ def test_cuda_kernels_run_on_the_tensors_device_not_the_current_one(on_the_fly: 
     assert fr.grad is not None
     torch.testing.assert_close(out.cpu(), ref_op(f).detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fc.grad.cpu(), fr.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_stored_band_is_validated_once_at_construction(tmp_path: Path) -> None:
+    starts = torch.tensor([[0, 2, 5], [1, 1, 3]], dtype=torch.int32)
+    weights = torch.ones(2, 3, 4)
+    inv = torch.tensor([[2, 0, 1], [0, 1, 2]])
+    BandedResampler(starts, weights, 10, inverse_order=inv)  # fine
+    with pytest.raises(ValueError, match=r"sorted .* along each row; row 1"):
+        BandedResampler(torch.tensor([[0, 2, 5], [3, 1, 3]], dtype=torch.int32), weights, 10)
+    with pytest.raises(TypeError, match="inverse_order must be an int64"):
+        BandedResampler(starts, weights, 10, inverse_order=inv.int())
+    with pytest.raises(ValueError, match="shape of starts"):
+        BandedResampler(starts, weights, 10, inverse_order=inv[:, :2])
+    with pytest.raises(ValueError, match=r"permutation of 0\.\.2"):
+        BandedResampler(starts, weights, 10, inverse_order=torch.tensor([[2, 0, 0], [0, 1, 2]]))
+    with pytest.raises(ValueError, match="permutation"):
+        BandedResampler(starts, weights, 10, inverse_order=torch.tensor([[3, 0, 1], [0, 1, 2]]))
+    # A file whose band was tampered with is refused on load, naming the file.
+    from safetensors.torch import load_file, save_file
+
+    BandedResampler(starts, weights, 10, inverse_order=inv).save(tmp_path / "op.safetensors")
+    tensors = load_file(tmp_path / "op.safetensors")
+    tensors["starts"] = tensors["starts"].flip(1).contiguous()
+    meta = {"format": "bitserve.BandedResampler", "version": "1", "num_fine": "10",
+            "mode": "stored"}  # fmt: skip
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
+    with pytest.raises(ValueError, match=r"bad\.safetensors: starts must be sorted"):
+        BandedResampler.load(tmp_path / "bad.safetensors")
