@@ -1,8 +1,8 @@
 """Autograd and device dispatch of the stored-weights banded operator.
 
 ``banded_apply(f, starts, weights)`` picks the kernel by device: Triton on CUDA, the compiled
-C kernels on the CPU (chunked torch code where they cannot be built), the plain-torch
-reference anywhere else. Kernels take contiguous float32 inputs of shape (M, N, B) and
+C kernels on the CPU, chunked torch code anywhere else (and where the C kernels cannot be
+built). Kernels take contiguous float32 inputs of shape (M, N, B) and
 return float32; the backward is a custom ``autograd.Function`` so nothing of size
 (M, N, A, W) is ever saved or built.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpu_ops import _reference, _resample_cpu
+from gpu_ops import _resample_cpu
 
 try:  # Triton is optional: the CPU paths never need it.
     from gpu_ops._triton import resample as _triton_resample
@@ -42,7 +42,9 @@ def kernel_forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor)
         if lib is not None:
             return _resample_cpu.forward_c(lib, f32, starts, weights)
         return _resample_cpu.forward_torch(f32, starts, weights)
-    return _reference.banded_resample_reference(f.float(), starts, weights.float())
+    # CUDA without Triton, other devices: chunked torch (it converts each chunk to float32),
+    # never the reference, whose (M, N, A, W) gather would not fit for real sizes.
+    return _resample_cpu.forward_torch(f, starts, weights)
 
 
 def kernel_backward_f(

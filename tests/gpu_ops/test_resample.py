@@ -468,3 +468,22 @@ def test_stored_band_is_validated_once_at_construction(tmp_path: Path) -> None:
     save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
     with pytest.raises(ValueError, match=r"bad\.safetensors: starts must be sorted"):
         BandedResampler.load(tmp_path / "bad.safetensors")
+
+
+def test_devices_without_a_kernel_take_the_chunked_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA without Triton (here: the meta device) never builds the (M, N, A, W) gather."""
+    from gpu_ops import _reference, _resample_autograd
+
+    def whole(*args: object) -> torch.Tensor:
+        raise AssertionError("the reference builds every window at once")
+
+    monkeypatch.setattr(_reference, "banded_resample_reference", whole)
+    monkeypatch.setattr(_resample_autograd, "HAS_TRITON", False)
+    f = torch.empty(64, 8, 5000, device="meta", dtype=torch.float16)
+    starts = torch.empty(8, 3000, device="meta", dtype=torch.int32)
+    weights = torch.empty(8, 3000, 200, device="meta")
+    out = _resample_autograd.kernel_forward(f, starts, weights)
+    assert out.shape == (64, 8, 3000)
+    assert out.dtype == torch.float32
