@@ -23,13 +23,25 @@ from gpu_ops._triton import on_device
 
 
 @triton.jit
+def _program_3d(N, n1):
+    """(n, i1, i2) of this program in a 1-D grid of N * n1 * n2 programs, n varying fastest.
+
+    One flat grid axis: CUDA caps grid axes 1 and 2 at 65535 blocks, which a long A or B
+    would exceed; the order of the programs is that of the old (N, n1, n2) grid.
+    """
+    pid = tl.program_id(0)
+    rest = pid // N
+    return pid % N, rest % n1, rest // n1
+
+
+@triton.jit
 def _forward_kernel(
     f_ptr, w_ptr, s_ptr, out_ptr, M, N, A, B, W,
     BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n, ab, mb = _program_3d(N, tl.cdiv(A, BLOCK_A))
+    a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     a_ok = a < A
     m_ok = m < M
     s = tl.load(s_ptr + n * A + a, mask=a_ok, other=0)
@@ -55,10 +67,9 @@ def _backward_f_kernel(
     g_ptr, w_ptr, s_ptr, alo_ptr, ahi_ptr, out_ptr, M, N, A, B, W, NBLK,
     BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    k = tl.program_id(1)
+    n, k, mb = _program_3d(N, NBLK)
     b = k * BLOCK_B + tl.arange(0, BLOCK_B)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     a_lo = tl.load(alo_ptr + n * NBLK + k)
     a_hi = tl.load(ahi_ptr + n * NBLK + k)
@@ -83,9 +94,9 @@ def _backward_w_kernel(
     g_ptr, f_ptr, s_ptr, out_ptr, M, N, A, B, W,
     BLOCK_A: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
-    j = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    n, ab, jb = _program_3d(N, tl.cdiv(A, BLOCK_A))
+    a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
+    j = jb * BLOCK_W + tl.arange(0, BLOCK_W)
     a_ok = a < A
     j_ok = j < W
     s = tl.load(s_ptr + n * A + a, mask=a_ok, other=0)
@@ -114,7 +125,7 @@ def forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> tor
     _, A, W = weights.shape
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
-    grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(M, BLOCK_M))
+    grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _forward_kernel[grid](
             f, weights, starts, out, M, N, A, B, W,
@@ -153,7 +164,7 @@ def backward_f(
     BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, _block_m(M)
     lo, hi = coarse_ranges(starts, W, B, BLOCK_B, sorted_starts)
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
-    grid = (N, triton.cdiv(B, BLOCK_B), triton.cdiv(M, BLOCK_M))
+    grid = (N * lo.shape[1] * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _backward_f_kernel[grid](
             g, weights, starts, lo, hi, out, M, N, A, B, W, lo.shape[1],
@@ -168,7 +179,7 @@ def backward_w(g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int) -
     A = g.shape[-1]
     out = torch.empty(N, A, W, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_W, BLOCK_M = 16, 64, 4
-    grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(W, BLOCK_W))
+    grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(W, BLOCK_W),)
     with on_device(out):
         _backward_w_kernel[grid](
             g, f, starts, out, M, N, A, B, W, BLOCK_A=BLOCK_A, BLOCK_W=BLOCK_W, BLOCK_M=BLOCK_M

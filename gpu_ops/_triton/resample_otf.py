@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from gpu_ops._triton import on_device
+from gpu_ops._triton.resample import _program_3d
 
 RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
 
@@ -61,9 +62,9 @@ def _forward_kernel(
     f_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, M, N, A, B,
     RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n, ab, mb = _program_3d(N, tl.cdiv(A, BLOCK_A))
+    a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     a_ok = a < A
     m_ok = m < M
     fi = tl.load(fi_ptr + n * A + a, mask=a_ok, other=B)
@@ -93,8 +94,8 @@ def _grad_cp_kernel(
     f_ptr, g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, gc_ptr, gp_ptr, p, M, N, A, B,
     RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
+    n, ab, _ = _program_3d(N, tl.cdiv(A, BLOCK_A))
+    a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
     a_ok = a < A
     fi = tl.load(fi_ptr + n * A + a, mask=a_ok, other=B)
     la = tl.load(la_ptr + n * A + a, mask=a_ok, other=0)
@@ -135,10 +136,9 @@ def _grad_f_kernel(
     g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, alo_ptr, ahi_ptr, out_ptr, p, M, N, A, B, NBLK,
     RESP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
-    k = tl.program_id(1)
+    n, k, mb = _program_3d(N, NBLK)
     b = k * BLOCK_B + tl.arange(0, BLOCK_B)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     b_ok = b < B
     m_ok = m < M
     xv = tl.load(x_ptr + b, mask=b_ok, other=0.0).to(tl.float64)
@@ -197,7 +197,7 @@ def forward(f: torch.Tensor, geo: Geometry) -> torch.Tensor:
     A = geo.c.shape[1]
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
-    grid = (N, triton.cdiv(A, BLOCK_A), triton.cdiv(M, BLOCK_M))
+    grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _forward_kernel[grid](
             f, geo.x, geo.c, geo.first, geo.last, out, geo.param, M, N, A, B,
@@ -216,7 +216,7 @@ def grad_c_param(
     gc = torch.empty(N, A, dtype=torch.float32, device=f.device)
     gp = torch.empty(N, A, dtype=torch.float32, device=f.device)
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
-    grid = (N, triton.cdiv(A, BLOCK_A))
+    grid = (N * triton.cdiv(A, BLOCK_A),)
     with on_device(gc):
         _grad_cp_kernel[grid](
             f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, geo.param, M, N, A, B,
@@ -238,7 +238,7 @@ def grad_f(g: torch.Tensor, geo: Geometry, B: int) -> torch.Tensor:
     hi = torch.searchsorted(geo.first, (b0 + BLOCK_B).contiguous(), right=False)
     hi = torch.maximum(hi.to(torch.int32), lo)
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
-    grid = (N, nblk, triton.cdiv(M, BLOCK_M))
+    grid = (N * nblk * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _grad_f_kernel[grid](
             g_sorted, geo.x, geo.c, geo.first, geo.last, lo.contiguous(), hi.contiguous(), out,

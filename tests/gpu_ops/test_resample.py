@@ -242,7 +242,7 @@ def test_kernel_cache_is_private_and_shared_by_racing_processes(tmp_path: Path) 
 
 
 @needs_triton
-@pytest.mark.parametrize(("M", "sorted_starts"), [(1, True), (3, False), (20, True)])
+@pytest.mark.parametrize(("M", "sorted_starts"), [(1, True), (3, False), (20, True), (70, True)])
 def test_triton_kernels_match_reference(M: int, sorted_starts: bool) -> None:
     """Runs interpreted on CPU tensors when there is no GPU (TRITON_INTERPRET=1)."""
     from gpu_ops._triton import resample as tr
