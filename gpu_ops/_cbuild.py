@@ -4,9 +4,10 @@ Used by the CPU kernels of ``gpu_ops`` (``_resample_cpu.c``, ``_bits_cpu.c``). A
 compiled once per machine (``cc -O3 -march=native -fopenmp``, falling back to plainer flag
 sets, the last one without OpenMP) into a cache folder (``$BITSERVE_CACHE_DIR``, else
 ``~/.cache/bitserve``, mode 0o700). The file name hashes the source, the compiler's version
-banner and the flags, so an edited source or an upgraded compiler gets a fresh build, and
-processes racing on first use each build a private file that ``os.replace`` moves into place
-atomically. Before a library is loaded, the folder and the file must be ours (owned by this
+banner, the flags and the CPU (architecture and feature flags: ``-march=native`` code can
+crash on another CPU sharing the home folder or image), so an edited source, an upgraded
+compiler or another CPU gets a fresh build, and processes racing on first use each build a
+private file that ``os.replace`` moves into place atomically. Before a library is loaded, the folder and the file must be ours (owned by this
 user, not writable by group or others, not symbolic links): a library someone else could
 have written would run as us. When the cache fails that check (``BITSERVE_CACHE_DIR`` on a
 shared path), a warning is logged and the library is built into a private temporary folder
@@ -21,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -56,6 +58,21 @@ def _compiler_id(compiler: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return compiler
     return compiler + "\n" + done.stdout.decode(errors="replace")
+
+
+def _cpu_id() -> str:
+    """The architecture and the CPU's feature flags, which ``-march=native`` code depends on."""
+    features = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                # x86: "flags"; ARM: "Features". Every core lists the same ones.
+                if line.split(":", 1)[0].strip() in ("flags", "Features"):
+                    features = line.split(":", 1)[1].strip()
+                    break
+    except OSError:  # not Linux: the processor's name is the best cheap proxy
+        features = platform.processor()
+    return f"{platform.machine()}\n{features}"
 
 
 def _why_unsafe(path: Path) -> str | None:
@@ -137,7 +154,7 @@ def build(
         _log.warning("no C compiler found (set CC): the %s fall back to torch code", what)
         return None
     code = source.read_bytes()
-    ident = _compiler_id(compiler)
+    ident = _compiler_id(compiler) + "\n" + _cpu_id()
     root = cache_dir()
     problem = _cache_problem(root)
     if problem is not None:

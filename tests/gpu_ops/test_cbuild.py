@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -175,3 +176,20 @@ def test_cache_folder_of_ours_made_wider_is_tightened(tmp_path: Path, cache: Pat
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     for lib in cache.glob("*.so"):
         assert stat.S_IMODE(lib.stat().st_mode) & 0o022 == 0
+
+
+def test_cache_key_names_the_cpu(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-march=native code built on one CPU must not be reused on another sharing the cache."""
+    ident = _cbuild._cpu_id()
+    assert ident.startswith(platform.machine())
+    if Path("/proc/cpuinfo").exists():
+        assert len(ident.splitlines()[1]) > 0  # the feature flags were found
+    source = _write(tmp_path, 40)
+    assert _cbuild.build(source, "answer", _bind, "test kernels") is not None
+    monkeypatch.setattr(_cbuild, "_cpu_id", lambda: "x86_64\nfpu sse2")
+    lib = _cbuild.build(source, "answer", _bind, "test kernels")
+    assert lib is not None
+    assert lib.bs_answer(2) == 42
+    assert len(list(cache.glob("answer_*.so"))) == 2
