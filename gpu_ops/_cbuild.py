@@ -7,13 +7,14 @@ sets, the last one without OpenMP) into a cache folder (``$BITSERVE_CACHE_DIR``,
 banner, the flags and the CPU (architecture and feature flags: ``-march=native`` code can
 crash on another CPU sharing the home folder or image), so an edited source, an upgraded
 compiler or another CPU gets a fresh build, and processes racing on first use each build a
-private file that ``os.replace`` moves into place atomically. Before a library is loaded, the folder and the file must be ours (owned by this
-user, not writable by group or others, not symbolic links): a library someone else could
-have written would run as us. When the cache fails that check (``BITSERVE_CACHE_DIR`` on a
-shared path), a warning is logged and the library is built into a private temporary folder
-for this process instead. ``BITSERVE_CPU_KERNELS=0`` disables every such library; callers
-then run their torch code, as they do (after a warning) when no compiler is found or no build
-succeeds.
+private file that ``os.replace`` moves into place atomically.
+
+Before a library is loaded, the folder and the file must be ours (owned by this user, not
+writable by group or others, not symbolic links): a library someone else could have written
+would run as us. When the cache fails that check (``BITSERVE_CACHE_DIR`` on a shared path), a
+warning is logged and the library is built into a private temporary folder for this process
+instead. ``BITSERVE_CPU_KERNELS=0`` disables every such library; callers then run their torch
+code, as they do (after a warning) when no compiler is found or no build succeeds.
 """
 
 from __future__ import annotations
