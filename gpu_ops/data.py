@@ -236,7 +236,9 @@ class DevicePrefetcher:
     a side stream while the caller's stream works on batch ``k``. The caller's stream waits
     on an event recorded after the unpack before a batch is handed out, and the side stream
     waits on the caller's stream before it overwrites a reused buffer, so no batch is read
-    before its copy finishes and no buffer is overwritten while still in use. Labels and
+    before its copy finishes and no buffer is overwritten while still in use. The side stream
+    is the prefetcher's for its life, so an epoch left early (a copy still in flight) is
+    ordered before the next epoch's writes. Labels and
     extras are allocated on the side stream and ``record_stream``-ed on the caller's.
 
     On the CPU there are no streams: each batch is unpacked when it is asked for.
@@ -279,6 +281,9 @@ class DevicePrefetcher:
         self.unpack = unpack
         self.reuse_buffers = reuse_buffers
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # One side stream for the prefetcher's life: an epoch that stops with a copy in
+        # flight leaves it queued there, ahead of the next epoch's writes to the same buffers.
+        self._side: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -326,7 +331,9 @@ class DevicePrefetcher:
         yield from self._iter_cuda()
 
     def _iter_cuda(self) -> Iterator[DeviceBatch]:
-        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side = self._side
         it = iter(self.loader)
 
         def issue(k: int) -> tuple[DeviceBatch, torch.cuda.Event] | None:
@@ -341,9 +348,8 @@ class DevicePrefetcher:
                 loaded = self._load(batch, k % 2)
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(side)
-            if self.reuse_buffers:
-                # If iteration stops early the buffer may be freed while this write runs.
-                loaded.features.record_stream(side)
+            # Reused buffers were allocated on ``side`` itself, so the allocator already
+            # orders their reuse after this write; no record_stream(side) is needed.
             return loaded, done
 
         k = 0

@@ -289,3 +289,26 @@ def test_pack_array_progress_without_tqdm_is_a_clear_error(monkeypatch: pytest.M
     with pytest.raises(ImportError, match="needs tqdm"):
         pack_array(arr, progress=True)
     np.testing.assert_array_equal(pack_array(arr), np.packbits(arr, axis=-1))  # no bar: fine
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_epoch_left_early_does_not_disturb_the_next(device: str) -> None:
+    """Stop an epoch with batch 1 still being prefetched; the next epoch is still exact."""
+    rng = np.random.default_rng(11)
+    _, packed = _dataset(rng)
+    ds = PackedBitsDataset(packed, L, labels=_row_ids(ROWS))
+    loader = DataLoader(ds, batch_size=4, collate_fn=collate_packed)
+    pf = DevicePrefetcher(loader, device)
+    expected = _expected(packed, "big", torch.float32)
+    for _ in range(3):
+        first = next(iter(pf))  # the generator is dropped with a prefetch in flight
+        assert first.labels is not None
+        torch.testing.assert_close(first.features.cpu(), expected[first.labels.cpu()])
+        for x, ids, _ in pf:
+            assert ids is not None
+            torch.testing.assert_close(x.cpu(), expected[ids.cpu()], rtol=0, atol=0)
+    if device == "cuda":
+        side = pf._side
+        assert side is not None
+        list(pf)
+        assert pf._side is side  # one side stream for the prefetcher's life
