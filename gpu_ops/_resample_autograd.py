@@ -85,7 +85,10 @@ class BandedFunction(torch.autograd.Function):
         ctx: Any, f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, sorted_starts: bool
     ) -> torch.Tensor:
         f_c = f.contiguous()
-        ctx.save_for_backward(f_c, starts, weights)
+        # f (M, N, B) is only needed for the weight gradient: for a fixed operator, saving
+        # it would hold the whole input batch until backward.
+        ctx.save_for_backward(f_c if ctx.needs_input_grad[2] else None, starts, weights)
+        ctx.f_meta = (f.shape[-1], f.dtype)
         ctx.sorted_starts = sorted_starts
         return kernel_forward(f_c, starts, weights).to(f.dtype)
 
@@ -93,12 +96,12 @@ class BandedFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         f, starts, weights = ctx.saved_tensors
-        wide = torch.float64 in (f.dtype, weights.dtype)
+        B, f_dtype = ctx.f_meta
+        wide = torch.float64 in (f_dtype, weights.dtype)
         g = (grad.double() if wide else grad.float()).contiguous()
         grad_f = grad_w = None
         if ctx.needs_input_grad[0]:
-            B = f.shape[-1]
-            grad_f = kernel_backward_f(g, starts, weights, B, ctx.sorted_starts).to(f.dtype)
+            grad_f = kernel_backward_f(g, starts, weights, B, ctx.sorted_starts).to(f_dtype)
         if ctx.needs_input_grad[2]:
             W = weights.shape[-1]
             grad_w = kernel_backward_w(g, f.to(g.dtype).contiguous(), starts, W).to(weights.dtype)

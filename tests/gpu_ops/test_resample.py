@@ -487,3 +487,33 @@ def test_devices_without_a_kernel_take_the_chunked_torch_path(
     out = _resample_autograd.kernel_forward(f, starts, weights)
     assert out.shape == (64, 8, 3000)
     assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("weights_grad", [False, True])
+def test_input_is_saved_for_backward_only_for_the_weight_gradient(weights_grad: bool) -> None:
+    gen = torch.Generator().manual_seed(13)
+    N, A, B, W = 2, 9, 50, 5
+    starts = torch.randint(0, B - W + 1, (N, A), generator=gen, dtype=torch.int32)
+    weights = torch.randn(N, A, W, generator=gen).requires_grad_(weights_grad)
+    f = torch.randn(4, N, B, generator=gen, requires_grad=True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = banded_resample(f, starts, weights)
+    assert ((4, N, B) in saved) == weights_grad
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    ref_f = f.detach().double().requires_grad_()
+    ref_w = weights.detach().double().requires_grad_(weights_grad)
+    banded_resample_reference(ref_f, starts, ref_w).backward(g.double())
+    assert f.grad is not None
+    assert ref_f.grad is not None
+    _assert_close(f.grad, ref_f.grad, 1e-5)
+    if weights_grad:
+        assert weights.grad is not None
+        assert ref_w.grad is not None
+        _assert_close(weights.grad, ref_w.grad, 1e-5)
