@@ -10,8 +10,10 @@ is left of a batch opens the next one.
 - A request whose timeout expires before its batch starts is answered
   :class:`~service.errors.DeadlineExceeded` and never computed.
 - A cancelled request (the client went away) leaves the queue at once.
-- An exception in one batch fails that batch's requests only (500, no traceback); the
-  scheduler keeps serving.
+- An exception in one batch fails that batch's requests only (500 naming the exception class
+  and the request id, never its text: that goes to the log); the scheduler keeps serving.
+- Should the scheduler itself die, every waiting request is failed and the batcher refuses new
+  ones (503): no request is ever left waiting on a scheduler that is gone.
 - :meth:`Batcher.stop` refuses new requests and finishes the queued ones.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -30,6 +33,7 @@ from typing import Generic, TypeVar
 
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
+from service.observability import request_id_var
 
 log = logging.getLogger("bitserve.batcher")
 
@@ -55,6 +59,7 @@ class _Pending(Generic[P, R]):
     enqueued: float
     deadline: float | None
     timer: asyncio.TimerHandle | None = field(default=None)
+    request_id: str = "-"
 
 
 class Batcher(Generic[P, R]):
@@ -102,6 +107,7 @@ class Batcher(Generic[P, R]):
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._running: list[_Pending[P, R]] = []
+        self._reported_depth = 0
 
     # --- public ---------------------------------------------------------------------------
 
@@ -111,6 +117,9 @@ class Batcher(Generic[P, R]):
             self._task = asyncio.get_running_loop().create_task(
                 self._schedule(), name=f"batcher-{self.name}"
             )
+            self._task.add_done_callback(self._scheduler_done)
+            if self._metrics is not None:
+                self._metrics.add_queue_depth(self.name, 0)  # the series exists from the start
 
     @property
     def depth(self) -> int:
@@ -142,7 +151,7 @@ class Batcher(Generic[P, R]):
             DeadlineExceeded: the timeout expired first.
             ServiceError: the batch's computation failed.
         """
-        if self._closing or self._task is None:
+        if self._closing or self._task is None or self._task.done():
             raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
         if not 1 <= size <= self._capacity:
             raise ValueError(f"size {size} outside 1..{self._capacity}")  # validated before
@@ -161,6 +170,7 @@ class Batcher(Generic[P, R]):
             now,
             # 0 means no timeout, as in Triton (its default request timeout is 0).
             now + timeout_us / 1e6 if timeout_us and timeout_us > 0 else None,
+            request_id=request_id_var.get(),
         )
         if pending.deadline is not None:
             pending.timer = loop.call_at(pending.deadline, self._expire, pending)
@@ -182,22 +192,20 @@ class Batcher(Generic[P, R]):
         self._closing = True
         self._wakeup.set()
         task = self._task
-        if task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout_s)
-            except TimeoutError:
+        if task is not None and not task.done():
+            # asyncio.wait never raises the task's own error (a dead scheduler was logged by
+            # its done-callback; stop() still has to clean up).
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
                 log.warning("model %s: drain timed out after %.1f s", self.name, timeout_s)
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await asyncio.wait({task})
         while self._queue:
             p = self._queue.popleft()
             self._cancel_timer(p)
             _fail(p, ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
         self._queued_items = 0
         self._depth_changed()
-        if self._metrics is not None:
-            self._metrics.forget_model(self.name)
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
@@ -226,8 +234,11 @@ class Batcher(Generic[P, R]):
             pending.timer = None
 
     def _depth_changed(self) -> None:
-        if self._metrics is not None:
-            self._metrics.set_queue_depth(self.name, len(self._queue))
+        # Deltas, not the value: other versions of the model share the metric's label.
+        depth = len(self._queue)
+        if self._metrics is not None and depth != self._reported_depth:
+            self._metrics.add_queue_depth(self.name, depth - self._reported_depth)
+            self._reported_depth = depth
 
     # --- scheduler ------------------------------------------------------------------------
 
@@ -236,7 +247,28 @@ class Batcher(Generic[P, R]):
             batch = await self._next_batch()
             if batch is None:
                 return
-            await self._execute(batch)
+            try:
+                await self._execute(batch)
+            finally:
+                # Whatever escaped (a bug, a cancellation), none of this batch may hang.
+                for p in batch:
+                    if not p.future.done():
+                        _fail(p, ModelNotReady(f"model '{self.name}' stopped during this request"))
+                self._running = []
+
+    def _scheduler_done(self, task: asyncio.Task[None]) -> None:
+        # Normally the scheduler ends only in stop(); anything else is a bug, and requests
+        # queued behind a dead scheduler would wait forever: fail them, refuse new ones.
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.error("model %s: the batch scheduler died", self.name, exc_info=exc)
+        self._closing = True
+        while self._queue:
+            p = self._queue.popleft()
+            self._cancel_timer(p)
+            _fail(p, ModelNotReady(f"model '{self.name}' stopped serving before this request ran"))
+        self._queued_items = 0
+        self._depth_changed()
 
     async def _next_batch(self) -> list[_Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
@@ -297,15 +329,24 @@ class Batcher(Generic[P, R]):
             for p in batch:  # stop() gave up waiting: nobody may be left hanging
                 _fail(p, ModelNotReady(f"model '{self.name}' was unloaded during this request"))
             raise
-        except Exception as exc:
-            error = exc if isinstance(exc, ServiceError) else _internal_error(self.name, exc)
-            for p in batch:
-                _fail(p, error)
+        except BaseException as exc:
+            if not isinstance(exc, ServiceError):
+                ids = ", ".join(p.request_id for p in batch)
+                log.error("model %s: batch failed (request ids %s)", self.name, ids, exc_info=exc)
+            for p in batch:  # one error object each: a shared one would pile up tracebacks
+                _fail(p, _request_error(self.name, exc, p.request_id))
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the requests are answered, now stop
             return
         finally:
             self._running = []
         if self._metrics is not None:
-            self._metrics.observe_batch(self.name, info.batch_size, info.batch_requests, seconds)
+            try:
+                self._metrics.observe_batch(
+                    self.name, info.batch_size, info.batch_requests, seconds
+                )
+            except Exception:  # metrics must never cost a request its answer
+                log.exception("model %s: recording batch metrics failed", self.name)
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():  # a cancelled request's result is dropped
                 p.future.set_result((result, info))
@@ -330,9 +371,19 @@ def _deadline_error(name: str, pending: _Pending[P, R]) -> DeadlineExceeded:
     )
 
 
-def _internal_error(name: str, exc: BaseException) -> ServiceError:
-    log.error("model %s: batch failed", name, exc_info=exc)
-    return ServiceError(f"model '{name}': inference failed ({type(exc).__name__}: {exc})")
+def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:
+    """A fresh error for one request of a failed batch.
+
+    A ServiceError raised on purpose is copied (its message is meant for the client); any
+    other exception becomes a 500 naming only its class: exception text can carry TorchScript
+    tracebacks and code locations, which stay in the log, found by the request id.
+    """
+    if isinstance(exc, ServiceError):
+        return copy.copy(exc).with_traceback(None)
+    return ServiceError(
+        f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
+        "details in the server log"
+    )
 
 
 class DeviceExecutors:

@@ -239,8 +239,7 @@ class Endpoints:
         return json_response({})
 
     async def unload(self, model: str) -> Response:
-        await self.repository.unload(model)
-        self.metrics.forget_model(model)
+        await self.repository.unload(model)  # it forgets the model's metrics
         return json_response({})
 
     async def metrics_text(self) -> Response:

@@ -99,12 +99,18 @@ class Metrics:
         """Set the number of requests waiting in ``model``'s queue."""
         self.queue_depth.labels(model).set(depth)
 
+    def add_queue_depth(self, model: str, delta: int) -> None:
+        """Change ``model``'s queue depth by ``delta``: each version's batcher reports its own
+        changes, so versions served side by side (or a retiring one) add up, never overwrite."""
+        self.queue_depth.labels(model).inc(delta)
+
     def set_device_memory(self, model: str, device: str, nbytes: int) -> None:
         """Set the device bytes held by ``model``."""
         self.device_memory.labels(model, device).set(nbytes)
 
     def forget_model(self, model: str) -> None:
-        """Drop a model's per-model gauges when it is unloaded."""
+        """Drop a model's per-model gauges when it is unloaded (by the repository, once, after
+        its batchers have stopped; not on a reload, whose new batchers own the series)."""
         with contextlib.suppress(KeyError):
             self.queue_depth.remove(model)
 

@@ -262,7 +262,8 @@ class ModelRepository:
                 problems += exc.problems
             except Exception as exc:  # a broken operator or model: report, don't crash
                 log.exception("model %s version %s failed to build", name, v)
-                problems.append(f"{src.source}: {type(exc).__name__}: {exc}")
+                problems.append(f"{src.source}: failed to build: {type(exc).__name__} "
+                                "(details in the server log)")  # fmt: skip
         if problems:
             raise ConfigError(problems)
         return out
@@ -292,6 +293,8 @@ class ModelRepository:
         await self._retire(name, entries, timeout_s)
         self._models[name] = {v: _Entry(UNAVAILABLE, "unloaded") for v in entries}
         self._report_memory(name)
+        if self.metrics is not None:
+            self.metrics.forget_model(name)  # really dropped: no batcher reports for it now
 
     def _report_memory(self, name: str) -> None:
         if self.metrics is None:

@@ -188,7 +188,8 @@ def test_exception_fails_only_its_batch() -> None:
         assert isinstance(err, ServiceError)
         assert type(err) is ServiceError
         assert err.status_code == 500
-        assert "inference failed (RuntimeError: kaboom)" in err.message
+        assert "inference failed (RuntimeError); request id -" in err.message
+        assert "kaboom" not in err.message  # exception text stays in the log
         assert (await b.submit("after"))[0] == ("done", "after")
         await b.stop()
 
@@ -314,3 +315,113 @@ def test_device_executors_share_one_thread_per_device() -> None:
         assert len(names) == 1
     finally:
         ex.shutdown()
+
+
+class Fatal(BaseException):
+    """Not an Exception: slips past ``except Exception``."""
+
+
+def test_base_exception_in_a_batch_answers_everyone_and_closes() -> None:
+    def compute(payloads: list[Any]) -> Sequence[Any]:
+        if "fatal" in payloads:
+            raise Fatal("deep trouble")
+        return payloads
+
+    async def main() -> None:
+        b: Batcher[Any, Any] = Batcher(
+            "m", compute, max_batch_size=1, max_queue_delay_us=0, max_queue_size=8
+        )
+        b.start()
+        results = await asyncio.wait_for(
+            asyncio.gather(b.submit("fatal"), b.submit("next"), return_exceptions=True), 5
+        )
+        assert isinstance(results[0], ServiceError)
+        assert results[0].status_code == 500
+        assert "inference failed (Fatal)" in results[0].message
+        assert isinstance(results[1], ModelNotReady)  # queued behind a scheduler now gone
+        with pytest.raises(ModelNotReady, match="not accepting requests"):
+            await b.submit("later")
+        await b.stop()
+
+    run(main)
+
+
+class _BrokenMetrics(Metrics):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def observe_queue(self, model: str, seconds: float) -> None:
+        if self.where == "queue":
+            raise RuntimeError("metrics broke")
+        super().observe_queue(model, seconds)
+
+    def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
+        if self.where == "batch":
+            raise RuntimeError("metrics broke")
+        super().observe_batch(model, items, requests, compute_seconds)
+
+
+def test_error_after_the_batch_ran_still_answers_and_keeps_serving() -> None:
+    async def main() -> None:
+        b = make(Recorder(), metrics=_BrokenMetrics("batch"))
+        assert (await asyncio.wait_for(b.submit("a"), 5))[0] == ("done", "a")
+        assert (await asyncio.wait_for(b.submit("b"), 5))[0] == ("done", "b")
+        await b.stop()
+
+    run(main)
+
+
+def test_scheduler_death_outside_the_batch_fails_requests_instead_of_hanging() -> None:
+    async def main() -> None:
+        b = make(Recorder(), metrics=_BrokenMetrics("queue"))
+        with pytest.raises(ModelNotReady, match="stopped during this request"):
+            await asyncio.wait_for(b.submit("a"), 5)
+        await asyncio.sleep(0)  # the task's done-callback runs
+        with pytest.raises(ModelNotReady, match="not accepting requests"):
+            await b.submit("b")
+        await b.stop()
+
+    run(main)
+
+
+def test_each_request_of_a_failed_batch_gets_its_own_error() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=3, max_queue_delay_us=60_000_000)
+        errors = await asyncio.gather(
+            b.submit("boom"), b.submit("x"), b.submit("y"), return_exceptions=True
+        )
+        assert len(rec.batches) == 1
+        assert all(isinstance(e, ServiceError) for e in errors)
+        assert len({id(e) for e in errors}) == 3
+        for e in errors:  # each traceback is its own short chain, not an accumulated one
+            depth, tb = 0, e.__traceback__
+            while tb is not None:
+                depth, tb = depth + 1, tb.tb_next
+            assert depth <= 2
+        await b.stop()
+
+    run(main)
+
+
+def test_retiring_batcher_does_not_drop_the_new_versions_queue_depth() -> None:
+    async def main() -> None:
+        metrics = Metrics()
+        old = make(Recorder(), metrics=metrics)
+        rec = Recorder(gated=True)
+        new = make(rec, max_batch_size=1, metrics=metrics)
+        running = asyncio.ensure_future(new.submit("running"))
+        await wait_entered(rec)
+        queued = asyncio.ensure_future(new.submit("queued"))
+        await asyncio.sleep(0)
+        value = metrics.registry.get_sample_value
+        assert value("bitserve_queue_depth", {"model": "m"}) == 1
+        await old.stop()  # the reload retires the old version
+        assert value("bitserve_queue_depth", {"model": "m"}) == 1
+        rec.gate.set()
+        await asyncio.gather(running, queued)
+        assert value("bitserve_queue_depth", {"model": "m"}) == 0
+        await new.stop()
+
+    run(main)

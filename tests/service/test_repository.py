@@ -355,8 +355,14 @@ def test_load_unload_index_and_readiness(tmp_path: Path) -> None:
         memory = metrics.registry.get_sample_value
         assert memory("bitserve_device_memory_bytes", {"model": "m", "device": "cpu"}) > 0
 
+        # A reload keeps the model's queue-depth series (the new batcher owns it); an unload
+        # drops it.
+        depth = metrics.registry.get_sample_value
+        await repo.load("m")
+        assert depth("bitserve_queue_depth", {"model": "m"}) == 0
         h = repo.get("m")
         await repo.unload("m")
+        assert depth("bitserve_queue_depth", {"model": "m"}) is None
         assert not h.is_ready()
         with pytest.raises(ModelNotReady, match="version 1 is UNAVAILABLE: unloaded"):
             repo.get("m")
@@ -439,7 +445,8 @@ def test_exception_in_compute_fails_only_that_batch(tmp_path: Path) -> None:
         assert len(errors) == 1
         assert isinstance(errors[0], ServiceError)
         assert errors[0].status_code == 500
-        assert "RuntimeError: device fell over" in errors[0].message
+        assert "inference failed (RuntimeError); request id" in errors[0].message
+        assert "device fell over" not in errors[0].message
         assert (await h.infer(request(bits_of(1)))).outputs[0].shape == (1, N, A)
         await repo.stop()
 
