@@ -11,6 +11,7 @@ Every problem is reported as ``<file>: <key>: <message>``, e.g.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import tomllib
@@ -21,6 +22,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from service.protocol.types import DATATYPES
+
+log = logging.getLogger("bitserve.repository")
+
+
+def hidden_error(where: str, what: str, exc: BaseException) -> str:
+    """A load problem for ``/load`` and the index without the exception's own text.
+
+    Library exceptions (torch's loaders above all) carry absolute server paths, TorchScript
+    tracebacks and code locations: those go to the server log; the client sees where the
+    problem is (``where``: file and key, relative to the repository), ``what`` failed, and the
+    exception class.
+    """
+    log.error("%s: %s: %s: %s", where, what, type(exc).__name__, exc, exc_info=exc)
+    return f"{where}: {what} ({type(exc).__name__}; details in the server log)"
+
 
 CONFIG_FILE = "config.toml"
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
@@ -388,7 +404,8 @@ def _tensor_shapes(path: Path, source: str, key: str) -> dict[str, tuple[list[in
                 out[k] = (list(sl.get_shape()), str(sl.get_dtype()))
             return out
     except Exception as exc:  # safetensors raises several types for a corrupt header
-        raise ConfigError([f"{source}: {key}: not a readable safetensors file: {exc}"]) from None
+        reason = hidden_error(f"{source}: {key}", "not a readable safetensors file", exc)
+        raise ConfigError([reason]) from None
 
 
 def check_version_files(src: VersionSource, cfg: ModelConfig) -> None:

@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.config import ConfigError, InputConfig, ModelConfig, OperatorConfig, VersionSource
+from service.config import (
+    ConfigError,
+    InputConfig,
+    ModelConfig,
+    OperatorConfig,
+    VersionSource,
+    hidden_error,
+)
 from service.protocol.types import DATATYPES
 
 COMPUTE_DTYPES = {
@@ -96,14 +103,16 @@ def load_artifacts(src: VersionSource, cfg: ModelConfig) -> Artifacts:
         try:
             tensors = load_file(str(path), device="cpu")
         except Exception as exc:  # corrupt headers raise several types
-            raise ConfigError([f"{src.source}: operator.file: cannot read: {exc}"]) from None
+            reason = hidden_error(f"{src.source}: operator.file", "cannot read", exc)
+            raise ConfigError([reason]) from None
     model = None
     if cfg.model is not None:
         path = src.resolve(cfg.model.file, "model.file")
         try:
             model = _load_model(path, cfg.model.format)
         except Exception as exc:
-            raise ConfigError([f"{src.source}: model.file: cannot load: {exc}"]) from None
+            reason = hidden_error(f"{src.source}: model.file", "cannot load", exc)
+            raise ConfigError([reason]) from None
     return Artifacts(tensors, model)
 
 

@@ -293,5 +293,12 @@ def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
     (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")
     src = model_versions(tmp_path, "m")["1"]
     cfg = load_config(src.config_path, src.source)
-    with pytest.raises(ConfigError, match=r"m/config\.toml: model\.file: cannot load"):
+    with pytest.raises(ConfigError, match=r"m/config\.toml: model\.file: cannot load") as info:
         load_artifacts(src, cfg)
+    # The operator sees where and the exception class; torch's own text (server paths,
+    # TorchScript tracebacks) stays in the server log.
+    (problem,) = info.value.problems
+    assert problem.endswith("; details in the server log)"), problem
+    assert str(tmp_path) not in problem
+    assert "not a zip" not in problem.lower()
+    assert "PytorchStreamReader" not in problem
