@@ -117,7 +117,9 @@ class BandedResampler(nn.Module):
     sorted, so the output keeps the caller's order. On-the-fly mode (named responses only)
     keeps ``x (B,)``, ``c (N, A)`` and the response parameter as ``nn.Parameter``s, computes
     the weights inside the forward and backward, and gives gradients w.r.t. c and the
-    parameter. Build with :meth:`from_response`, :meth:`from_dense` or :meth:`load`.
+    parameter; ``.half()``/``.to(torch.bfloat16)`` leave those at their precision (they only
+    move devices): half or bfloat16 inputs are computed in float32 either way. Build with
+    :meth:`from_response`, :meth:`from_dense` or :meth:`load`.
     """
 
     starts: torch.Tensor
@@ -311,6 +313,24 @@ class BandedResampler(nn.Module):
         identity = bool((order == torch.arange(A, device=T.device)).all())
         inverse = None if identity else torch.argsort(order, dim=1)
         return cls(starts, weights, B, inverse_order=inverse)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to()``/``.cuda()``/``.half()``...: on-the-fly mode keeps its dtypes, moves only.
+
+        x (float64), c and the response parameter are the geometry, not weights: in half
+        precision the window search and the offsets ``c - x`` would be wrong by whole fine
+        points. The inputs may still be half or bfloat16 (computed in float32).
+        """
+        if self._otf is None:
+            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+
+        def move_only(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if out.dtype != t.dtype and t.is_floating_point():
+                return t.to(device=out.device)  # from the original: no rounding on the way
+            return out
+
+        return super()._apply(move_only, recurse)  # type: ignore[no-untyped-call]
 
     # --- use ------------------------------------------------------------------------------
 

@@ -517,3 +517,19 @@ def test_input_is_saved_for_backward_only_for_the_weight_gradient(weights_grad: 
         assert weights.grad is not None
         assert ref_w.grad is not None
         _assert_close(weights.grad, ref_w.grad, 1e-5)
+
+
+@pytest.mark.parametrize("cast", ["to", "half"])
+def test_on_the_fly_module_keeps_its_geometry_precise_under_dtype_casts(cast: str) -> None:
+    gen = torch.Generator().manual_seed(14)
+    x, c = _grid(400, gen), _coarse(2, 25, gen)
+    op = BandedResampler.from_response(x, c, "gaussian", on_the_fly=True, sigma=0.3)
+    f = torch.randn(2, 400, generator=gen).to(torch.bfloat16)
+    before = op(f)
+    cast_op = op.to(torch.bfloat16) if cast == "to" else op.half()
+    assert cast_op.x.dtype == torch.float64
+    assert cast_op.c.dtype == torch.float32
+    assert isinstance(cast_op.c, torch.nn.Parameter)
+    torch.testing.assert_close(cast_op(f), before, rtol=0, atol=0)
+    stored = BandedResampler.from_response(x, c, "gaussian", sigma=0.3).half()
+    assert stored.weights.dtype == torch.float16  # stored weights do follow the cast
