@@ -47,7 +47,13 @@ def _check_input(f: torch.Tensor, N: int, B: int, device: torch.device) -> torch
     return f if f.ndim == 3 else f.unsqueeze(0)
 
 
-def _check_band(starts: torch.Tensor, weights: torch.Tensor, B: int) -> None:
+def _check_band(
+    starts: torch.Tensor, weights: torch.Tensor, B: int, *, values: bool = True
+) -> None:
+    """Shapes, dtypes and devices; with ``values`` also the start range (a host sync)."""
+    for name, t in (("starts", starts), ("weights", weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if starts.ndim != 2 or weights.ndim != 3 or tuple(weights.shape[:2]) != tuple(starts.shape):
         raise ValueError(
             f"starts must be (N, A) and weights (N, A, W); got {tuple(starts.shape)} and "
@@ -64,7 +70,7 @@ def _check_band(starts: torch.Tensor, weights: torch.Tensor, B: int) -> None:
     W = weights.shape[-1]
     if W < 1 or W > B:
         raise ValueError(f"band width W={W} must be between 1 and B={B}")
-    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > B - W):
+    if values and starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > B - W):
         raise ValueError(f"starts must lie in [0, B - W] = [0, {B - W}] so windows stay inside f")
 
 
@@ -87,24 +93,34 @@ def _check_permutation(inverse_order: torch.Tensor, starts: torch.Tensor) -> Non
         raise ValueError(f"each row of inverse_order must be a permutation of 0..{A - 1}")
 
 
-def banded_resample(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def banded_resample(
+    f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, *, validate: bool = True
+) -> torch.Tensor:
     """``out[..., n, a] = sum_j weights[n, a, j] * f[..., n, starts[n, a] + j]``.
 
     Args:
         f: (N, B) or (M, N, B) float32, bfloat16 or float16 (float64 for gradcheck).
         starts: (N, A) int32 window starts in ``[0, B - W]``, any order.
         weights: (N, A, W) float32, bfloat16 or float16 on f's device.
+        validate: check that the starts lie in ``[0, B - W]`` and whether each row is sorted
+            (sorted rows take the faster banded backward). Those checks read values: on
+            CUDA, a host sync per call. ``False`` skips them for hot loops: out-of-range
+            starts are then undefined behaviour (wrong values or a device fault) and the
+            backward assumes unsorted rows. Shapes, dtypes and devices are always checked.
+            A :class:`BandedResampler` validates once at construction and never here.
 
     Returns:
         (N, A) or (M, N, A) in f's dtype (accumulated in float32). Differentiable in f and in
         weights when they require grad.
     """
-    B = f.shape[-1] if isinstance(f, torch.Tensor) and f.ndim >= 1 else -1
-    _check_band(starts, weights, B)
+    if not isinstance(f, torch.Tensor):
+        raise TypeError(f"f must be a torch.Tensor, got {type(f).__name__}")
+    B = f.shape[-1] if f.ndim >= 1 else -1
+    _check_band(starts, weights, B, values=validate)
     f3 = _check_input(f, starts.shape[0], B, weights.device)
     s32 = starts.to(torch.int32).contiguous()
     # Sorted starts let both the CUDA and the C backward use the banded transpose.
-    sorted_starts = bool((s32[:, 1:] >= s32[:, :-1]).all())
+    sorted_starts = validate and bool((s32[:, 1:] >= s32[:, :-1]).all())
     out = banded_apply(f3, s32, weights.contiguous(), sorted_starts=sorted_starts)
     return out if f.ndim == 3 else out.squeeze(0)
 

@@ -533,3 +533,34 @@ def test_on_the_fly_module_keeps_its_geometry_precise_under_dtype_casts(cast: st
     torch.testing.assert_close(cast_op(f), before, rtol=0, atol=0)
     stored = BandedResampler.from_response(x, c, "gaussian", sigma=0.3).half()
     assert stored.weights.dtype == torch.float16  # stored weights do follow the cast
+
+
+def test_functional_form_without_validation_reads_no_values() -> None:
+    """validate=False: no host sync. Meta tensors have no values, so any read would raise."""
+    f = torch.empty(3, 2, 100, device="meta")
+    starts = torch.empty(2, 7, dtype=torch.int32, device="meta")
+    weights = torch.empty(2, 7, 5, device="meta")
+    assert banded_resample(f, starts, weights, validate=False).shape == (3, 2, 7)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        banded_resample(f, starts, weights)  # validate=True reads min/max and sortedness
+    with pytest.raises(ValueError, match="band width W=5"):
+        banded_resample(f[..., :4], starts, weights, validate=False)  # shapes: always checked
+    # Same values and gradients as the validated call on real tensors (sorted rows too).
+    gen = torch.Generator().manual_seed(15)
+    s = torch.randint(0, 96, (2, 7), generator=gen, dtype=torch.int32).sort(dim=1).values
+    w = torch.randn(2, 7, 5, generator=gen)
+    x = torch.randn(3, 2, 100, generator=gen)
+    grads = []
+    for validate in (True, False):
+        xv = x.clone().requires_grad_()
+        out = banded_resample(xv, s, w, validate=validate)
+        out.sum().backward()
+        grads.append((out.detach(), xv.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_functional_form_names_a_non_tensor_input() -> None:
+    with pytest.raises(TypeError, match=r"f must be a torch\.Tensor, got list"):
+        banded_resample([[0.0]], torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1, 1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"weights must be a torch\.Tensor, got list"):
+        banded_resample(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int32), [[[1.0]]])  # type: ignore[arg-type]
