@@ -269,6 +269,53 @@ def test_connect_errors_are_retried_then_raised(make: Callable[..., Harness]) ->
     assert isinstance(info.value.__cause__, httpx.ConnectError)
 
 
+@pytest.mark.parametrize(
+    "error",
+    [httpx.ReadError("reset"), httpx.WriteError("broken pipe"), httpx.RemoteProtocolError("x")],
+)
+def test_stale_keep_alive_errors_are_retried_for_inference(
+    make: Callable[..., Harness], error: httpx.TransportError
+) -> None:
+    # V2 inference has no side effects, so sending it again after a broken connection is safe.
+    h = make()
+    bits = np.random.default_rng(5).random((2, 3, 13)) < 0.5
+    h.fake.script.append(error)
+    result = h("infer", "bits", bits)
+    assert len(h.sleeps) == 1
+    assert (result["count"] == reference_bits(bits)["count"]).all()
+
+
+def test_default_keepalive_expiry_is_under_the_servers_keep_alive() -> None:
+    from bitserve_client._base import DEFAULT_LIMITS
+
+    # The server's default BITSERVE_TIMEOUT_KEEP_ALIVE_S is 5 (these tests run without the
+    # server package installed, so the number is written here).
+    assert DEFAULT_LIMITS.keepalive_expiry is not None
+    assert DEFAULT_LIMITS.keepalive_expiry < 5
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e9", "1.5", "+3", " ", "soon"])
+def test_retry_after_that_is_not_delta_seconds_or_a_date_is_ignored(value: str) -> None:
+    from bitserve_client._base import parse_retry_after
+
+    assert parse_retry_after(value) is None
+
+
+def test_retry_after_dates_without_a_zone_are_gmt() -> None:
+    import email.utils
+    import time
+
+    from bitserve_client._base import parse_retry_after
+
+    assert parse_retry_after("7") == 7.0
+    when = time.time() + 3600
+    gmt = email.utils.formatdate(when, usegmt=True)  # "... GMT"
+    for text in (gmt, gmt.replace("GMT", "-0000"), gmt.replace(" GMT", "")):
+        got = parse_retry_after(text)
+        assert got is not None
+        assert 3590 < got <= 3600, (text, got)
+
+
 def test_read_timeout_is_not_retried(make: Callable[..., Harness]) -> None:
     h = make()
     h.fake.script.append(httpx.ReadTimeout("slow"))

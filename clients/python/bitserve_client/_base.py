@@ -8,6 +8,7 @@ exception tree in :mod:`._exceptions` and decides on retries. :class:`~._client.
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import gzip
 import json
@@ -43,12 +44,26 @@ Compression = Literal["gzip", "deflate"] | None
 TimeoutTypes = float | None | httpx.Timeout
 
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
-DEFAULT_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+# Idle connections are dropped after 4 s, under the server's 5 s keep-alive timeout: with
+# equal timeouts a request can go out on a connection the server is closing at that moment.
+DEFAULT_LIMITS = httpx.Limits(
+    max_connections=64, max_keepalive_connections=64, keepalive_expiry=4.0
+)
 USER_AGENT = f"bitserve-client/{__version__}"
 
-# Failures where the request cannot have been processed, so a retry is always safe:
-# the connection was never made, or a kept-alive connection was closed before any answer.
-_RETRYABLE_TRANSPORT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# Transport failures retried for every call, inference included: the connection was never
+# made, or it broke while the request or its answer was on the wire (typically a kept-alive
+# connection the server closed: RemoteProtocolError, ReadError, WriteError). The request may
+# then have reached the server, but V2 inference and the metadata calls have no side effects
+# (an inference only computes its answer), so sending it again is safe. Timeouts other than
+# the connect timeout are not retried: the server may still be computing.
+_RETRYABLE_TRANSPORT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
 
 
 @dataclass(frozen=True)
@@ -75,14 +90,15 @@ def parse_retry_after(value: str | None) -> float | None:
     """``Retry-After`` in seconds: delta-seconds or an HTTP date (RFC 9110); None if absent."""
     if not value:
         return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # delta-seconds: digits only ("nan", "1e9": no)
+        return float(int(value))
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError):
         return None
+    if when.tzinfo is None:  # no zone, or "-0000": HTTP dates are always GMT
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - time.time())
 
 
