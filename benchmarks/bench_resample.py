@@ -110,8 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Medians of a few runs (dense baselines: 2). Speed-ups are against the dense einsum / "
         "dense matmul of the same M in the same run. The floor counts operator and input "
         "bytes once at the measured copy bandwidth (a copy reads and writes, so a read-only "
-        "kernel may beat it). fwd+bwd is the gradient w.r.t. f (on-the-fly: also c and sigma). "
-        "Numbers from a shared, loaded 2-core machine are provisional; re-run on a quiet one."
+        "kernel may beat it). fwd+bwd is the gradient w.r.t. f (on-the-fly: also c and sigma)."
     )
     report(
         "resample",
