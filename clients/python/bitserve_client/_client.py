@@ -35,7 +35,8 @@ class Client(BaseClient):
         timeout: the HTTP timeout in seconds or an ``httpx.Timeout`` (default 60 s, 10 s to
             connect); raises :class:`~bitserve_client.TimeoutException`.
         retries: retries after the first attempt (int) or a :class:`Retry` policy; retried
-            are connection failures and 503s, never other errors.
+            are connection failures, connections dropped mid-call, and 503s; never other
+            statuses, nor read timeouts.
         compression: ``"gzip"``, ``"deflate"`` or None: compress request bodies.
         headers: extra headers for every request.
         limits: connection pool limits (default 64 connections, all kept alive).
