@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
@@ -403,7 +404,8 @@ def pack_array(
 
     Raises:
         TypeError: ``arr`` is not bool or integer.
-        ValueError: a bad ``dim``/``bitorder``, or (with ``check_binary``) a value not 0/1.
+        ValueError: a bad ``dim``/``bitorder``, ``out`` naming the input's own file, or (with
+            ``check_binary``) a value not 0/1.
         ImportError: ``progress=True`` without ``tqdm`` installed.
     """
     src = _load(arr, "arr")
@@ -421,6 +423,7 @@ def pack_array(
     if out is None:
         dst: np.ndarray[Any, Any] = np.empty(shape, dtype=np.uint8)
     else:
+        _check_out_is_not_input(arr, out)
         dst = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=tuple(shape))
 
     rows = src.shape[0]
@@ -447,6 +450,32 @@ def pack_array(
     if isinstance(dst, np.memmap):
         dst.flush()
     return dst
+
+
+def _source_files(arr: object) -> list[str]:
+    """The files ``arr`` reads: its path, or the file(s) behind a memmap (or a view of one)."""
+    if isinstance(arr, str | os.PathLike):
+        return [os.fspath(arr)]
+    files = []
+    base: object = arr
+    while base is not None:  # a view of a memmap (even a plain ndarray view) keeps it as .base
+        name = getattr(base, "filename", None) if isinstance(base, np.memmap) else None
+        if name is not None:
+            files.append(os.fspath(name))
+        base = getattr(base, "base", None)
+    return files
+
+
+def _check_out_is_not_input(arr: object, out: str | os.PathLike[str]) -> None:
+    """Refuse an ``out`` that is the input's file: opening it for writing truncates it."""
+    target = Path(out).resolve()
+    for name in _source_files(arr):
+        src = Path(name).resolve()
+        if src == target or (target.exists() and src.exists() and os.path.samefile(src, target)):
+            raise ValueError(
+                f"out {os.fspath(out)!r} is the file being packed ({name!r}); writing it would "
+                "truncate the input: choose another path"
+            )
 
 
 def _progress_bar(total: int, *, enabled: bool) -> Any:

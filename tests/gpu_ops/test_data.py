@@ -245,6 +245,29 @@ def test_pack_array_errors() -> None:
         pack_array(np.array([[0, 1, 2]], np.int8), check_binary=True)
 
 
+def test_pack_array_refuses_to_overwrite_its_own_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dense = np.random.default_rng(9).integers(0, 2, (40, 24), dtype=np.uint8)
+    path = tmp_path / "dense.npy"
+    np.save(path, dense)
+    monkeypatch.chdir(tmp_path)
+    mm = np.load(path, mmap_mode="r")
+    same_paths: list[Any] = [path, str(path), "dense.npy", tmp_path / "." / "dense.npy"]
+    for source in (path, str(path), mm, mm[5:], np.asarray(mm)[::2]):
+        for out in same_paths:
+            with pytest.raises(ValueError, match="truncate the input"):
+                pack_array(source, out=out)
+    (tmp_path / "link.npy").symlink_to(path)
+    with pytest.raises(ValueError, match="truncate the input"):
+        pack_array(path, out=tmp_path / "link.npy")
+    with pytest.raises(ValueError, match="truncate the input"):
+        pack_array(tmp_path / "link.npy", out=path)
+    np.testing.assert_array_equal(np.load(path), dense)  # the input survived every attempt
+    got = pack_array(mm, out=tmp_path / "packed.npy")  # another path is fine
+    np.testing.assert_array_equal(got, np.packbits(dense, axis=-1))
+
+
 # --- CUDA: stream handling ------------------------------------------------------------------------
 
 
