@@ -102,8 +102,29 @@ def _resolve_dim(x: torch.Tensor, dim: object) -> tuple[torch.Tensor, int]:
     return x, d % ndim
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The [first, last) byte addresses of the elements ``t`` spans (strides are >= 0)."""
+    start = t.data_ptr()
+    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share storage and their spanned byte ranges intersect.
+
+    Conservative for interleaved views (``buf[0::2]`` / ``buf[1::2]`` count as overlapping).
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _check_out(
-    out: object, shape: list[int], dtype: torch.dtype, device: torch.device
+    out: object, shape: list[int], dtype: torch.dtype, device: torch.device, x: torch.Tensor
 ) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -115,6 +136,9 @@ def _check_out(
         raise ValueError(f"out is on {out.device}, expected {device} (the input's device)")
     if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
         raise ValueError("out must not be an expanded tensor (a stride of 0 writes overlap)")
+    if _overlaps(out, x):
+        # The kernels read x while writing out: an overlap would read bits already overwritten.
+        raise ValueError("out overlaps the input x (they share memory); pass a separate buffer")
     return out
 
 
@@ -193,9 +217,10 @@ def unpackbits(
     Raises:
         TypeError: ``x`` is not a uint8 tensor, or ``dim`` / ``count`` is not an int.
         ValueError: ``dim`` out of range; 8n + ``count`` < 0; a bad ``bitorder``; an
-            unsupported ``dtype``; ``out`` of the wrong shape, dtype or device.
+            unsupported ``dtype``; ``out`` of the wrong shape, dtype or device, expanded, or
+            overlapping ``x``.
     """
-    x = _check_tensor(x, "unpackbits")
+    x = source = _check_tensor(x, "unpackbits")
     if x.dtype != torch.uint8:
         raise TypeError(f"unpackbits expects a uint8 tensor, got dtype {x.dtype}")
     order = _check_bitorder(bitorder)
@@ -220,7 +245,7 @@ def unpackbits(
     if out is None:
         out = _bits_cpu.empty(shape, dtype, x.device)
     else:
-        out = _check_out(out, shape, dtype, x.device)
+        out = _check_out(out, shape, dtype, x.device, source)
     if out.numel() == 0:
         return out
     target = out.view(torch.uint8) if dtype == torch.bool else out

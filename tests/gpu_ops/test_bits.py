@@ -232,6 +232,32 @@ def test_out_errors() -> None:
         unpackbits(x, out=np.empty(24, np.uint8))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_out_overlapping_the_input_is_refused(device: str) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8, device=device)
+    buf[:4] = torch.tensor([0b10110000, 1, 255, 0x5A], dtype=torch.uint8)
+    x = buf[:4]
+    before = buf.clone()
+    for out in (buf[2:34], buf[:32], buf[3:35]):  # partial overlaps and the same start
+        with pytest.raises(ValueError, match="overlaps the input"):
+            unpackbits(x, out=out)
+    f32 = torch.zeros(40, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="overlaps the input"):  # another dtype, same memory
+        unpackbits(f32.view(torch.uint8)[100:104], dtype=torch.float32, out=f32[:32])
+    with pytest.raises(ValueError, match="overlaps the input"):  # out ending inside x
+        unpackbits(buf[40:44], out=buf[9:41])
+    assert torch.equal(buf, before)  # nothing was written
+    # A disjoint slice of the same storage is allowed, and right.
+    out = buf[4:36]
+    assert unpackbits(x, out=out) is out
+    assert torch.equal(out, unpackbits_reference(before[:4], 0, 32, "big", torch.uint8))
+    assert torch.equal(buf[:4], before[:4])
+    assert torch.equal(buf[36:], before[36:])
+    tail = f32[32:]  # bytes 128..160 of f32, x reads bytes 100..101
+    unpackbits(f32.view(torch.uint8)[100:101], dtype=torch.float32, out=tail)
+    assert torch.equal(tail, torch.zeros(8, device=device))
+
+
 # --- edge cases and errors -----------------------------------------------------------------
 
 
