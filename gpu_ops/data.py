@@ -199,12 +199,23 @@ class PackedBitsDataset(Dataset[PackedBatch]):
         n = len(self)
         if ((idx < -n) | (idx >= n)).any():
             raise IndexError(f"index out of range for a dataset of {n} rows")
-        # np.array(..., copy) also turns memmap reads into ordinary (writable) arrays, so
-        # torch.from_numpy shares them without a further copy.
-        rows = [None if a is None else np.array(a[idx]) for a in self._arrays]
+        rows = [None if a is None else _gather(a, idx) for a in self._arrays]
         bits, labels, *extras = [None if r is None else torch.from_numpy(r) for r in rows]
         assert bits is not None
         return PackedBatch(bits, labels, tuple(e for e in extras if e is not None))
+
+
+def _gather(a: np.ndarray[Any, Any], idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``a[idx]`` as a fresh writable array that ``torch.from_numpy`` can own.
+
+    An integer-array index already copies (also out of a read-only memmap), so the result is
+    used as is; only what is not such a copy is copied: the NumPy scalar a 0-d index gives on
+    a 1-D array, or a result that is read-only or still shares memory with ``a``.
+    """
+    rows = a[idx]
+    if isinstance(rows, np.ndarray) and rows.flags.writeable and not np.may_share_memory(rows, a):
+        return rows
+    return np.array(rows)
 
 
 def collate_packed(samples: PackedBatch | Sequence[PackedBatch]) -> PackedBatch:

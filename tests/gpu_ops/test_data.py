@@ -199,6 +199,28 @@ def test_dataset_index_out_of_range() -> None:
     assert ds[-1].bits.shape == (2,)
 
 
+def test_fetched_rows_are_fresh_writable_arrays(tmp_path: Path) -> None:
+    """Batches never alias the dataset (in memory or a read-only memmap) and are writable."""
+    packed = np.random.default_rng(10).integers(0, 256, (12, 3), dtype=np.uint8)
+    np.save(tmp_path / "bits.npy", packed)
+    labels = np.arange(12, dtype=np.int64)
+    extra = np.arange(24, dtype=np.float32).reshape(12, 2)
+    extra.flags.writeable = False
+    for source in (packed.copy(), tmp_path / "bits.npy"):
+        ds = PackedBitsDataset(source, 24, labels=labels, extras=[extra])
+        bits_before = ds.bits.copy()
+        for batch in (ds.__getitems__([3, 1, 3]), ds[5]):
+            rows = [5] if batch.bits.dim() == 1 else [3, 1, 3]
+            assert batch.labels is not None
+            tensors = (batch.bits, batch.labels, *batch.extras)
+            for t, a in zip(tensors, (ds.bits, labels, extra), strict=True):
+                assert np.array_equal(t.numpy(), a[rows].reshape(t.shape))
+                t.fill_(0)  # writable, and must not reach the dataset
+        np.testing.assert_array_equal(ds.bits, bits_before)
+    np.testing.assert_array_equal(labels, np.arange(12))
+    np.testing.assert_array_equal(extra, np.arange(24, dtype=np.float32).reshape(12, 2))
+
+
 # --- pack_array ---------------------------------------------------------------------------------
 
 
