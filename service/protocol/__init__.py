@@ -20,8 +20,10 @@ from service.protocol.request import (
 )
 from service.protocol.response import EncodedResponse, dumps, encode_infer_response
 from service.protocol.types import (
+    BF16,
     BYTES,
     DATATYPES,
+    WIRE_DTYPES,
     InferRequest,
     InferResponse,
     RequestInput,
@@ -30,9 +32,11 @@ from service.protocol.types import (
 )
 
 __all__ = [
+    "BF16",
     "BYTES",
     "DATATYPES",
     "HEADER_LENGTH",
+    "WIRE_DTYPES",
     "CompressionMode",
     "EncodedResponse",
     "InferRequest",

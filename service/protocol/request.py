@@ -30,7 +30,14 @@ from service.protocol.tensors import (
     from_binary,
     from_json,
 )
-from service.protocol.types import BYTES, DATATYPES, InferRequest, RequestInput, RequestOutput
+from service.protocol.types import (
+    BYTES,
+    DATATYPES,
+    WIRE_DTYPES,
+    InferRequest,
+    RequestInput,
+    RequestOutput,
+)
 
 HEADER_LENGTH = "inference-header-content-length"
 # ``(name, datatype, shape)`` -> None, raising InvalidInput for a tensor the model refuses.
@@ -269,7 +276,7 @@ def _decode_input(
             f"({rest.nbytes - offset} bytes left)"
         )
     if datatype != BYTES:
-        expected = element_count(shape) * DATATYPES[datatype].itemsize
+        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
         if expected != size:
             raise InvalidInput(
                 f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from service.protocol.compression import compress
-from service.protocol.tensors import to_binary_bytes, to_json_data
-from service.protocol.types import BYTES, InferRequest, InferResponse, ResponseOutput
+from service.protocol.tensors import as_bf16_bits, to_binary_bytes, to_json_data
+from service.protocol.types import BF16, BYTES, InferRequest, InferResponse, ResponseOutput
 
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
@@ -41,7 +41,7 @@ def dumps(obj: object) -> bytes:
 def _binary_payload(out: ResponseOutput) -> bytes | memoryview:
     if out.datatype == BYTES:
         return to_binary_bytes(out.data)
-    arr = np.ascontiguousarray(out.data)
+    arr = np.ascontiguousarray(as_bf16_bits(out.data) if out.datatype == BF16 else out.data)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     # A flat uint8 view exposes the buffer protocol without copying the data.

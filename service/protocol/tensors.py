@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import InvalidInput
-from service.protocol.types import BYTES, DATATYPES
+from service.protocol.types import BF16, BYTES, DATATYPES, WIRE_DTYPES
 
 # A tensor may not declare more elements than this, whatever its payload; it only guards the
 # arithmetic, the real limit is the body size.
@@ -24,8 +24,8 @@ _LEN = struct.Struct("<I")
 
 def check_datatype(datatype: object, what: str) -> str:
     """Return ``datatype`` if it is a V2 datatype name, else raise InvalidInput."""
-    if not isinstance(datatype, str) or (datatype not in DATATYPES and datatype != BYTES):
-        known = ", ".join([*DATATYPES, BYTES])
+    if not isinstance(datatype, str) or (datatype not in WIRE_DTYPES and datatype != BYTES):
+        known = ", ".join([*WIRE_DTYPES, BYTES])
         raise InvalidInput(f"{what}: unknown datatype {datatype!r} (expected one of {known})")
     return datatype
 
@@ -67,17 +67,18 @@ def from_binary(
 
     Args:
         buf: exactly the tensor's bytes (little-endian, row-major, no padding).
-        datatype: a V2 datatype, BYTES included.
+        datatype: a V2 datatype, BYTES and BF16 included.
         shape: the declared shape, already checked by :func:`check_shape`.
         what: names the tensor in error messages.
 
     Returns:
-        a read-only array of ``shape`` over ``buf`` (an object array of ``bytes`` for BYTES).
+        a read-only array of ``shape`` over ``buf`` (an object array of ``bytes`` for BYTES;
+        for BF16 a ``<u2`` array of the raw bfloat16 bits, see :func:`bf16_bits_to_float32`).
     """
     count = element_count(shape)
     if datatype == BYTES:
         return _parse_bytes(buf, shape, count, what)
-    dtype = DATATYPES[datatype]
+    dtype = WIRE_DTYPES[datatype]
     expected = count * dtype.itemsize
     if buf.nbytes != expected:
         raise InvalidInput(
@@ -117,6 +118,41 @@ def _parse_bytes(
     if pos != end:
         raise InvalidInput(f"{what}: {end - pos} bytes left after {count} BYTES elements")
     return out.reshape(shape)
+
+
+def float_to_bf16_bits(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Round floats to bfloat16, nearest-even, returned as the raw bits (``<u2``, same shape).
+
+    Rounds once to float32 first (float64 input is thus rounded twice, like a client that
+    holds float32 data); a float32 past the bfloat16 range rounds to +-inf, NaN stays a
+    (quiet) NaN of the same sign.
+    """
+    f32 = np.asarray(x, dtype=np.float32, order="C")
+    # uint64 so that the rounding increment cannot wrap (NaNs with all bits set would).
+    u = f32.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    quiet_nan = (u >> 16) | 0x0040  # keep sign and payload top, force the quiet bit
+    return np.where(np.isnan(f32), quiet_nan, rounded).astype("<u2")
+
+
+def bf16_bits_to_float32(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The float32 values of bfloat16 bits (exact: bfloat16 is float32's upper half)."""
+    wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16
+    out: np.ndarray[Any, Any] = wide.view(np.float32)
+    return out
+
+
+def as_bf16_bits(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """An output array as bfloat16 bits: ``uint16`` arrays are taken as bits, floats rounded.
+
+    Raises:
+        TypeError: ``arr`` is neither (a server bug, not a client error).
+    """
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:
+        return np.asarray(arr, dtype="<u2")
+    if arr.dtype.kind == "f":
+        return float_to_bf16_bits(arr)
+    raise TypeError(f"a BF16 output needs uint16 bits or floats, got {arr.dtype}")
 
 
 def to_binary_bytes(arr: np.ndarray[Any, Any]) -> bytes:
@@ -200,6 +236,9 @@ def from_json(
         data: a flat list (row-major) or nested lists matching ``shape``.
         datatype: a V2 datatype; integers must be JSON integers within the type's range,
             floats accept integers too, BOOL accepts true/false (and 0/1), BYTES strings.
+            BF16 accepts numbers, read as float32 (past its range: refused) then rounded to
+            nearest-even bfloat16 (finite numbers that round to infinity: refused); the
+            result is the ``<u2`` bits, as :func:`from_binary` gives them.
         shape: the declared shape.
         what: names the tensor in error messages.
     """
@@ -216,7 +255,19 @@ def from_json(
                 raise InvalidInput(f"{what}: BYTES data must be strings, got {type(v).__name__}")
             out[i] = v.encode()
         return out.reshape(shape)
-    dtype = DATATYPES[datatype]
+    if datatype == BF16:
+        f32 = _fixed_from_json(data, datatype, np.dtype("<f4"), shape, what)
+        bits = float_to_bf16_bits(f32)
+        if bool(np.any(np.isfinite(f32) & ((bits & 0x7FFF) == 0x7F80))):
+            raise InvalidInput(f"{what}: BF16 data out of range")
+        return bits
+    return _fixed_from_json(data, datatype, DATATYPES[datatype], shape, what)
+
+
+def _fixed_from_json(
+    data: list[Any], datatype: str, dtype: np.dtype[Any], shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """:func:`from_json` for a fixed-size ``dtype``; ``datatype`` names it in messages."""
     probe, flat = _numeric_probe(data, shape, what)
     if probe is None:
         return np.empty(shape, dtype=dtype)
@@ -259,7 +310,12 @@ def from_json(
 
 
 def to_json_data(arr: np.ndarray[Any, Any], datatype: str) -> list[Any]:
-    """A flat row-major JSON list of ``arr``'s elements (BYTES as UTF-8 strings)."""
+    """A flat row-major JSON list of ``arr``'s elements (BYTES as UTF-8 strings).
+
+    BF16 elements are written as the numbers they stand for (see :func:`as_bf16_bits`).
+    """
+    if datatype == BF16:
+        arr = bf16_bits_to_float32(as_bf16_bits(arr))
     if datatype == BYTES:
         return [
             v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)

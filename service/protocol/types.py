@@ -24,6 +24,14 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype("<f8"),
 }
 BYTES = "BYTES"
+BF16 = "BF16"
+
+# Every fixed-size datatype the framing parses and writes. BF16 is kept apart from DATATYPES
+# because NumPy has no bfloat16: its elements are carried as the raw bits in a ``<u2`` view,
+# the same NumPy dtype as UINT16, so a reverse map built from this table would be ambiguous.
+# Model configs and the pipeline use DATATYPES only; a BF16 input reaches the framing, then a
+# model's ``check_input`` refuses it by name (no model declares BF16).
+WIRE_DTYPES: dict[str, np.dtype[Any]] = {**DATATYPES, BF16: np.dtype("<u2")}
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,8 @@ class RequestInput:
         datatype: the V2 datatype as sent (``"UINT8"``, ``"BOOL"``, ...).
         shape: the declared shape, already checked against the byte count.
         data: an array of that shape; for binary inputs a read-only ``np.frombuffer`` view
-            over the request body (no copy); for BYTES an object array of ``bytes``.
+            over the request body (no copy); for BYTES an object array of ``bytes``; for
+            BF16 a ``<u2`` array of the raw bfloat16 bits.
         parameters: the tensor's ``parameters`` object (may be empty).
     """
 
@@ -78,7 +87,11 @@ class InferRequest:
 
 @dataclass(frozen=True)
 class ResponseOutput:
-    """One output tensor of a response; ``data`` is a C-contiguous array of ``shape``."""
+    """One output tensor of a response; ``data`` is a C-contiguous array of ``shape``.
+
+    For a BF16 output ``data`` holds the raw bfloat16 bits as ``uint16``, or floats that the
+    framing rounds to bfloat16 (nearest-even).
+    """
 
     name: str
     datatype: str

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from service.errors import InvalidInput
-from service.protocol import DATATYPES, InferRequest, decode_infer_request, raw_input_spec
+from service.protocol import WIRE_DTYPES, InferRequest, decode_infer_request, raw_input_spec
 from service.protocol.response import encode_infer_response
 from service.protocol.types import InferResponse, ResponseOutput
 
@@ -42,7 +42,7 @@ def test_random_bytes_only_raise_invalid_input(body: bytes, header_length: int |
             {},
             optional={
                 "name": st.sampled_from(["x", "y", "", 3]),
-                "datatype": st.sampled_from([*DATATYPES, "BYTES", "NOPE", 1]),
+                "datatype": st.sampled_from([*WIRE_DTYPES, "BYTES", "NOPE", 1]),
                 "shape": st.lists(st.integers(-2, 2**40), max_size=3) | json_values,
                 "data": json_values,
                 "parameters": st.dictionaries(
@@ -70,8 +70,8 @@ def test_random_headers_only_raise_invalid_input(
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.sampled_from(sorted(DATATYPES)).flatmap(
-        lambda dt: arrays(DATATYPES[dt], st.lists(st.integers(0, 4), max_size=3).map(tuple)).map(
+    st.sampled_from(sorted(WIRE_DTYPES)).flatmap(
+        lambda dt: arrays(WIRE_DTYPES[dt], st.lists(st.integers(0, 4), max_size=3).map(tuple)).map(
             lambda a: (dt, a)
         )
     )
