@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from gpu_ops import BandedResampler, _resample_cpu, banded_resample
-from gpu_ops._reference import banded_resample_reference, banded_to_dense
+from gpu_ops._reference import (
+    banded_resample_reference,
+    banded_to_dense,
+    dense_response_operator,
+)
 from tests.common_utils import cpu_and_cuda, needs_triton
 
 RESPONSES: dict[str, tuple[dict[str, float], Callable[[torch.Tensor], torch.Tensor]]] = {
@@ -37,7 +41,7 @@ def _coarse(N: int, A: int, gen: torch.Generator) -> torch.Tensor:
 def _dense_ref(
     x: torch.Tensor, c: torch.Tensor, r: Callable[[torch.Tensor], torch.Tensor], f: torch.Tensor
 ) -> torch.Tensor:
-    T = r(c[..., None] - x).double()
+    T = dense_response_operator(x, c, r).double()
     return torch.einsum("nab,...nb->...na", T, f.double())
 
 
@@ -320,7 +324,7 @@ def test_modes_agree_and_work_under_inference_mode() -> None:
 def test_from_dense_to_dense_round_trip_and_order() -> None:
     gen = torch.Generator().manual_seed(6)
     x, c = _grid(150, gen), _coarse(3, 25, gen)
-    T = RESPONSES["triangle"][1](c[..., None] - x).float()
+    T = dense_response_operator(x, c, RESPONSES["triangle"][1]).float()
     op = BandedResampler.from_dense(T)
     torch.testing.assert_close(op.to_dense(), T)
     assert op.band_width == int((T > 0).sum(-1).max())
