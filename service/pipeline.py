@@ -327,7 +327,12 @@ class Pipeline:
             else:
                 wire = _NUMPY_TO_TORCH[inputs[i].data.dtype]
                 if wire == torch.bool:
-                    # A BOOL byte off the wire may hold any value; like NumPy, nonzero is 1.
+                    # Every request path already refuses BOOL bytes other than 0/1 (the
+                    # framing checks binary and JSON data), so this clamp is defence for
+                    # direct callers of ``run`` (tools, tests, an embedding program): their
+                    # BOOL arrays may hold any byte, and a bool tensor over byte 2 converts
+                    # to 2.0. Like NumPy, nonzero counts as 1. It costs one pass over the
+                    # buffer, only on the unpacked BOOL form.
                     dst.copy_(part.view(m, *spec.shape)).clamp_(max=1)
                 else:
                     dst.copy_(part.view(wire).view(m, *spec.shape))
