@@ -14,17 +14,12 @@ from typing import Any
 import torch
 
 from gpu_ops import _resample_cpu
+from gpu_ops._triton import use_triton
 
 try:  # Triton is optional: the CPU paths never need it.
     from gpu_ops._triton import resample as _triton_resample
-
-    HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and t.device.type == "cuda"
+    _triton_resample = None  # type: ignore[assignment]
 
 
 def kernel_forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -34,7 +29,7 @@ def kernel_forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor)
     """
     if torch.float64 in (f.dtype, weights.dtype):
         return _resample_cpu.forward_torch(f, starts, weights)
-    if _use_triton(f):
+    if use_triton(f, _triton_resample):
         return _triton_resample.forward(f, starts, weights)
     if f.device.type == "cpu":
         lib = _resample_cpu.kernels()
@@ -53,7 +48,7 @@ def kernel_backward_f(
     """(M, N, B) float32: the transposed band applied to contiguous float32 g (M, N, A)."""
     if torch.float64 in (g.dtype, weights.dtype):
         return _resample_cpu.backward_f_torch(g, starts, weights, B)
-    if _use_triton(g):
+    if use_triton(g, _triton_resample):
         return _triton_resample.backward_f(g, starts, weights, B, sorted_starts)
     if g.device.type == "cpu":
         lib = _resample_cpu.kernels()
@@ -68,7 +63,7 @@ def kernel_backward_w(
     """(N, A, W) float32 weight gradient from contiguous float32 g (M, N, A) and f (M, N, B)."""
     if torch.float64 in (g.dtype, f.dtype):
         return _resample_cpu.backward_w_torch(g, f, starts, W)
-    if _use_triton(g):
+    if use_triton(g, _triton_resample):
         return _triton_resample.backward_w(g, f, starts, W)
     if g.device.type == "cpu":
         lib = _resample_cpu.kernels()

@@ -16,6 +16,7 @@ import torch
 
 from gpu_ops import _resample_autograd as _ag
 from gpu_ops import responses
+from gpu_ops._triton import use_triton
 
 try:  # Triton is optional: the CPU path never needs it.
     from gpu_ops._triton import resample_otf as _triton_otf
@@ -36,8 +37,9 @@ def _band_geometry(
     return first, last, starts, W
 
 
-def _use_triton(f: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-    return _triton_otf is not None and f.is_cuda and compute_dtype == torch.float32
+def _triton_serves(f: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    # The kernels compute in float32; float64 (gradcheck) takes the torch path.
+    return use_triton(f, _triton_otf) and compute_dtype == torch.float32
 
 
 def _triton_geometry(
@@ -75,7 +77,7 @@ class OnTheFlyFunction(torch.autograd.Function):
         f_c = f.contiguous()
         ctx.save_for_backward(f_c, c, param)
         ctx.geometry = (x, spec, support, compute_dtype)
-        if _use_triton(f, compute_dtype):
+        if _triton_serves(f, compute_dtype):
             geo = _triton_geometry(x, c, spec, param, support)
             return _triton_otf.forward(f_c.float(), geo).to(f.dtype)
         first, last, starts, W = _band_geometry(x, c, spec, param, support)
@@ -99,7 +101,7 @@ class OnTheFlyFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         f, c, param = ctx.saved_tensors
         x, spec, support, compute_dtype = ctx.geometry
-        if _use_triton(f, compute_dtype):
+        if _triton_serves(f, compute_dtype):
             return _triton_backward(ctx, grad)
         first, last, starts, W = _band_geometry(x, c, spec, param, support)
         M, N, B = f.shape

@@ -20,13 +20,17 @@ both with.
 
 from __future__ import annotations
 
-import functools
 import operator
-from types import ModuleType
 
 import torch
 
 from gpu_ops import _bits_cpu
+from gpu_ops._triton import use_triton
+
+try:  # Triton is optional: the CPU paths never need it.
+    from gpu_ops._triton import bits as _triton_bits
+except ImportError:  # pragma: no cover - depends on the environment
+    _triton_bits = None  # type: ignore[assignment]
 
 __all__ = ["UNPACK_DTYPES", "packbits", "unpackbits"]
 
@@ -44,20 +48,6 @@ _PACK_INPUT_DTYPES = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
     | {getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)}
 )
-
-
-@functools.cache
-def _triton_bits() -> ModuleType | None:
-    """The Triton kernel module, or None when Triton cannot be imported."""
-    try:
-        from gpu_ops._triton import bits
-    except ImportError:
-        return None
-    return bits
-
-
-def _use_triton(x: torch.Tensor) -> ModuleType | None:
-    return _triton_bits() if x.device.type == "cuda" else None
 
 
 def _check_bitorder(bitorder: object) -> str:
@@ -175,9 +165,8 @@ def packbits(x: torch.Tensor, dim: int | None = None, bitorder: str = "big") -> 
         return out
     if x.dtype == torch.bool:  # the kernels read bytes; a bool is a 0/1 byte
         x = x.view(torch.uint8)
-    kernels = _use_triton(x)
-    if kernels is not None:
-        kernels.pack_into(x, out, d, order)
+    if use_triton(x, _triton_bits):
+        _triton_bits.pack_into(x, out, d, order)
     else:
         _bits_cpu.pack_into(x, out, d, order)
     return out
@@ -249,9 +238,8 @@ def unpackbits(
     if out.numel() == 0:
         return out
     target = out.view(torch.uint8) if dtype == torch.bool else out
-    kernels = _use_triton(x)
-    if kernels is not None:
-        kernels.unpack_into(x, target, d, order)
+    if use_triton(x, _triton_bits):
+        _triton_bits.unpack_into(x, target, d, order)
     else:
         _bits_cpu.unpack_into(x, target, d, order, fresh)
     return out

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_ops import bits as bits_module
+from gpu_ops._triton import use_triton
 from gpu_ops.bits import UNPACK_DTYPES
 from tests.common_utils import HAS_TRITON, cpu_and_cuda, needs_triton
 
@@ -121,5 +122,6 @@ def test_plan_collapses_and_falls_back() -> None:
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_dispatch(device: str) -> None:
     """CUDA tensors go to the Triton kernels; CPU tensors never do."""
-    kernel_module = bits_module._use_triton(torch.empty(0, device=device))
-    assert (kernel_module is kernels) == (device == "cuda")
+    assert bits_module._triton_bits is kernels
+    assert use_triton(torch.empty(0, device=device), kernels) == (device == "cuda")
+    assert not use_triton(torch.empty(0, device=device), None)  # no Triton: never

@@ -484,7 +484,7 @@ def test_devices_without_a_kernel_take_the_chunked_torch_path(
         raise AssertionError("the reference builds every window at once")
 
     monkeypatch.setattr(_reference, "banded_resample_reference", whole)
-    monkeypatch.setattr(_resample_autograd, "HAS_TRITON", False)
+    monkeypatch.setattr(_resample_autograd, "_triton_resample", None)
     f = torch.empty(64, 8, 5000, device="meta", dtype=torch.float16)
     starts = torch.empty(8, 3000, device="meta", dtype=torch.int32)
     weights = torch.empty(8, 3000, 200, device="meta")
