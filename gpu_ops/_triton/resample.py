@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gpu_ops._triton import on_device
+from gpu_ops._triton._launch import block_m, window_block_ranges
 
 
 @triton.jit
@@ -114,17 +115,12 @@ def _backward_w_kernel(
     tl.store(out, acc, mask=a_ok[:, None] & j_ok[None, :])
 
 
-def _block_m(M: int) -> int:
-    # tl.dot needs every dimension >= 16.
-    return 16 if M <= 16 else 32 if M <= 32 else 64
-
-
 def forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out (M, N, A) float32 from contiguous f (M, N, B), starts (N, A), weights (N, A, W)."""
     M, N, B = f.shape
     _, A, W = weights.shape
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
-    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
+    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, block_m(M)
     grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _forward_kernel[grid](
@@ -142,17 +138,10 @@ def coarse_ranges(
     With starts sorted along each row, those are contiguous; otherwise all A are scanned.
     """
     N, A = starts.shape
-    nblk = triton.cdiv(B, block)
     if not sorted_starts:
-        lo = torch.zeros(N, nblk, dtype=torch.int32, device=starts.device)
+        lo = torch.zeros(N, triton.cdiv(B, block), dtype=torch.int32, device=starts.device)
         return lo, torch.full_like(lo, A)
-    b0 = torch.arange(nblk, device=starts.device, dtype=torch.int32) * block
-    b0 = b0.expand(N, nblk).contiguous()
-    ends = (starts + W).contiguous()
-    # First window that ends after b0; first window that starts at or after b0 + block.
-    lo = torch.searchsorted(ends, b0, right=True).to(torch.int32)
-    hi = torch.searchsorted(starts.contiguous(), b0 + block, right=False).to(torch.int32)
-    return lo.contiguous(), torch.maximum(hi, lo).contiguous()
+    return window_block_ranges(starts, starts + W, B, block)
 
 
 def backward_f(
@@ -161,7 +150,7 @@ def backward_f(
     """grad_f (M, N, B) float32 from contiguous g (M, N, A): the transposed band."""
     M, N, A = g.shape
     W = weights.shape[-1]
-    BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, _block_m(M)
+    BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, block_m(M)
     lo, hi = coarse_ranges(starts, W, B, BLOCK_B, sorted_starts)
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
     grid = (N * lo.shape[1] * triton.cdiv(M, BLOCK_M),)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from gpu_ops._triton import on_device
+from gpu_ops._triton._launch import block_m, window_block_ranges
 from gpu_ops._triton.resample import _program_3d
 
 RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
@@ -187,16 +188,12 @@ def prepare(x: torch.Tensor, c: torch.Tensor, name: str, param: float, half: flo
     )  # fmt: skip
 
 
-def _block_m(M: int) -> int:
-    return 16 if M <= 16 else 32 if M <= 32 else 64  # tl.dot needs every dimension >= 16
-
-
 def forward(f: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """out (M, N, A) float32 in the caller's coarse order from contiguous f (M, N, B)."""
     M, N, B = f.shape
     A = geo.c.shape[1]
     out = torch.empty(M, N, A, dtype=torch.float32, device=f.device)
-    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
+    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, block_m(M)
     grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _forward_kernel[grid](
@@ -215,7 +212,7 @@ def grad_c_param(
     g_sorted = g.gather(-1, geo.order.expand(M, N, A)).contiguous()
     gc = torch.empty(N, A, dtype=torch.float32, device=f.device)
     gp = torch.empty(N, A, dtype=torch.float32, device=f.device)
-    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, _block_m(M)
+    BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, block_m(M)
     grid = (N * triton.cdiv(A, BLOCK_A),)
     with on_device(gc):
         _grad_cp_kernel[grid](
@@ -229,19 +226,16 @@ def grad_f(g: torch.Tensor, geo: Geometry, B: int) -> torch.Tensor:
     """grad_f (M, N, B) float32 for g (M, N, A): the transposed band, weights recomputed."""
     M, N, A = g.shape
     g_sorted = g.gather(-1, geo.order.expand(M, N, A)).contiguous()
-    BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, _block_m(M)
-    nblk = triton.cdiv(B, BLOCK_B)
-    b0 = (torch.arange(nblk, device=g.device, dtype=torch.int32) * BLOCK_B).expand(N, nblk)
-    # Sorted c: first and last are non-decreasing, so the windows reaching a fine block
-    # [b0, b0 + BLOCK_B) (last > b0 and first < b0 + BLOCK_B) are one contiguous range.
-    lo = torch.searchsorted(geo.last, b0.contiguous(), right=True).to(torch.int32)
-    hi = torch.searchsorted(geo.first, (b0 + BLOCK_B).contiguous(), right=False)
-    hi = torch.maximum(hi.to(torch.int32), lo)
+    BLOCK_B, BLOCK_A, BLOCK_M = 64, 32, block_m(M)
+    # Sorted c: first and last are non-decreasing, so the windows reaching a fine block are
+    # one contiguous range [lo, hi).
+    lo, hi = window_block_ranges(geo.first, geo.last, B, BLOCK_B)
+    nblk = lo.shape[1]
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
     grid = (N * nblk * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
         _grad_f_kernel[grid](
-            g_sorted, geo.x, geo.c, geo.first, geo.last, lo.contiguous(), hi.contiguous(), out,
+            g_sorted, geo.x, geo.c, geo.first, geo.last, lo, hi, out,
             geo.param, M, N, A, B, nblk,
             RESP=geo.code, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
         )  # fmt: skip

@@ -74,3 +74,25 @@ def test_on_the_fly_grids(monkeypatch: pytest.MonkeyPatch, M: int, A: int, B: in
     ko.grad_c_param(f, g, geo)
     assert len(rec.grids) == 3
     _assert_launchable(rec.grids)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_window_block_ranges_match_brute_force(block: int) -> None:
+    """[lo, hi) holds exactly the windows that reach each fine block (sorted windows)."""
+    from gpu_ops._triton._launch import window_block_ranges
+
+    gen = torch.Generator().manual_seed(11)
+    N, A, B = 3, 40, 150
+    first = torch.sort(torch.randint(-5, B + 5, (N, A), generator=gen), dim=1).values
+    widths = torch.randint(0, 9, (N, A), generator=gen)
+    end = torch.cummax(first + widths, dim=1).values  # non-decreasing, as for sorted c
+    first, end = first.to(torch.int32), end.to(torch.int32)
+    lo, hi = window_block_ranges(first, end, B, block)
+    nblk = -(-B // block)
+    assert lo.shape == hi.shape == (N, nblk)
+    assert lo.dtype == hi.dtype == torch.int32
+    for n in range(N):
+        for k in range(nblk):
+            b0 = k * block
+            reach = [a for a in range(A) if end[n, a] > b0 and first[n, a] < b0 + block]
+            assert list(range(int(lo[n, k]), int(hi[n, k]))) == reach, (n, k)
