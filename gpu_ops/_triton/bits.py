@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gpu_ops._triton import on_device
+from gpu_ops._triton._grid import _program_3d
 
 # Packed bytes per program: 8192 output elements, 32 KiB of float32 stores.
 _TILE_BYTES = 1024
@@ -65,11 +66,8 @@ def _unpack_kernel(
     BLOCK_I: tl.constexpr,
 ):
     # One flat grid: CUDA caps grid dims 1 and 2 at 65535, dim 0 at 2**31 - 1.
-    pid = tl.program_id(0)
-    ib = pid % n_ib
-    rest = pid // n_ib
-    kb = rest % n_kb
-    o = (rest // n_kb).to(tl.int64)
+    ib, kb, o = _program_3d(n_ib, n_kb)
+    o = o.to(tl.int64)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     j = tl.arange(0, 8)
@@ -122,11 +120,8 @@ def _pack_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    ib = pid % n_ib
-    rest = pid // n_ib
-    kb = rest % n_kb
-    o = (rest // n_kb).to(tl.int64)
+    ib, kb, o = _program_3d(n_ib, n_kb)
+    o = o.to(tl.int64)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     j = tl.arange(0, 8)

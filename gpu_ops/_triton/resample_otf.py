@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from gpu_ops._triton import on_device
+from gpu_ops._triton._grid import _program_3d
 from gpu_ops._triton._launch import block_m, window_block_ranges
-from gpu_ops._triton.resample import _program_3d
 
 RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
 
