@@ -351,10 +351,10 @@ class _BrokenMetrics(Metrics):
         super().__init__()
         self.where = where
 
-    def observe_queue(self, model: str, seconds: float) -> None:
+    def observe_queue(self, model: str, waits: list[float]) -> None:
         if self.where == "queue":
             raise RuntimeError("metrics broke")
-        super().observe_queue(model, seconds)
+        super().observe_queue(model, waits)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         if self.where == "batch":

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from service.errors import InvalidInput
-from service.protocol import WIRE_DTYPES, InferRequest, decode_infer_request, raw_input_spec
+from service.protocol import WIRE_DTYPES, InferRequest, decode_infer_request
 from service.protocol.response import encode_infer_response
 from service.protocol.types import InferResponse, ResponseOutput
+from tests.service.test_protocol import signature
 
-METADATA = {"name": "m", "inputs": [{"name": "x", "datatype": "UINT8", "shape": [-1, 3]}]}
+MODEL = signature([{"name": "x", "datatype": "UINT8", "shape": [3]}], max_batch_size=65536)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
@@ -32,7 +33,7 @@ def test_random_bytes_only_raise_invalid_input(body: bytes, header_length: int |
     if header_length is not None and header_length > len(body):
         header_length = len(body)
     with contextlib.suppress(InvalidInput):
-        decode_infer_request(body, header_length, lambda: raw_input_spec(METADATA))
+        decode_infer_request(body, header_length, MODEL)
 
 
 @settings(max_examples=200, deadline=None)
