@@ -20,6 +20,7 @@ from ._base import (
     VerifyTypes,
     _Request,
 )
+from ._bulk import Options, infer_many_async, iter_async
 from ._client import BulkData, BulkOut, Headers
 from ._exceptions import BitserveError, ServerError
 from ._retry import Retry
@@ -294,8 +295,6 @@ class AsyncClient(BaseClient):
         ``data`` may also be an async iterable of batches. Close the iterator when you stop
         early (``contextlib.aclosing``), so that what is pending is cancelled at once.
         """
-        from ._bulk import iter_async
-
         results = iter_async(
             self,
             model,
@@ -303,9 +302,8 @@ class AsyncClient(BaseClient):
             outputs,
             batch_size=batch_size,
             concurrency=concurrency,
-            options={"version": version, "deadline": deadline, "headers": headers,
-                     "timeout": timeout},
-        )  # fmt: skip
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        )
         try:
             async for result, _ in results:
                 yield result
@@ -333,8 +331,6 @@ class AsyncClient(BaseClient):
         ``data`` may also be an async iterable of batches; ``concurrency`` requests are in
         flight at once on this event loop.
         """
-        from ._bulk import infer_many_async
-
         return await infer_many_async(
             self,
             model,
@@ -345,9 +341,8 @@ class AsyncClient(BaseClient):
             progress=progress,
             out=out,
             resume=resume,
-            options={"version": version, "deadline": deadline, "headers": headers,
-                     "timeout": timeout},
-        )  # fmt: skip
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        )
 
 
 async def _aiter(chunks: list[bytes]) -> AsyncIterator[bytes]:

@@ -165,22 +165,69 @@ def _check(spec: ModelSpec, batch_size: int | None, concurrency: int) -> int:
     return batch_size
 
 
-def _stopped(sink: _Sink, model: str, exc: Exception) -> BulkInferenceError:
-    """The error that says how far a failed run got and how to continue it."""
-    of = f" of {sink.total}" if sink.total is not None else ""
-    result = sink.result()
-    if result.paths:
-        files = ", ".join(str(p) for p in result.paths.values())
-        where = f"; they are in {files}: run again with resume=True to send only the rest"
-    else:
-        where = "; their results are in this error's .result"
-    return BulkInferenceError(
-        f"infer_many of model {model!r} stopped after {sink.done}{of} rows{where} "
-        f"({type(exc).__name__}: {exc})",
-        rows_done=sink.done,
-        total=sink.total,
-        result=result,
-    )
+class _Run:
+    """One ``infer_many`` call: its input, where results go, and its progress display.
+
+    Args:
+        spec: the model's spec.
+        data: the input, as given.
+        outputs: the outputs asked for.
+        batch_size: rows per request, or None for the model's default.
+        concurrency: requests in flight.
+        progress: show progress.
+        out: where the results go (see ``_Sink``).
+        resume: keep the rows ``out`` already holds.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        data: Any,
+        outputs: Sequence[str] | None,
+        batch_size: int | None,
+        concurrency: int,
+        progress: bool,
+        out: Out,
+        resume: bool,
+    ) -> None:
+        self.spec = spec
+        self.size = _check(spec, batch_size, concurrency)
+        self.cols = _source(spec, data)
+        total = None if self.cols is None else _rows(self.cols)
+        self.sink = _Sink(spec, outputs, total, out, resume)
+        self.bar = make_progress(progress, total, spec.name, initial=self.sink.done)
+
+    def record(self, result: InferResult, rows: int) -> None:
+        """The next batch's result, in order."""
+        self.sink.write(result, rows)
+        self.bar.update(rows)
+
+    def stopped(self, exc: Exception) -> BulkInferenceError:
+        """The error that says how far the run got and how to continue it."""
+        sink = self.sink
+        of = f" of {sink.total}" if sink.total is not None else ""
+        result = sink.result()
+        if result.paths:
+            files = ", ".join(str(p) for p in result.paths.values())
+            where = f"; they are in {files}: run again with resume=True to send only the rest"
+        else:
+            where = "; their results are in this error's .result"
+        return BulkInferenceError(
+            f"infer_many of model {self.spec.name!r} stopped after {sink.done}{of} rows{where} "
+            f"({type(exc).__name__}: {exc})",
+            rows_done=sink.done,
+            total=sink.total,
+            result=result,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+        self.sink.close()
+
+
+def _spec_options(options: Options) -> dict[str, Any]:
+    """The ``model_spec`` arguments among a call's options."""
+    return {"headers": options["headers"], "timeout": options["timeout"]}
 
 
 # -- sync ---------------------------------------------------------------------------------------
@@ -221,9 +268,7 @@ def iter_sync(
     options: Options,
 ) -> Iterator[tuple[InferResult, int]]:
     """``Client.infer_iter``: (result, rows) per batch in input order."""
-    spec = client.model_spec(
-        model, options["version"], headers=options["headers"], timeout=options["timeout"]
-    )
+    spec = client.model_spec(model, options["version"], **_spec_options(options))
     size = _check(spec, batch_size, concurrency)
     batches = _sync_batches(spec, data, _source(spec, data), size, 0)
     return _ordered_sync(client, model, batches, outputs, concurrency, options)
@@ -243,24 +288,17 @@ def infer_many_sync(
     options: Options,
 ) -> BulkResult:
     """``Client.infer_many``: a thread pool of ``concurrency`` workers sharing the client."""
-    spec = client.model_spec(
-        model, options["version"], headers=options["headers"], timeout=options["timeout"]
-    )
-    size = _check(spec, batch_size, concurrency)
-    cols = _source(spec, data)
-    sink = _Sink(spec, outputs, None if cols is None else _rows(cols), out, resume)
-    batches = _sync_batches(spec, data, cols, size, sink.done)
-    bar = make_progress(progress, sink.total, model, initial=sink.done)
+    spec = client.model_spec(model, options["version"], **_spec_options(options))
+    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
+    batches = _sync_batches(spec, data, run.cols, run.size, run.sink.done)
     try:
         for result, rows in _ordered_sync(client, model, batches, outputs, concurrency, options):
-            sink.write(result, rows)
-            bar.update(rows)
+            run.record(result, rows)
     except Exception as exc:
-        raise _stopped(sink, model, exc) from exc
+        raise run.stopped(exc) from exc
     finally:
-        bar.close()
-        sink.close()
-    return sink.result()
+        run.close()
+    return run.sink.result()
 
 
 # -- async --------------------------------------------------------------------------------------
@@ -316,9 +354,7 @@ async def iter_async(
     options: Options,
 ) -> AsyncGenerator[tuple[InferResult, int]]:
     """``AsyncClient.infer_iter``: (result, rows) per batch in input order."""
-    spec = await client.model_spec(
-        model, options["version"], headers=options["headers"], timeout=options["timeout"]
-    )
+    spec = await client.model_spec(model, options["version"], **_spec_options(options))
     size = _check(spec, batch_size, concurrency)
     batches = _async_batches(spec, data, _source(spec, data), size, 0)
     ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
@@ -343,23 +379,16 @@ async def infer_many_async(
     options: Options,
 ) -> BulkResult:
     """``AsyncClient.infer_many``: at most ``concurrency`` requests in flight on one loop."""
-    spec = await client.model_spec(
-        model, options["version"], headers=options["headers"], timeout=options["timeout"]
-    )
-    size = _check(spec, batch_size, concurrency)
-    cols = _source(spec, data)
-    sink = _Sink(spec, outputs, None if cols is None else _rows(cols), out, resume)
-    batches = _async_batches(spec, data, cols, size, sink.done)
-    bar = make_progress(progress, sink.total, model, initial=sink.done)
+    spec = await client.model_spec(model, options["version"], **_spec_options(options))
+    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
+    batches = _async_batches(spec, data, run.cols, run.size, run.sink.done)
     ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
     try:
         async for result, rows in ordered:
-            sink.write(result, rows)
-            bar.update(rows)
+            run.record(result, rows)
     except Exception as exc:
-        raise _stopped(sink, model, exc) from exc
+        raise run.stopped(exc) from exc
     finally:
         await ordered.aclose()
-        bar.close()
-        sink.close()
-    return sink.result()
+        run.close()
+    return run.sink.result()

@@ -22,6 +22,7 @@ from ._base import (
     VerifyTypes,
     _Request,
 )
+from ._bulk import Options, infer_many_sync, iter_sync
 from ._exceptions import BitserveError, ServerError
 from ._retry import Retry
 from ._spec import ModelSpec
@@ -387,8 +388,6 @@ class Client(BaseClient):
         At most ``2 * concurrency`` batches are pending; a result is yielded as soon as it
         and every earlier one are in. Closing the iterator early cancels what is pending.
         """
-        from ._bulk import iter_sync
-
         for result, _ in iter_sync(
             self,
             model,
@@ -396,9 +395,8 @@ class Client(BaseClient):
             outputs,
             batch_size=batch_size,
             concurrency=concurrency,
-            options={"version": version, "deadline": deadline, "headers": headers,
-                     "timeout": timeout},
-        ):  # fmt: skip
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        ):
             yield result
 
     def infer_many(
@@ -449,8 +447,6 @@ class Client(BaseClient):
                 many rows are done and holds their results.
             InvalidInputError: bad arguments, found before anything is sent.
         """
-        from ._bulk import infer_many_sync
-
         return infer_many_sync(
             self,
             model,
@@ -461,6 +457,5 @@ class Client(BaseClient):
             progress=progress,
             out=out,
             resume=resume,
-            options={"version": version, "deadline": deadline, "headers": headers,
-                     "timeout": timeout},
-        )  # fmt: skip
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        )
