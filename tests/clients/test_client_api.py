@@ -175,8 +175,9 @@ def test_verify_and_cert_become_one_ssl_context(tmp_path: Path) -> None:
     (tmp_path / "bad.pem").write_text("not a certificate")
     with pytest.raises(ssl.SSLError):
         _ssl_verify(str(tmp_path / "bad.pem"), None)
-    with pytest.raises(ssl.SSLError):  # the client certificate is loaded, and checked, now
-        _ssl_verify(False, str(tmp_path / "bad.pem"))
+    for verify in (False, True):  # the client certificate is loaded, and checked, now
+        with pytest.raises(ssl.SSLError):
+            _ssl_verify(verify, str(tmp_path / "bad.pem"))
 
 
 # -- results ------------------------------------------------------------------------------------

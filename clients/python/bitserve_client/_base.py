@@ -144,6 +144,11 @@ def _ssl_verify(verify: VerifyTypes, cert: CertTypes | None) -> VerifyTypes:
         ctx = ssl.create_default_context(
             cafile=None if is_dir else verify, capath=verify if is_dir else None
         )
+    elif os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR"):  # as httpx does
+        ctx = ssl.create_default_context(
+            cafile=os.environ.get("SSL_CERT_FILE") or None,
+            capath=os.environ.get("SSL_CERT_DIR") or None,
+        )
     else:
         import certifi  # an httpx dependency; the CA bundle httpx itself uses
 
@@ -304,8 +309,8 @@ class BaseClient:
 
     def _forget_spec(self, model: str) -> None:
         """Drop a model's cached specs (it may have been reloaded with another config)."""
-        for key in [k for k in self._specs if k[0] == model]:
-            del self._specs[key]
+        for key in [k for k in list(self._specs) if k[0] == model]:  # list(): other threads
+            self._specs.pop(key, None)
 
     def _infer_request(
         self,

@@ -140,7 +140,9 @@ class Client(BaseClient):
                     request.path,
                     content=request.content(),
                     headers=request.headers,
-                    timeout=request.timeout or httpx.USE_CLIENT_DEFAULT,
+                    timeout=httpx.USE_CLIENT_DEFAULT
+                    if request.timeout is None
+                    else request.timeout,
                 )
             except httpx.TransportError as exc:
                 error = self._transport_error(exc, request.method, self._url + request.path)
