@@ -119,6 +119,7 @@ def test_bad_inputs_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         (["infer-many", "multi", "--input", "a=a.npy", "--input", "b.npy", "--output", "o.npy"],
          "several --input need a NAME= each"),
         (["load", "bits", "--config", "{nope"], "--config is not JSON"),
+        (["load", "bits", "--config", "[1]"], "--config must be a JSON object"),
         (["bench", "bits", "--requests", "many"], "invalid int value"),
     ],
 )  # fmt: skip

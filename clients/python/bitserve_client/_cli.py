@@ -207,6 +207,8 @@ def _run(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespa
             config = None if args.config is None else json.loads(args.config)
         except ValueError as exc:
             parser.error(f"--config is not JSON: {exc}")
+        if config is not None and not isinstance(config, dict):
+            parser.error("--config must be a JSON object")
         client.load_model(args.model, config)
         print(f"loaded {args.model}")
         return 0
