@@ -68,7 +68,9 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     command = perf.perf_analyzer()
     if command is None:
-        raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (see benchmarks/overhead)")
+        if not args.smoke:
+            raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
+        print("perf_analyzer not found: a small Python load stands in for this smoke run")
     rounds = 1 if args.smoke else 3
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         repo = tiny.write_repository(Path(tmp) / "tiny")

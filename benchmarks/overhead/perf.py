@@ -7,9 +7,11 @@ installer script ``../shared/tools/perf-analyzer.sh`` beside the project.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import csv
 import io
+import json
 import os
 import shutil
 import signal
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from benchmarks.e2e.loadgen import tree_cpu_seconds
 from benchmarks.e2e.servers import free_port
@@ -127,7 +130,7 @@ class Load:
 
 
 def measure(
-    command: list[str],
+    command: list[str] | None,
     server: Running,
     model: str,
     concurrency: int,
@@ -139,8 +142,12 @@ def measure(
 
     The server's CPU time (its process tree: user + system) is read around the whole
     perf_analyzer run, whose load is the same from its first request to its last, and divided
-    by the requests it served in that time (throughput x duration).
+    by the requests it served in that time (throughput x duration). Without perf_analyzer
+    (``command`` None: a smoke run where it is not installed), a small Python load of the
+    same requests stands in.
     """
+    if command is None:
+        return asyncio.run(_python_load(server, model, concurrency, 4 * concurrency))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pa.csv"
         args = [
@@ -168,4 +175,51 @@ def measure(
         p50_us=float(row["p50 latency"]),
         p99_us=float(row["p99 latency"]),
         cpu_us_per_request=cpu / served * 1e6 if served else float("nan"),
+    )
+
+
+async def _python_load(server: Running, model: str, concurrency: int, requests: int) -> Load:
+    """``requests`` V2 binary requests of one item of zeros, ``concurrency`` at a time."""
+    meta = httpx.get(f"{server.url}/v2/models/{model}", timeout=10).json()
+    (inp,) = meta["inputs"]
+    shape = [1, *inp["shape"][1:]]
+    nbytes = int(np.prod(shape)) * np.dtype(inp["datatype"].lower().replace("fp", "float")).itemsize
+    head = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": inp["name"],
+                    "datatype": inp["datatype"],
+                    "shape": shape,
+                    "parameters": {"binary_data_size": nbytes},
+                }
+            ]
+        }
+    ).encode()
+    body = head + bytes(nbytes)
+    headers = {"Inference-Header-Content-Length": str(len(head))}
+    latencies: list[float] = []
+    left = requests
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            t0 = time.perf_counter()
+            r = await client.post(f"/v2/models/{model}/infer", content=body, headers=headers)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+
+    cpu0 = tree_cpu_seconds(server.process.pid)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    cpu = tree_cpu_seconds(server.process.pid) - cpu0
+    us = np.array(latencies) * 1e6
+    return Load(
+        rps=len(latencies) / wall,
+        p50_us=float(np.percentile(us, 50)),
+        p99_us=float(np.percentile(us, 99)),
+        cpu_us_per_request=cpu / len(latencies) * 1e6,
     )
