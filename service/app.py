@@ -27,18 +27,19 @@ from starlette.types import Receive, Scope, Send
 
 from service.auth import make_auth_check
 from service.dataplane import DataPlane, Repository
-from service.endpoints import Endpoints, json_response
+from service.endpoints import Endpoints
 from service.errors import ServiceError
 from service.fastpath import InferRoute
 from service.gateway import Gateway
 from service.metrics import Metrics
+from service.protocol.response import error_body
 from service.settings import Settings
 
 log = logging.getLogger("bitserve.app")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    resp = json_response({"error": message}, status)
+    resp = Response(error_body(message), status_code=status, media_type="application/json")
     if headers:
         resp.headers.update(headers)
     return resp

@@ -11,7 +11,6 @@ Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); 
 from __future__ import annotations
 
 import argparse
-import logging.config
 import signal
 import sys
 import types
@@ -99,10 +98,9 @@ def serve(settings: Settings) -> int:
 
     from service.app import create_app
     from service.http_protocol import max_connections, protocol_class
-    from service.observability import logging_config
+    from service.observability import configure_logging
 
-    log_config = logging_config(settings.log_level)
-    logging.config.dictConfig(log_config)
+    log_config = configure_logging(settings.log_level)
     app = create_app(settings)
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,

@@ -21,7 +21,7 @@ from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.fastpath import InferRoute
 from service.metrics import Metrics
-from service.protocol import dumps
+from service.protocol.response import dumps_plain
 
 # Control bodies (repository index options, load parameters) are small JSON objects.
 _CONTROL_BODY_BYTES = 1 << 20
@@ -29,7 +29,7 @@ _CONTROL_BODY_BYTES = 1 << 20
 
 def json_response(obj: object, status: int = 200) -> Response:
     """A compact JSON response."""
-    return Response(dumps(obj), status_code=status, media_type="application/json")
+    return Response(dumps_plain(obj), status_code=status, media_type="application/json")
 
 
 async def read_json_object(request: Request, what: str, timeout_s: float | None) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from service.errors import (
     ServiceError,
     Unauthorized,
 )
-from service.protocol import choose_encoding, dumps
+from service.protocol import choose_encoding
+from service.protocol.response import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -82,7 +83,7 @@ async def send_json_error(
     send: Send, error: ServiceError, request_id: str, *, close: bool = False
 ) -> None:
     """Answer ``error`` as ``{"error": message}`` with its status and headers."""
-    body = dumps({"error": error.message})
+    body = error_body(error.message)
     headers = [
         (b"content-type", _JSON),
         (b"content-length", str(len(body)).encode()),

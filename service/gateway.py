@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from service.errors import Overloaded, ServiceError
 from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_infer, send_json_error
 from service.observability import RequestIds, request_id_var
-from service.protocol import dumps
+from service.protocol.response import error_body
 
 log = logging.getLogger("bitserve.access")
 error_log = logging.getLogger("bitserve.error")
@@ -133,7 +133,7 @@ class Gateway:
             error_log.exception("unhandled error in %s %s", scope["method"], path)
             if not started and status == 0:
                 status = 500
-                body = dumps({"error": f"internal error (request id {rid})"})
+                body = error_body(f"internal error (request id {rid})")
                 await send(
                     {
                         "type": "http.response.start",

@@ -27,13 +27,13 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from service.protocol import dumps
+from service.protocol.response import error_body
 
 log = logging.getLogger("bitserve.http")
 
 
 def _error_bytes(status: int, message: str) -> bytes:
-    body = dumps({"error": message})
+    body = error_body(message)
     return b"".join(
         [
             STATUS_LINE[status],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -19,6 +20,8 @@ class Metrics:
     """
 
     def __init__(self) -> None:
+        # Labelled children of the per-request series, looked up once per (model, outcome).
+        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -82,8 +85,12 @@ class Metrics:
 
     def observe_request(self, model: str, outcome: str, seconds: float) -> None:
         """Count one finished request; ``outcome`` is ``"success"`` or an error class name."""
-        self.requests.labels(model, outcome).inc()
-        self.request_latency.labels(model).observe(seconds)
+        children = self._request_children.get((model, outcome))
+        if children is None:
+            children = (self.requests.labels(model, outcome), self.request_latency.labels(model))
+            self._request_children[(model, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_queue(self, model: str, waits: list[float]) -> None:
         """Record the queue times, in seconds, of one batch's requests."""
@@ -111,6 +118,8 @@ class Metrics:
         its batchers have stopped; not on a reload, whose new batchers own the series)."""
         with contextlib.suppress(KeyError):
             self.queue_depth.remove(model)
+        for key in [k for k in self._request_children if k[0] == model]:
+            del self._request_children[key]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

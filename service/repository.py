@@ -37,6 +37,11 @@ from service.signature import Bound
 log = logging.getLogger("bitserve.repository")
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+# CPU batches that take less CPU time than this run on the event loop, not in the device's
+# worker thread (see Batcher's inline_below_s): measured on the tiny model, the hop and the
+# GIL hand-offs cost more than such a batch. A CPU batch this short delays other requests by
+# no more than a request's own framing does.
+INLINE_BELOW_S = 300e-6
 
 
 @dataclass
@@ -224,6 +229,7 @@ class ModelRepository:
                     max_queue_size=cfg.max_queue_size,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
+                    inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
                 )
                 batcher.start()
                 new[v] = _Entry(READY, "", ModelHandle(name, v, cfg, pipeline, batcher, versions))

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from service.errors import InvalidInput
 from service.protocol.tensors import (
     check_datatype,
@@ -124,9 +126,16 @@ def decode_infer_request(
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
     try:
-        obj = json.loads(bytes(buf))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise InvalidInput(f"request JSON is malformed: {e}") from None
+        obj = orjson.loads(buf)  # several times faster than json on the small headers of V2
+    except orjson.JSONDecodeError:
+        # What orjson refuses and Python's json reads: NaN and Infinity (which V2 clients
+        # such as tritonclient write for such floats), integers past 64 bits (answered by
+        # the range checks with a better message), nesting past 1024 levels. Malformed JSON
+        # is refused here with json's message.
+        try:
+            obj = json.loads(bytes(buf))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise InvalidInput(f"request JSON is malformed: {e}") from None
     if not isinstance(obj, dict):
         raise InvalidInput("request JSON must be an object")
     return obj

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from service.protocol.compression import compress
 from service.protocol.tensors import as_bf16_bits, to_binary_bytes, to_json_data
@@ -36,6 +37,18 @@ class EncodedResponse:
 def dumps(obj: object) -> bytes:
     """Compact JSON bytes (``NaN``/``Infinity`` as Python's json writes them, like Triton)."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_body(message: str) -> bytes:
+    """The body of every non-200 answer, ``{"error": message}``, escaped to ASCII: any
+    message makes valid JSON bytes (a lone surrogate an attacker put in a name included)."""
+    return json.dumps({"error": message}).encode()
+
+
+def dumps_plain(obj: object) -> bytes:
+    """:func:`dumps` for objects without floats (orjson, many times faster; it would write
+    a NaN as ``null``): the headers of binary responses, error bodies, descriptions."""
+    return orjson.dumps(obj)
 
 
 def _binary_payload(out: ResponseOutput) -> bytes | memoryview:
@@ -99,7 +112,8 @@ def encode_infer_response(
     if response.parameters:
         head["parameters"] = response.parameters
     head["outputs"] = outs
-    header = dumps(head)
+    # Without JSON tensor data the header holds names, shapes and sizes: no floats.
+    header = dumps_plain(head) if len(payloads) == len(outs) else dumps(head)
     headers: dict[str, str] = {}
     media_type = JSON_TYPE
     if payloads:
