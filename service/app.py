@@ -89,6 +89,7 @@ def create_app(
             metrics=metrics,
             default_device=settings.device,
             warmup=settings.warmup,
+            max_operator_bytes=settings.max_operator_bytes,
         )
     repo = repository
 
