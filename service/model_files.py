@@ -285,19 +285,19 @@ def _too_big(cfg: ModelConfig, source: str, size: int, A: int, W: int | None, li
         band = f"at least {N} x {A} window starts and weights"
     elif W >= B:
         band = (
-            f"a band of {N} x {A} x {W} {dtype} weights: every window spans all B = {B} fine "
-            "points, the dense operator (check the response's width and support against x)"
+            f"a band of {N} x {A} x {W} {dtype} weights, every window spanning all B = {B} fine "
+            "points (the dense operator: check the response's width and support against x)"
         )
     else:
         band = f"a band of {N} x {A} x {W} {dtype} weights (W = {W} of B = {B} fine points)"
     return (
-        f"{source}: operator: would take {_size(size)} ({band}), more than "
-        f"max_operator_bytes = {_size(limit)}"
+        f"{source}: operator: would take {_size(size)}: {band}; "
+        f"more than max_operator_bytes = {_size(limit)}"
     )
 
 
 def _size(n: int) -> str:
-    return f"{n} bytes" if n < 1 << 20 else f"{n / 2**20:.1f} MiB ({n} bytes)"
+    return f"{n} bytes" if n < 1 << 20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
 # --- the model ----------------------------------------------------------------------------

@@ -101,9 +101,9 @@ def test_too_big_names_the_size_and_the_dense_case(tmp_path: Path) -> None:
     (msg,) = err.value.problems
     dense = N * 5 * (B * 4 + 4)  # every window spans the whole grid
     assert msg == (
-        f"{tmp_path.name}/m/config.toml: operator: would take {dense} bytes (a band of "
-        f"{N} x 5 x {B} float32 weights: every window spans all B = {B} fine points, the dense "
-        "operator (check the response's width and support against x)), more than "
+        f"{tmp_path.name}/m/config.toml: operator: would take {dense} bytes: a band of "
+        f"{N} x 5 x {B} float32 weights, every window spanning all B = {B} fine points (the "
+        "dense operator: check the response's width and support against x); more than "
         "max_operator_bytes = 1000 bytes"
     )
     load(tmp_path, limit=dense)  # exactly at the limit is allowed
@@ -112,7 +112,9 @@ def test_too_big_names_the_size_and_the_dense_case(tmp_path: Path) -> None:
 def test_too_big_is_refused_from_the_header_alone(tmp_path: Path) -> None:
     # N x A window starts and weights exceed the limit whatever W: no value is read.
     write(tmp_path, grid(a=50))
-    with pytest.raises(ConfigError, match=r"operator: would take 1200 bytes \(at least 3 x 50"):
+    with pytest.raises(
+        ConfigError, match=r"operator: would take 1200 bytes: at least 3 x 50 window"
+    ):
         load(tmp_path, limit=1000)
 
 
