@@ -169,7 +169,7 @@ class Batcher(Generic[P, R]):
             loop.create_future(),
             now,
             # 0 means no timeout, as in Triton (its default request timeout is 0).
-            now + timeout_us / 1e6 if timeout_us and timeout_us > 0 else None,
+            now + min(timeout_us, 10**15) / 1e6 if timeout_us and timeout_us > 0 else None,
             request_id=request_id_var.get(),
         )
         if pending.deadline is not None:
