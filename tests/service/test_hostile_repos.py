@@ -24,31 +24,11 @@ from safetensors.numpy import save_file
 from service.cli import main
 from service.handle import READY
 from service.repository import ModelRepository
-
-GOOD = """\
-max_batch_size = 2
-device = "cpu"
-
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{n}, {b}]
-packing = "bits"
-
-[operator]
-file = "op.safetensors"
-response = "gaussian"
-sigma = 2.0
-{extra}
-
-[[outputs]]
-name = "out"
-datatype = "FP32"
-"""
+from tests.service.test_model_files import GAUSS, text
 
 
 def config(n: int = 3, b: int = 40, extra: str = "") -> str:
-    return GOOD.format(n=n, b=b, extra=extra)
+    return text(GAUSS + "\n" + extra, n=n, b=b)
 
 
 def tensors(n: int = 3, b: int = 40, a: int = 5, dtype: str = "float32") -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ N, B = 3, 40
 
 TEXT = """
 max_batch_size = 2
+device = "cpu"
 [[inputs]]
 name = "bits"
 datatype = "BOOL"
