@@ -302,3 +302,23 @@ def test_check_repo_and_serve_agree(
     # The same problems, in the same words; the server hides only the libraries' text.
     assert reason == "; ".join(_hide(p) for p in bad_lines)
     assert str(tmp_path) not in reason
+
+
+def test_the_builtin_demo_goes_through_the_same_checks() -> None:
+    async def index(limit: int) -> list[dict[str, str]]:
+        r = ModelRepository(None, default_device="cpu", warmup=False, max_operator_bytes=limit)
+        await r.start()
+        try:
+            return r.index()
+        finally:
+            await r.stop()
+
+    demo_bytes = 20 * 500 * (1001 * 4 + 4)
+    assert asyncio.run(index(demo_bytes))[0]["state"] == READY
+    (entry,) = asyncio.run(index(demo_bytes - 1))
+    assert entry["state"] != READY
+    assert entry["reason"].startswith(
+        f"<built-in demo>/config.toml: operator: would take {demo_bytes} bytes (38.2 MiB): "
+        "a band of 20 x 500 x 1001 float32 weights (W = 1001 of B = 50000 fine points); "
+        f"more than max_operator_bytes = {demo_bytes - 1} bytes"
+    )
