@@ -73,6 +73,10 @@ def _binary(head: bytes, data: bytes, hlen: str | None = None) -> tuple[dict[str
     }, head + data
 
 
+# a lone surrogate or a control character (C0, DEL, C1)
+BAD_TEXT = ["\ud800", "\udfff", "\udbff\udbff", "\x00", "\x1b[2J", "\n", "\x7f", "\x9b"]
+
+
 @st.composite
 def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
     """(what, headers, body) of a malformed V2 request to the demo model."""
@@ -100,7 +104,8 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
         return kind, *_binary(head, data, hlen)
     if kind == "text":
         # a lone surrogate or a control character in a text field the server echoes
-        bad = draw(st.sampled_from(["\ud800", "\udfff", "\udbff\udbff", "\x00", "\x1b[2J", "\n"]))
+        any_text = st.text(st.characters(exclude_categories=()), max_size=4)
+        bad = draw(any_text) + draw(st.sampled_from(BAD_TEXT)) + draw(any_text)
         where = draw(st.sampled_from(["id", "input", "output"]))
         spec = _spec()
         extra: dict[str, Any] = {"id": f"r{bad}"} if where == "id" else {}
