@@ -113,16 +113,22 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from service.app import create_app
+    from service.http_protocol import max_connections, protocol_class
     from service.observability import logging_config
 
     log_config = logging_config(settings.log_level)
     logging.config.dictConfig(log_config)
     app = create_app(settings)
+    http = protocol_class(
+        head_timeout_s=settings.head_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+        max_connections=max_connections(settings.max_connections),
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=settings.http,
+        http=http,
         loop="auto",
         lifespan="on",
         log_config=log_config,
@@ -131,8 +137,6 @@ def serve(settings: Settings) -> int:
         server_header=False,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        limit_concurrency=settings.limit_concurrency,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish

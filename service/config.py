@@ -150,8 +150,11 @@ RESPONSE_PARAMS: dict[str, tuple[str, bool]] = {
 
 
 class OperatorConfig(_Strict):
-    """The banded response operator applied to the (unpacked) input."""
+    """The banded response operator applied to one (unpacked) input."""
 
+    input: str | None = None
+    """The input it applies to (default: the first); the other inputs reach the model as
+    they are."""
     file: str
     """safetensors file with ``x`` (B,), ``c`` (N, A) and, if tabulated, ``response_x``/``_y``."""
     response: Response
@@ -236,7 +239,8 @@ class ModelConfig(_Strict):
     """Requests allowed to wait; beyond it the answer is 503 with Retry-After. 0 = unbounded."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    inputs: list[InputConfig] = Field(min_length=1, max_length=1)
+    inputs: list[InputConfig] = Field(min_length=1, max_length=64)
+    """The inputs, passed to the model positionally in this order."""
     operator: OperatorConfig | None = None
     model: ModelFileConfig | None = None
     outputs: list[OutputConfig] = Field(min_length=1)
@@ -258,12 +262,30 @@ class ModelConfig(_Strict):
             raise ValueError(f"tensor names must be unique; repeated: {dup}")
         if self.model is None and len(self.outputs) != 1:
             raise ValueError("without a [model] there is exactly one output (the operator's)")
-        if self.operator is not None and len(self.inputs[0].shape) != 2:
-            raise ValueError(
-                f"the operator's input has the logical shape [N, B]; "
-                f"inputs[0].shape is {self.inputs[0].shape}"
-            )
+        if self.model is None and len(self.inputs) != 1:
+            raise ValueError("without a [model] there is exactly one input (the operator's)")
+        if self.operator is not None:
+            i = self.operator_input
+            if i is None:
+                names = [t.name for t in self.inputs]
+                raise ValueError(f"operator.input {self.operator.input!r} is not one of {names}")
+            if len(self.inputs[i].shape) != 2:
+                raise ValueError(
+                    f"the operator's input has the logical shape [N, B]; "
+                    f"inputs[{i}].shape is {self.inputs[i].shape}"
+                )
         return self
+
+    @property
+    def operator_input(self) -> int | None:
+        """The index of the input the operator applies to (None: no operator, or a name that
+        is not an input)."""
+        if self.operator is None:
+            return None
+        if self.operator.input is None:
+            return 0
+        names = [t.name for t in self.inputs]
+        return names.index(self.operator.input) if self.operator.input in names else None
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

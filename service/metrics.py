@@ -85,19 +85,17 @@ class Metrics:
         self.requests.labels(model, outcome).inc()
         self.request_latency.labels(model).observe(seconds)
 
-    def observe_queue(self, model: str, seconds: float) -> None:
-        """Record one request's time in the queue."""
-        self.queue_time.labels(model).observe(seconds)
+    def observe_queue(self, model: str, waits: list[float]) -> None:
+        """Record the queue times, in seconds, of one batch's requests."""
+        child = self.queue_time.labels(model)
+        for seconds in waits:
+            child.observe(seconds)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         """Record one executed batch: its size in items and in requests, and its compute time."""
         self.batch_size.labels(model).observe(items)
         self.batch_requests.labels(model).observe(requests)
         self.compute_time.labels(model).observe(compute_seconds)
-
-    def set_queue_depth(self, model: str, depth: int) -> None:
-        """Set the number of requests waiting in ``model``'s queue."""
-        self.queue_depth.labels(model).set(depth)
 
     def add_queue_depth(self, model: str, delta: int) -> None:
         """Change ``model``'s queue depth by ``delta``: each version's batcher reports its own

@@ -111,7 +111,7 @@ def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted
     permutation ``(N, A)`` when some row of ``c`` is not sorted.
     """
     assert cfg.operator is not None
-    n = cfg.inputs[0].shape[0]
+    _, (n, _) = _operator_input(cfg)
     itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
     per_point = band_width * itemsize + _STARTS_ITEMSIZE + (0 if sorted_rows else _ORDER_ITEMSIZE)
     return n * num_coarse * per_point
@@ -157,6 +157,14 @@ def check_repository(root: Path, *, max_operator_bytes: int) -> list[str]:
 
 
 # --- the operator -------------------------------------------------------------------------
+
+
+def _operator_input(cfg: ModelConfig) -> tuple[int, tuple[int, int]]:
+    """The index of the input the operator applies to, and its logical shape ``(N, B)``."""
+    i = cfg.operator_input
+    assert i is not None  # the config's own validation names a missing input
+    N, B = cfg.inputs[i].shape
+    return i, (N, B)
 
 
 def _needed(cfg: ModelConfig) -> dict[str, int]:
@@ -209,12 +217,12 @@ def _check_header(cfg: ModelConfig, header: Header, source: str, file: str, limi
             )
     if problems:
         raise ConfigError(problems)
-    N, B = cfg.inputs[0].shape
+    i, (N, B) = _operator_input(cfg)
     x_shape, c_shape = header["x"][0], header["c"][0]
     if x_shape != [B]:
-        problems.append(f"{where}: x has shape {x_shape}; inputs[0].shape needs [{B}]")
+        problems.append(f"{where}: x has shape {x_shape}; inputs[{i}].shape needs [{B}]")
     if c_shape[0] != N or c_shape[1] < 1:
-        problems.append(f"{where}: c has shape {c_shape}; inputs[0].shape needs [{N}, A], A >= 1")
+        problems.append(f"{where}: c has shape {c_shape}; inputs[{i}].shape needs [{N}, A], A >= 1")
     if "response_x" in _needed(cfg):
         rx, ry = header["response_x"][0], header["response_y"][0]
         if rx != ry or rx[0] < 2:
@@ -279,7 +287,7 @@ def _check_values(
 
 def _too_big(cfg: ModelConfig, source: str, size: int, A: int, W: int | None, limit: int) -> str:
     assert cfg.operator is not None
-    N, B = cfg.inputs[0].shape
+    _, (N, B) = _operator_input(cfg)
     dtype = cfg.operator.dtype
     if W is None:
         band = f"at least {N} x {A} window starts and weights"

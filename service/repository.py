@@ -2,8 +2,9 @@
 
 ``ModelRepository`` owns every loaded model version (a :class:`~service.pipeline.Pipeline`
 resident on its device and a :class:`~service.batcher.Batcher` in front of it) and one worker
-thread per device. ``ModelHandle.infer`` validates a request against the model's config before
-it queues, so a bad request never reaches the batcher.
+thread per device. It alone holds the state of each version (READY, LOADING, UNLOADING,
+UNAVAILABLE and why): :meth:`ModelRepository.get` hands out only READY versions' handles, and
+a retired version's batcher refuses new requests.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from service.config import (
     valid_version,
 )
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
-from service.handle import LOADING, READY, UNAVAILABLE, UNLOADING, ModelHandle, Result
+from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.model_files import check_operator, load_version
-from service.pipeline import Artifacts, Pipeline, WireInput, resolve_device
-
-__all__ = ["ModelHandle", "ModelRepository"]
+from service.pipeline import Artifacts, Pipeline, resolve_device
+from service.signature import Bound
 
 log = logging.getLogger("bitserve.repository")
+
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 
 
 @dataclass
@@ -219,7 +221,7 @@ class ModelRepository:
             new: dict[str, _Entry] = {}
             for v in versions:
                 cfg, pipeline = built[v]
-                batcher: Batcher[WireInput, Result] = Batcher(
+                batcher: Batcher[Bound, Result] = Batcher(
                     name,
                     pipeline.run,
                     max_batch_size=cfg.max_batch_size,
@@ -277,9 +279,9 @@ class ModelRepository:
         return out
 
     async def _retire(self, name: str, entries: dict[str, _Entry], timeout_s: float = 30.0) -> None:
+        for e in entries.values():
+            e.state = UNLOADING
         handles = [e.handle for e in entries.values() if e.handle is not None]
-        for h in handles:
-            h.state = UNLOADING
         await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
 
     async def unload(self, name: str) -> None:

@@ -61,11 +61,17 @@ class Settings(BaseSettings):
     before anything is built; ``bitserve check-repo --max-operator-bytes`` applies the same
     limit. The default, 1 GiB, is about 25 times the demo's operator."""
 
+    max_inflight_bytes: int = Field(default=256 << 20, ge=0)
+    """Most bytes of inference request bodies held at once, over all connections, while they
+    arrive and are computed; a request whose ``Content-Length`` would pass it is answered 503
+    with ``Retry-After`` before its body is read (0: no limit). Bounds the memory a crowd of
+    slow or large uploads can take."""
+
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
-    """Largest HTTP request head (request line and headers); enforced by the h11 parser."""
+    """Largest HTTP request head (request line and headers); larger is answered 431."""
 
     max_headers: int = Field(default=100, ge=8)
-    """Most request headers accepted; more are answered 431 (h11 counts only their bytes)."""
+    """Most request headers accepted; more are answered 431."""
 
     response_compression: Literal["auto", "always", "never"] = "auto"
     """Compress inference responses when the client's ``Accept-Encoding`` allows it:
@@ -88,14 +94,19 @@ class Settings(BaseSettings):
     warmup: bool = True
     """Run one batch through every model at load, so the first request is not slow."""
 
-    http: Literal["auto", "h11", "httptools"] = "h11"
-    """HTTP/1.1 parser; ``h11`` enforces ``max_header_bytes``, ``httptools`` is faster."""
-
     limit_concurrency: int | None = Field(default=None, gt=0)
-    """Connections plus tasks above which new requests get a 503 (unset: no limit). That 503
-    comes from uvicorn itself before the application runs: its body is the plain text
-    ``Service Unavailable`` (not ``{"error": ...}``) and it carries no ``Retry-After``, so
-    clients should treat any 503 as retryable with their own backoff."""
+    """Requests handled at once (per worker process) above which new ones are answered 503
+    with ``Retry-After`` (unset: no limit; the models' queues and ``max_inflight_bytes`` are
+    the finer bounds)."""
+
+    max_connections: int = Field(default=1000, gt=0)
+    """Open connections per worker process. A new connection beyond it closes the one that has
+    waited longest for a request head (slow or idle); when all are busy it is answered 503.
+    Lowered at start to fit the process's file-descriptor limit."""
+
+    head_timeout_s: float = Field(default=10.0, gt=0)
+    """Most seconds a request head (request line and headers) may take to arrive, from its
+    first byte or from the connection's opening; slower clients get a 408 and are closed."""
 
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""

@@ -13,10 +13,10 @@ from service.protocol.compression import (
 )
 from service.protocol.request import (
     HEADER_LENGTH,
+    InputChecker,
     RawInputSpec,
     decode_infer_request,
     parse_header_length,
-    raw_input_spec,
 )
 from service.protocol.response import EncodedResponse, dumps, encode_infer_response
 from service.protocol.types import (
@@ -41,6 +41,7 @@ __all__ = [
     "EncodedResponse",
     "InferRequest",
     "InferResponse",
+    "InputChecker",
     "RawInputSpec",
     "RequestInput",
     "RequestOutput",
@@ -52,6 +53,5 @@ __all__ = [
     "dumps",
     "encode_infer_response",
     "parse_header_length",
-    "raw_input_spec",
     "worth_compressing",
 ]

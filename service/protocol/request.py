@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from service.errors import InvalidInput
 from service.protocol.tensors import (
@@ -41,8 +41,6 @@ from service.protocol.types import (
 )
 
 HEADER_LENGTH = "inference-header-content-length"
-# ``(name, datatype, shape)`` -> None, raising InvalidInput for a tensor the model refuses.
-InputCheck = Callable[[str, str, tuple[int, ...]], object]
 # Request-level parameters this server understands; others are passed through, except the
 # ``triton_`` prefix which Triton reserves and we refuse rather than silently ignore.
 _RESERVED_PREFIX = "triton_"
@@ -72,31 +70,17 @@ class RawInputSpec:
     shape: tuple[int, ...]
 
 
-def raw_input_spec(metadata: Mapping[str, Any]) -> RawInputSpec:
-    """Build the raw-form input spec from a model's V2 metadata (``ModelHandle.metadata()``).
+class InputChecker(Protocol):
+    """What the decoder asks of the model a request is for (``service.signature.Signature``)."""
 
-    Raises:
-        InvalidInput: the model does not have exactly one input, or it cannot be sized from a
-            byte count (BYTES, or several unknown dimensions).
-    """
-    name = metadata.get("name", "?")
-    inputs = metadata.get("inputs") or []
-    if len(inputs) != 1:
-        raise InvalidInput(
-            f"model {name!r} has {len(inputs)} inputs; the raw binary form "
-            "(Inference-Header-Content-Length: 0) needs a model with exactly one input"
-        )
-    inp = inputs[0]
-    datatype = str(inp["datatype"])
-    shape = tuple(int(d) for d in inp["shape"])
-    if datatype == BYTES or datatype not in DATATYPES:
-        raise InvalidInput(f"the raw binary form does not support {datatype} inputs")
-    if sum(d < 0 for d in shape) > 1:
-        raise InvalidInput(
-            f"input {inp['name']!r} of shape {list(shape)} has several variable dimensions; "
-            "the raw binary form cannot size it"
-        )
-    return RawInputSpec(str(inp["name"]), datatype, shape)
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        """Check one input's name, datatype and shape before its data are converted; returns
+        its batch size. Raises InvalidInput for a tensor the model refuses."""
+        ...
+
+    def raw_spec(self) -> RawInputSpec:
+        """The model's only input, for the raw binary form (InvalidInput if it has several)."""
+        ...
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
@@ -121,10 +105,9 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
 
 
 def decode_infer_request(
-    body: bytes | bytearray,
+    body: bytes | bytearray | memoryview,
     header_length: int | None,
-    raw_spec: Callable[[], RawInputSpec] | None = None,
-    check_input: InputCheck | None = None,
+    model: InputChecker | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -132,11 +115,10 @@ def decode_infer_request(
         body: the whole (decompressed) request body.
         header_length: the parsed ``Inference-Header-Content-Length`` (see
             :func:`parse_header_length`), or None when the header was absent.
-        raw_spec: called only for the raw binary form, returns the model's single input (the
-            app passes ``lambda: raw_input_spec(handle.metadata())``).
-        check_input: called with each input's ``(name, datatype, shape)`` before its data are
-            converted (the app passes ``handle.check_input``): a tensor the model refuses is
-            refused before any element is parsed.
+        model: the model the request is for: each input's name, datatype and shape go to its
+            ``check_input`` before the input's data are converted, so a tensor the model
+            refuses costs no element parsing; the raw binary form takes its input from
+            ``raw_spec``. None decodes without model checks (the raw form is then refused).
 
     Returns:
         the request; binary input data are read-only views over ``body``.
@@ -146,12 +128,12 @@ def decode_infer_request(
     """
     view = memoryview(body)
     if header_length == 0:
-        if raw_spec is None:
+        if model is None:
             raise InvalidInput("the raw binary form needs a model with a single input")
-        return _decode_raw(view, raw_spec())
-    n = len(body) if header_length is None else header_length
+        return _decode_raw(view, model)
+    n = len(view) if header_length is None else header_length
     header = _load_json(view[:n])
-    return _decode_header(header, view[n:], binary=header_length is not None, check=check_input)
+    return _decode_header(header, view[n:], binary=header_length is not None, model=model)
 
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
@@ -164,7 +146,10 @@ def _load_json(buf: memoryview) -> dict[str, Any]:
     return obj
 
 
-def _decode_raw(view: memoryview, spec: RawInputSpec) -> InferRequest:
+def _decode_raw(view: memoryview, model: InputChecker) -> InferRequest:
+    spec = model.raw_spec()
+    if spec.datatype == BYTES or spec.datatype not in DATATYPES:
+        raise InvalidInput(f"the raw binary form does not support {spec.datatype} inputs")
     itemsize = DATATYPES[spec.datatype].itemsize
     fixed = math.prod(d for d in spec.shape if d >= 0)
     item_bytes = fixed * itemsize
@@ -178,6 +163,7 @@ def _decode_raw(view: memoryview, spec: RawInputSpec) -> InferRequest:
             )
         batch = view.nbytes // item_bytes
         shape = tuple(batch if d < 0 else d for d in shape)
+    model.check_input(spec.name, spec.datatype, shape)
     what = f"input {spec.name!r}"
     data = from_binary(view, spec.datatype, shape, what)
     inp = RequestInput(spec.name, spec.datatype, shape, data, {})
@@ -223,7 +209,7 @@ def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
 
 
 def _decode_header(
-    header: dict[str, Any], rest: memoryview, *, binary: bool, check: InputCheck | None
+    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
 ) -> InferRequest:
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
@@ -251,7 +237,7 @@ def _decode_header(
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, binary=binary, check=check)
+        inp, size = _decode_input(item, i, rest, offset, binary=binary, model=model)
         if inp.name in seen:
             raise InvalidInput(f"input {inp.name!r} appears more than once")
         seen.add(inp.name)
@@ -280,7 +266,7 @@ def _decode_input(
     offset: int,
     *,
     binary: bool,
-    check: InputCheck | None,
+    model: InputChecker | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -289,8 +275,8 @@ def _decode_input(
     datatype = check_datatype(item.get("datatype"), what)
     shape = check_shape(item.get("shape"), what)
     params = _check_parameters(item.get("parameters"), what)
-    if check is not None:
-        check(name, datatype, shape)
+    if model is not None:
+        model.check_input(name, datatype, shape)
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in item:

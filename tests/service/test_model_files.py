@@ -211,3 +211,42 @@ def test_only_the_needed_tensors_are_read(tmp_path: Path) -> None:
     cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
     assert sorted(artifacts.tensors) == ["c", "x"]
     assert cfg.operator is not None
+
+
+def test_the_operator_input_is_the_one_named() -> None:
+    body = f"""
+max_batch_size = 2
+[[inputs]]
+name = "other"
+datatype = "FP32"
+shape = [7]
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {B}]
+[operator]
+input = "bits"
+file = "op.safetensors"
+{GAUSS}
+[model]
+file = "m.pt2"
+[[outputs]]
+name = "out"
+datatype = "FP32"
+"""
+    cfg = parse_config(tomllib.loads(body), "m/config.toml")
+    t = grid()
+    check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+    W = responses_width(t)
+    assert operator_bytes(cfg, 5, W, sorted_rows=True) == N * 5 * (W * 4 + 4)
+    t["x"] = t["x"][:7]
+    with pytest.raises(ConfigError, match=r"x has shape \[7\]; inputs\[1\]\.shape needs \[40\]"):
+        check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+
+
+def responses_width(t: dict[str, torch.Tensor]) -> int:
+    cfg = parse_config(tomllib.loads(text()), "m/config.toml")
+    assert cfg.operator is not None
+    op = build_operator(cfg.operator, t, torch.device("cpu"))
+    assert isinstance(op, BandedResampler)
+    return op.band_width

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.config import ModelConfig
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.protocol import (
     DATATYPES,
@@ -24,8 +25,8 @@ from service.protocol import (
     decompress,
     encode_infer_response,
     parse_header_length,
-    raw_input_spec,
 )
+from service.signature import Signature
 
 
 def binary_body(header: dict[str, Any], *payloads: bytes) -> tuple[bytes, int]:
@@ -234,13 +235,24 @@ def test_zero_element_shape_with_a_huge_dimension_is_refused(shape: list[int]) -
         decode_infer_request(body, n)
 
 
-def test_check_input_runs_before_any_data_conversion() -> None:
-    seen: list[tuple[str, str, tuple[int, ...]]] = []
+class _Checks:
+    """An ``InputChecker`` that records the checks and refuses BYTES."""
 
-    def check(name: str, datatype: str, shape: tuple[int, ...]) -> None:
-        seen.append((name, datatype, shape))
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        self.seen.append((name, datatype, shape))
         if datatype == "BYTES":
             raise InvalidInput(f"model 'm': input '{name}' cannot be BYTES")
+        return shape[0]
+
+    def raw_spec(self) -> RawInputSpec:
+        raise AssertionError("not the raw form")
+
+
+def test_check_input_runs_before_any_data_conversion() -> None:
+    check = _Checks()
 
     # The BYTES data are malformed (a length past the end): the check must answer first.
     body, n = binary_body(
@@ -257,14 +269,12 @@ def test_check_input_runs_before_any_data_conversion() -> None:
         struct.pack("<I", 99) + b"abcd",
     )
     with pytest.raises(InvalidInput, match="input 's' cannot be BYTES"):
-        decode_infer_request(body, n, check_input=check)
+        decode_infer_request(body, n, check)
     ok = json.dumps(
         {"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 2], "data": [1, 2]}]}
     )
-    assert decode_infer_request(ok.encode(), None, check_input=check).inputs[0].data.tolist() == [
-        [1, 2]
-    ]
-    assert seen == [("s", "BYTES", (2,)), ("x", "INT32", (1, 2))]
+    assert decode_infer_request(ok.encode(), None, check).inputs[0].data.tolist() == [[1, 2]]
+    assert check.seen == [("s", "BYTES", (2,)), ("x", "INT32", (1, 2))]
 
 
 # ---- requests: binary tensors ---------------------------------------------------------------
@@ -385,16 +395,28 @@ def test_header_length_header() -> None:
 
 # ---- requests: the raw binary form ---------------------------------------------------------
 
-METADATA = {
-    "name": "demo",
-    "inputs": [{"name": "spikes", "datatype": "UINT8", "shape": [-1, 2, 3]}],
-    "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
-}
+
+def signature(
+    inputs: list[dict[str, Any]], max_batch_size: int = 8, name: str = "demo"
+) -> Signature:
+    """The real signature of a model with these inputs (and one output)."""
+    cfg = ModelConfig.model_validate(
+        {
+            "max_batch_size": max_batch_size,
+            "inputs": inputs,
+            "model": {"file": "m.pt"},
+            "outputs": [{"name": "y", "datatype": "FP32"}],
+        }
+    )
+    return Signature(name, cfg, [[2]])
+
+
+SPIKES = signature([{"name": "spikes", "datatype": "UINT8", "shape": [2, 3]}])
 
 
 def test_raw_binary_form_derives_the_batch_size() -> None:
     x = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
-    req = decode_infer_request(x.tobytes(), 0, lambda: raw_input_spec(METADATA))
+    req = decode_infer_request(x.tobytes(), 0, SPIKES)
     (inp,) = req.inputs
     assert (inp.name, inp.datatype, inp.shape) == ("spikes", "UINT8", (2, 2, 3))
     np.testing.assert_array_equal(inp.data, x)
@@ -403,17 +425,23 @@ def test_raw_binary_form_derives_the_batch_size() -> None:
 
 
 def test_raw_binary_form_errors() -> None:
-    spec = raw_input_spec(METADATA)
     with pytest.raises(InvalidInput, match="not a whole number of UINT8 items of shape"):
-        decode_infer_request(b"\0" * 7, 0, lambda: spec)
+        decode_infer_request(b"\0" * 7, 0, SPIKES)
     with pytest.raises(InvalidInput, match="needs a model with a single input"):
         decode_infer_request(b"\0" * 6, 0, None)
-    two = {**METADATA, "inputs": METADATA["inputs"] * 2}
-    with pytest.raises(InvalidInput, match="has 2 inputs"):
-        raw_input_spec(two)
-    fixed = RawInputSpec("x", "FP32", (2,))
+    with pytest.raises(InvalidInput, match="more than the model's max_batch_size 8"):
+        decode_infer_request(b"\0" * 6 * 9, 0, SPIKES)
+    two = signature(
+        [
+            {"name": "a", "datatype": "UINT8", "shape": [2, 3]},
+            {"name": "b", "datatype": "UINT8", "shape": [2, 3]},
+        ]
+    )
+    with pytest.raises(InvalidInput, match="has 2 inputs; the raw binary form"):
+        decode_infer_request(b"\0" * 6, 0, two)
+    fixed = signature([{"name": "x", "datatype": "FP32", "shape": [2]}], max_batch_size=0)
     with pytest.raises(InvalidInput, match="needs 8 bytes, got 4"):
-        decode_infer_request(b"\0" * 4, 0, lambda: fixed)
+        decode_infer_request(b"\0" * 4, 0, fixed)
 
 
 # ---- compression ----------------------------------------------------------------------------
