@@ -112,6 +112,7 @@ def create_app(
             metrics=metrics,
             default_device=settings.device,
             warmup=settings.warmup,
+            max_operator_bytes=settings.max_operator_bytes,
         )
     repo = repository
 

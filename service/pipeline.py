@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +27,6 @@ from service.config import (
     InputConfig,
     ModelConfig,
     OperatorConfig,
-    VersionSource,
-    hidden_error,
 )
 from service.protocol.types import DATATYPES
 from service.signature import Bound
@@ -71,42 +67,6 @@ class Artifacts:
 
     tensors: dict[str, torch.Tensor]
     model: Any = None
-
-
-def load_artifacts(src: VersionSource, cfg: ModelConfig) -> Artifacts:
-    """Read the files a version's config names: safetensors, ``torch.export`` or TorchScript.
-
-    Raises:
-        ConfigError: a file is missing, outside the model, or unreadable (naming the key).
-    """
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    if cfg.operator is not None:
-        path = src.resolve(cfg.operator.file, "operator.file")
-        try:
-            tensors = load_file(str(path), device="cpu")
-        except Exception as exc:  # corrupt headers raise several types
-            reason = hidden_error(f"{src.source}: operator.file", "cannot read", exc)
-            raise ConfigError([reason]) from None
-    model = None
-    if cfg.model is not None:
-        path = src.resolve(cfg.model.file, "model.file")
-        try:
-            model = _load_model(path, cfg.model.format)
-        except Exception as exc:
-            reason = hidden_error(f"{src.source}: model.file", "cannot load", exc)
-            raise ConfigError([reason]) from None
-    return Artifacts(tensors, model)
-
-
-def _load_model(path: Path, fmt: str) -> Any:
-    if fmt == "torch_export":
-        return torch.export.load(str(path))
-    with warnings.catch_warnings():
-        # TorchScript is deprecated in favour of torch.export but still the common format.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
 
 
 def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:

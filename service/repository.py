@@ -19,10 +19,10 @@ import torch
 
 from service.batcher import Batcher, DeviceExecutors
 from service.config import (
+    DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
     VersionSource,
-    load_config,
     model_names,
     model_versions,
     valid_model_name,
@@ -31,7 +31,8 @@ from service.config import (
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.pipeline import Artifacts, Pipeline, load_artifacts, resolve_device
+from service.model_files import check_operator, load_version
+from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.signature import Bound
 
 log = logging.getLogger("bitserve.repository")
@@ -61,6 +62,8 @@ class ModelRepository:
         metrics: optional metrics sink.
         default_device: the device for configs that say ``device = "auto"``.
         warmup: run a full-size batch through each model at load.
+        max_operator_bytes: the most bytes a model's response operator may take once built
+            (checked by :func:`service.model_files.load_version`, as ``check-repo`` does).
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class ModelRepository:
         metrics: Metrics | None = None,
         default_device: str = "auto",
         warmup: bool = True,
+        max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
     ) -> None:
         self.root = root
+        self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
         self.default_device = default_device
         self.warmup = warmup
@@ -253,6 +258,8 @@ class ModelRepository:
 
             cfg = demo_config()
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
+            check_operator(cfg, tensors, "<built-in demo>/config.toml",
+                           max_operator_bytes=self.max_operator_bytes)  # fmt: skip
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
                             source="<built-in demo>/config.toml")  # fmt: skip
@@ -261,13 +268,14 @@ class ModelRepository:
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg = load_config(src.config_path, src.source)
+                cfg, artifacts = load_version(src, max_operator_bytes=self.max_operator_bytes)
                 device = resolve_device(cfg.device, self.default_device, source=src.source)
-                artifacts = load_artifacts(src, cfg)
                 out[v] = (cfg, Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
                                         source=src.source))  # fmt: skip
             except ConfigError as exc:
                 problems += exc.problems
+                if exc.__cause__ is not None:  # a library's error: its text and traceback
+                    log.error("%s", "; ".join(exc.details), exc_info=exc.__cause__)
             except Exception as exc:  # a broken operator or model: report, don't crash
                 log.exception("model %s version %s failed to build", name, v)
                 problems.append(f"{src.source}: failed to build: {type(exc).__name__} "

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.config import DEFAULT_MAX_OPERATOR_BYTES
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -51,6 +53,13 @@ class Settings(BaseSettings):
     """Most seconds a request body may take to arrive, from the first read to the last byte;
     a slower upload is answered 408 and its connection closed (a client trickling bytes holds
     only what it has sent, and only this long)."""
+
+    max_operator_bytes: int = Field(default=DEFAULT_MAX_OPERATOR_BYTES, gt=0)
+    """Most bytes one model's response operator may take on its device once built (its band
+    of weights, window starts and row order). A bigger one, whether from a wide response, a
+    huge ``support`` or a fine grid too coarse for it, is refused at load with its size,
+    before anything is built; ``bitserve check-repo --max-operator-bytes`` applies the same
+    limit. The default, 1 GiB, is about 25 times the demo's operator."""
 
     max_inflight_bytes: int = Field(default=256 << 20, ge=0)
     """Most bytes of inference request bodies held at once, over all connections, while they

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,6 +46,15 @@ HEADER_LENGTH = "inference-header-content-length"
 # Request-level parameters this server understands; others are passed through, except the
 # ``triton_`` prefix which Triton reserves and we refuse rather than silently ignore.
 _RESERVED_PREFIX = "triton_"
+MAX_TIMEOUT_US = 2**63 - 1
+"""Largest ``parameters.timeout`` (µs) accepted: gRPC carries it as an int64; larger is a 400."""
+MAX_NAME_CHARS = 256
+"""Longest input or output name accepted (a model's names are at most 128 characters)."""
+MAX_ID_CHARS = 1024
+"""Longest request ``id`` accepted (it is echoed in the response)."""
+# C0 and C1 controls, DEL, and lone surrogates (JSON's "\ud800" escapes make them): echoed
+# in a message or a response they would garble logs and terminals, or fail to encode as UTF-8.
+_BAD_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -76,16 +86,20 @@ class InputChecker(Protocol):
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
-    """Parse ``Inference-Header-Content-Length``; None when the header is absent."""
+    """Parse ``Inference-Header-Content-Length``; None when the header is absent.
+
+    Only ASCII digits, as HTTP's own Content-Length: no sign, spaces, underscores or other
+    scripts' digits (all of which Python's ``int`` would take).
+    """
     if value is None:
         return None
-    try:
-        n = int(value.strip())
-    except ValueError:
+    if not (value.isascii() and value.isdigit()) or len(value) > 20:
         raise InvalidInput(
-            f"Inference-Header-Content-Length must be an integer, got {value!r}"
-        ) from None
-    if n < 0 or n > body_length:
+            "Inference-Header-Content-Length must be an integer in ASCII digits (no sign, "
+            f"spaces or separators), got {value[:32]!r}"
+        )
+    n = int(value)
+    if n > body_length:
         raise InvalidInput(
             f"Inference-Header-Content-Length {n} is outside the body of {body_length} bytes"
         )
@@ -178,6 +192,22 @@ def _check_parameters(params: object, what: str) -> dict[str, Any]:
     return params
 
 
+def check_text(value: object, what: str, limit: int) -> str:
+    """``value`` if it is a non-empty string of at most ``limit`` characters, without control
+    characters or lone surrogates, else InvalidInput naming ``what`` (never echoing it raw)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{what} must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidInput(f"{what} is {len(value)} characters long; at most {limit} allowed")
+    bad = _BAD_TEXT.search(value)
+    if bad is not None:
+        kind = "a lone surrogate" if "\ud800" <= bad.group() <= "\udfff" else "a control character"
+        raise InvalidInput(
+            f"{what} contains {kind} (U+{ord(bad.group()):04X}) at position {bad.start()}"
+        )
+    return value
+
+
 def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
     v = params.get(key)
     if v is None:
@@ -193,13 +223,21 @@ def _decode_header(
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput("request 'id' must be a string")
+    if rid:  # "" is echoed as it came
+        check_text(rid, "request 'id'", MAX_ID_CHARS)
     params = _check_parameters(header.get("parameters"), "request")
     binary_out = _bool_param(params, "binary_data_output", "request") or False
     timeout = params.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
-        raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {timeout!r}")
-    if timeout is not None and timeout < 0:
-        raise InvalidInput(f"request: parameter 'timeout' must be >= 0 µs, got {timeout}")
+        shown = repr(timeout)[:40]
+        raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {shown}")
+    if timeout is not None and not 0 <= timeout <= MAX_TIMEOUT_US:
+        shown = (
+            str(timeout) if abs(timeout) < 10**30 else f"a {len(str(abs(timeout)))}-digit number"
+        )
+        raise InvalidInput(
+            f"request: parameter 'timeout' must be between 0 and {MAX_TIMEOUT_US} µs, got {shown}"
+        )
 
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -241,9 +279,7 @@ def _decode_input(
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
-    name = item.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
+    name = check_text(item.get("name"), f"inputs[{index}]: 'name'", MAX_NAME_CHARS)
     what = f"input {name!r}"
     datatype = check_datatype(item.get("datatype"), what)
     shape = check_shape(item.get("shape"), what)
@@ -291,9 +327,7 @@ def _decode_outputs(raw: object) -> list[RequestOutput] | None:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidInput(f"outputs[{i}] must be an object")
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"outputs[{i}]: 'name' must be a non-empty string")
+        name = check_text(item.get("name"), f"outputs[{i}]: 'name'", MAX_NAME_CHARS)
         what = f"output {name!r}"
         if name in seen:
             raise InvalidInput(f"{what} is requested more than once")

@@ -11,14 +11,20 @@ import pytest
 from safetensors.numpy import save_file
 
 from service.config import (
+    DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
-    check_repository,
     load_config,
     model_versions,
     parse_config,
     valid_model_name,
 )
 from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
+from service.model_files import check_repository as _check_repository
+
+
+def check_repository(root: Path) -> list[str]:
+    return _check_repository(root, max_operator_bytes=DEFAULT_MAX_OPERATOR_BYTES)
+
 
 GOOD = """
 max_batch_size = 4

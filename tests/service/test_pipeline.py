@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from service.config import ConfigError, ModelConfig, parse_config
-from service.pipeline import Artifacts, Pipeline, load_artifacts
+from service.model_files import load_version
+from service.pipeline import Artifacts, Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
 
@@ -261,14 +262,13 @@ def save_torchscript(path: Path) -> None:
     ("file", "save"), [("head.pt2", save_export), ("head.pt", save_torchscript)]
 )
 def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     t = tensors()
     write_version(tmp_path / "m", model_config_text(file), t)
     save(tmp_path / "m" / file)
-    src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
-    pipe = Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=True)
+    cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
+    pipe = Pipeline("m", cfg, artifacts, "cpu", warmup=True)
     assert pipe.output_shapes == [[N, 2], []]
     bits = random_bits(3, seed=5)
     out = pipe.run([packed(bits[:2]), packed(bits[2:])])
@@ -283,28 +283,26 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
 
 
 def test_model_output_count_must_match(tmp_path: Path) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     text = model_config_text("head.pt2").replace(
         '[[outputs]]\nname = "total"\ndatatype = "FP64"\n', ""
     )
     write_version(tmp_path / "m", text, tensors())
     save_export(tmp_path / "m" / "head.pt2")
-    src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
+    cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
     with pytest.raises(ConfigError, match="outputs: 1 declared, the model returns 2"):
-        Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=False)
+        Pipeline("m", cfg, artifacts, "cpu", warmup=False)
 
 
 def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     write_version(tmp_path / "m", model_config_text("head.pt2"), tensors())
     (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")
     src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
     with pytest.raises(ConfigError, match=r"m/config\.toml: model\.file: cannot load") as info:
-        load_artifacts(src, cfg)
+        load_version(src, max_operator_bytes=1 << 30)
     # The operator sees where and the exception class; torch's own text (server paths,
     # TorchScript tracebacks) stays in the server log.
     (problem,) = info.value.problems

@@ -146,7 +146,25 @@ X = {"name": "x", "datatype": "UINT8", "shape": [2], "data": [1, 2]}
         (bad_json(X, parameters={"triton_enable_empty_final_response": True}), "triton_ prefix"),
         (bad_json({**X, "parameters": {"triton_x": 1}}), "unknown parameter 'triton_x'"),
         (bad_json(X, parameters={"timeout": "soon"}), "'timeout' must be an integer"),
-        (bad_json(X, parameters={"timeout": -5}), "'timeout' must be >= 0"),
+        (bad_json(X, parameters={"timeout": -5}), "'timeout' must be between 0 and"),
+        (bad_json(X, parameters={"timeout": 2**63}), "between 0 and 9223372036854775807 µs, got"),
+        (bad_json(X, parameters={"timeout": 10**400}), "got a 401-digit number"),
+        (bad_json(X, parameters={"timeout": 1e309}), "'timeout' must be an integer (µs), got inf"),
+        (bad_json(X, id="\ud800"), "request 'id' contains a lone surrogate (U+D800) at position 0"),
+        (bad_json(X, id="ok\udfffok"), "request 'id' contains a lone surrogate (U+DFFF) at pos"),
+        (bad_json(X, id="a\x1b[2J"), "request 'id' contains a control character (U+001B) at "),
+        (bad_json(X, id="a\nb"), "request 'id' contains a control character (U+000A)"),
+        (bad_json(X, id="a\x85"), "request 'id' contains a control character (U+0085)"),
+        (bad_json(X, id="i" * 1025), "request 'id' is 1025 characters long; at most 1024"),
+        (bad_json({**X, "name": "\ud800"}), "inputs[0]: 'name' contains a lone surrogate"),
+        (bad_json({**X, "name": "x\x00"}), "inputs[0]: 'name' contains a control character"),
+        (bad_json({**X, "name": "n" * 257}), "inputs[0]: 'name' is 257 characters long"),
+        (bad_json(X, outputs=[{"name": "\udbff"}]), "outputs[0]: 'name' contains a lone surr"),
+        (bad_json(X, outputs=[{"name": "y\x7f"}]), "outputs[0]: 'name' contains a control char"),
+        (
+            bad_json({**X, "datatype": "BYTES", "data": ["ok", "a\ud800"]}),
+            "input 'x': BYTES element 1 contains a lone surrogate (U+D800) at position 1",
+        ),
         (bad_json(X, parameters={"binary_data_output": "yes"}), "must be a boolean"),
         (bad_json(X, outputs={"name": "y"}), "'outputs' must be a list"),
         (
@@ -176,6 +194,25 @@ def test_malformed_json_requests(body: bytes, message: str) -> None:
     with pytest.raises(InvalidInput) as info:
         decode_infer_request(body, None)
     assert message in info.value.message
+
+
+def test_text_fields_may_be_any_printable_unicode() -> None:
+    # Refused are only control characters and lone surrogates: other scripts, emoji (a
+    # surrogate *pair* in JSON) and the longest allowed lengths pass, and encode as UTF-8.
+    name = "entrée-名前-\U0001f600"
+    body = json.dumps(
+        {"id": "r\u00e9q " + "i" * 1020, "inputs": [{**X, "name": name}],
+         "outputs": [{"name": "o" * 256}], "parameters": {"timeout": 2**63 - 1}}
+    ).encode()  # fmt: skip
+    assert b"\\ud83d\\ude00" in body
+    req = decode_infer_request(body, None)
+    assert req.inputs[0].name == name
+    assert req.id is not None
+    assert len(req.id) == 1024
+    assert req.timeout_us == 2**63 - 1
+    assert req.outputs is not None
+    for text in (req.id, name, req.outputs[0].name):
+        text.encode()
 
 
 def test_duplicate_input_names() -> None:
@@ -335,14 +372,25 @@ def test_malformed_binary_requests(inp: dict[str, Any], payload: bytes, message:
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
-    [("abc", "must be an integer"), ("-1", "outside the body"), ("999", "outside the body")],
-)
-def test_header_length_header(value: str, message: str) -> None:
-    with pytest.raises(InvalidInput, match=message):
-        parse_header_length(value, 10)
+    "value",
+    # Python's int() takes all but the first two; HTTP's Content-Length grammar takes none.
+    ["abc", "", "+7", "-0", "-1", " 7 ", "7 ", "1_0", "\u0667", "\uff17", "7.0", "0x7", "7\x00",
+     "1" * 21],
+)  # fmt: skip
+def test_header_length_is_strict_ascii_digits(value: str) -> None:
+    with pytest.raises(InvalidInput, match="must be an integer in ASCII digits") as err:
+        parse_header_length(value, 10**30)
+    assert value[:32] in err.value.message or not value.isprintable()
+
+
+def test_header_length_header() -> None:
     assert parse_header_length(None, 10) is None
-    assert parse_header_length(" 7 ", 10) == 7
+    assert parse_header_length("7", 10) == 7
+    assert parse_header_length("007", 10) == 7
+    assert parse_header_length("0", 0) == 0
+    assert parse_header_length("10", 10) == 10
+    with pytest.raises(InvalidInput, match="outside the body of 10 bytes"):
+        parse_header_length("11", 10)
 
 
 # ---- requests: the raw binary form ---------------------------------------------------------
