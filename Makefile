@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: system-deps venv serve test test-fast lint format typecheck bench bench-smoke client-isolated clean
+.PHONY: system-deps venv serve test test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ format: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# Regenerate service/grpc/proto/*_pb2.py(i) from the .proto files there.
+grpc-proto: $(STAMP)
+	$(BIN)/python -m service.grpc.proto.generate
 
 # Full benchmarks: tables go to benchmarks/results/.
 bench: $(STAMP)

@@ -89,6 +89,7 @@ def create_app(
     repository: Repository | None = None,
     *,
     metrics: Metrics | None = None,
+    grpc: bool = False,
 ) -> BitserveApp:
     """Build the application.
 
@@ -98,10 +99,13 @@ def create_app(
             ``service.repository.ModelRepository`` over ``settings.model_repository`` (the
             built-in demo when that is unset), created here but loaded only in the lifespan.
         metrics: the metrics registry shared with ``repository``; a new one by default.
+        grpc: also serve gRPC on ``settings.grpc_port`` (unless 0) from the lifespan, over
+            the same data plane (``bitserve serve`` does; in-process tests of HTTP alone
+            leave it off).
 
     Returns:
-        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``
-        and ``dataplane``.
+        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
+        ``dataplane`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`, or None).
     """
     metrics = metrics if metrics is not None else Metrics()
     if repository is None:
@@ -120,10 +124,16 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await repo.start()
         log.info("repository started: %s", [m.get("name") for m in repo.index()])
+        grpc_server = app.state.grpc
         try:
+            if grpc_server is not None:
+                await grpc_server.start()
             yield
         finally:
-            # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown)
+            # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown);
+            # gRPC's in-flight calls finish next (it stopped taking new ones with HTTP).
+            if grpc_server is not None:
+                await grpc_server.stop()
             await repo.stop(timeout_s=settings.graceful_shutdown_s)
             log.info("repository stopped")
 
@@ -157,6 +167,11 @@ def create_app(
     app.state.repository = repo
     app.state.metrics = metrics
     app.state.dataplane = dataplane
+    app.state.grpc = None
+    if grpc and settings.grpc_port:
+        from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
+
+        app.state.grpc = GrpcServer(dataplane, settings)
     ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and

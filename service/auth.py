@@ -21,23 +21,33 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip()
 
 
+def check_bearer(authorization: str | None, expected: bytes | None) -> None:
+    """Raise :class:`Unauthorized` unless ``authorization`` carries the token ``expected``.
+
+    Every transport checks its credentials here (an HTTP ``Authorization`` header, gRPC's
+    ``authorization`` metadata). ``expected`` None accepts everything. The comparison is
+    ``hmac.compare_digest`` on bytes, so its time does not depend on how much of a guess
+    matches.
+    """
+    if expected is None:
+        return
+    got = bearer_token(authorization)
+    if got is None:
+        raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
+    if not hmac.compare_digest(got.encode(), expected):
+        raise Unauthorized("invalid bearer token")
+
+
 def make_auth_check(token: SecretStr | None) -> Callable[[Request], Awaitable[None]]:
     """A FastAPI dependency that raises :class:`Unauthorized` unless the request has ``token``.
 
-    With ``token`` None it accepts everything. The comparison is ``hmac.compare_digest`` on
-    bytes, so its time does not depend on how much of a guess matches. The check is a
+    With ``token`` None it accepts everything (see :func:`check_bearer`). The check is a
     coroutine function because FastAPI runs a plain function dependency in a worker thread:
     two thread hops per request for a microsecond of work.
     """
     expected = token.get_secret_value().encode() if token is not None else None
 
     async def check(request: Request) -> None:
-        if expected is None:
-            return
-        got = bearer_token(request.headers.get("authorization"))
-        if got is None:
-            raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
-        if not hmac.compare_digest(got.encode(), expected):
-            raise Unauthorized("invalid bearer token")
+        check_bearer(request.headers.get("authorization"), expected)
 
     return check

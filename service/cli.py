@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import types
 import typing
@@ -116,7 +117,7 @@ def serve(settings: Settings) -> int:
     from service.observability import configure_logging
 
     log_config = configure_logging(settings.log_level)
-    app = create_app(settings)
+    app = create_app(settings, grpc=True)
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,
         max_header_bytes=settings.max_header_bytes,
@@ -136,7 +137,17 @@ def serve(settings: Settings) -> int:
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
     )
-    server = uvicorn.Server(config)
+    grpc_server = app.state.grpc
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # gRPC stops taking calls when HTTP stops taking requests; the lifespan (after
+            # the HTTP drain) waits for its in-flight calls before stopping the repository.
+            if grpc_server is not None:
+                grpc_server.begin_stop()
+            await super().shutdown(sockets)
+
+    server = Server(config)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
     # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
     # Then it restores the handlers it found and raises the signal again, which by default

@@ -40,6 +40,10 @@ from service.protocol.response import wants_binary
 
 T = TypeVar("T")
 
+Decoder = Callable[[ModelHandle], Awaitable[InferRequest]]
+"""A transport's decoder: the request for a model, its inputs checked by
+``handle.signature.check_input`` (see :meth:`DataPlane.infer_with`)."""
+
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
 # costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
 # part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
@@ -69,6 +73,15 @@ class Repository(Protocol):
 
 async def _off_loop(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+async def decode_sized(nbytes: int, fn: Callable[[], T]) -> T:
+    """Run a decoder over ``nbytes`` of request: in a worker thread above 64 KiB (the thread
+    hop costs more than a smaller decode), on the event loop below. Every transport's decoding
+    goes through here."""
+    if nbytes > _THREAD_BYTES:
+        return await _off_loop(fn)
+    return fn()
 
 
 async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
@@ -155,9 +168,10 @@ class DataPlane:
             return False
         return True
 
-    def repository_index(self) -> list[dict[str, Any]]:
-        """Triton's repository index."""
-        return self.repository.index()
+    def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
+        """Triton's repository index (only the READY versions when ``ready``)."""
+        index = self.repository.index()
+        return [m for m in index if m.get("state") == "READY"] if ready else index
 
     async def load(self, name: str) -> None:
         """(Re)load a model from the repository."""
@@ -173,6 +187,62 @@ class DataPlane:
         """:func:`infer` (for transports that decode on their own, such as gRPC)."""
         return await infer(handle, request)
 
+    async def infer_with(
+        self,
+        name: str,
+        version: str | None,
+        decode: Decoder,
+        encode: Callable[[ModelHandle, InferRequest, InferResponse], Awaitable[T]],
+    ) -> T:
+        """One inference for any transport: its decoder and encoder around the data plane.
+
+        The model is looked up and its queue checked before ``decode`` is awaited (so an
+        unknown model or a full queue is answered before a transport reads or decodes the
+        request); the request is computed, ``encode`` frames the response, and the outcome
+        and latency go to the metrics.
+
+        Args:
+            name, version: the model (version None: the highest READY one).
+            decode: the transport's decoder, given the model; it calls
+                ``handle.signature.check_input`` on each input before converting its data
+                (and may be called a second time, with the version a reload put in place).
+            encode: frames the response for the transport.
+
+        Raises:
+            ServiceError: with the status the transport answers.
+        """
+        t0 = time.perf_counter()
+        label = "_unknown"  # unknown names must not grow the metrics' label set
+        outcome = "success"
+        self.metrics.in_flight.inc()
+        try:
+            handle = self.repository.get(name, version)
+            label = handle.name
+            handle.batcher.check_capacity()
+            request = await decode(handle)
+            # Looked up again: a reload during a decode off the loop retires the version
+            # found first, and the request belongs to the one serving now (decoded again if
+            # the reload changed what the model accepts).
+            current = self.repository.get(handle.name, version)
+            if current is not handle:
+                if not current.signature.same_as(handle.signature):
+                    request = await decode(current)
+                handle = current
+            response = await self.infer(handle, request)
+            return await encode(handle, request, response)
+        except ServiceError as e:
+            outcome = type(e).__name__
+            raise
+        except asyncio.CancelledError:  # the client went away (or its deadline passed)
+            outcome = "Cancelled"
+            raise
+        except Exception:
+            outcome = "InternalError"
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
+
     async def infer_rest(
         self,
         name: str,
@@ -186,7 +256,8 @@ class DataPlane:
         """One V2 REST inference: body in, framed (and maybe compressed) response out.
 
         The model is looked up and its queue checked before ``read_body`` is awaited, so an
-        unknown model or a full queue is answered without reading the upload.
+        unknown model or a full queue is answered without reading the upload (see
+        :meth:`infer_with`).
 
         Args:
             name, version: the model (version None: the highest READY one).
@@ -199,35 +270,20 @@ class DataPlane:
         Raises:
             ServiceError: with the status the transport answers.
         """
-        t0 = time.perf_counter()
-        label = "_unknown"  # unknown names must not grow the metrics' label set
-        outcome = "success"
-        self.metrics.in_flight.inc()
-        try:
-            handle = self.repository.get(name, version)
-            label = handle.name
-            handle.batcher.check_capacity()
-            body = await read_body()
-            request = await self._decode(handle, body, content_encoding, header_length)
-            # Looked up again: a reload during a decode off the loop retires the version
-            # found first, and the request belongs to the one serving now (decoded again if
-            # the reload changed what the model accepts).
-            current = self.repository.get(handle.name, version)
-            if current is not handle:
-                if not current.signature.same_as(handle.signature):
-                    request = await self._decode(current, body, content_encoding, header_length)
-                handle = current
-            response = await self.infer(handle, request)
+        body: bytes | bytearray | None = None
+
+        async def decode(handle: ModelHandle) -> InferRequest:
+            nonlocal body
+            if body is None:
+                body = await read_body()
+            return await self._decode(handle, body, content_encoding, header_length)
+
+        async def encode(
+            handle: ModelHandle, request: InferRequest, response: InferResponse
+        ) -> EncodedResponse:
             return await self._encode(handle, request, response, accept_encoding)
-        except ServiceError as e:
-            outcome = type(e).__name__
-            raise
-        except Exception:
-            outcome = "InternalError"
-            raise
-        finally:
-            self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
+
+        return await self.infer_with(name, version, decode, encode)
 
     async def _decode(
         self,
@@ -253,9 +309,7 @@ class DataPlane:
                 "parameters.binary_data_size)"
             )
         data, signature = body, handle.signature
-        if len(body) > _THREAD_BYTES:
-            return await _off_loop(lambda: decode_infer_request(data, n, signature))
-        return decode_infer_request(data, n, signature)
+        return await decode_sized(len(body), lambda: decode_infer_request(data, n, signature))
 
     async def _encode(
         self,

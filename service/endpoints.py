@@ -128,8 +128,7 @@ class Endpoints:
         ready = opts.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput("repository index: 'ready' must be a boolean")
-        index = self.dataplane.repository_index()
-        return json_response([m for m in index if m.get("state") == "READY"] if ready else index)
+        return json_response(self.dataplane.repository_index(ready))
 
     async def load(self, model: str) -> Response:
         await self.dataplane.load(model)

@@ -12,6 +12,7 @@ handlers that turn these into responses are registered in ``service.app.create_a
      +-- UnsupportedMediaType (415)
      +-- Overloaded (503, Retry-After)
      +-- ModelNotReady (503)
+     +-- Unimplemented (501)
      +-- DeadlineExceeded (504)
 """
 
@@ -87,6 +88,12 @@ class ModelNotReady(ServiceError):
     """The model exists but is loading, unloading or failed to load."""
 
     status_code = 503
+
+
+class Unimplemented(ServiceError):
+    """An operation of the protocol this server does not offer (gRPC's UNIMPLEMENTED)."""
+
+    status_code = 501
 
 
 class DeadlineExceeded(ServiceError):

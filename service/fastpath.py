@@ -21,12 +21,11 @@ Before a byte of the body is read, a request is refused when:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from service.auth import bearer_token
+from service.auth import check_bearer
 from service.dataplane import DataPlane
 from service.errors import (
     InvalidInput,
@@ -34,7 +33,6 @@ from service.errors import (
     PayloadTooLarge,
     RequestTimeout,
     ServiceError,
-    Unauthorized,
 )
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
@@ -193,12 +191,7 @@ class InferRoute:
                 accept = v.decode("latin-1")
             elif k == b"authorization":
                 token = v.decode("latin-1")
-        if self._token is not None:
-            got = bearer_token(token)
-            if got is None:
-                raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
-            if not hmac.compare_digest(got.encode(), self._token):
-                raise Unauthorized("invalid bearer token")
+        check_bearer(token, self._token)
         if declared is not None and declared > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"

@@ -34,6 +34,34 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port to listen on (0 picks a free one)."""
 
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """TCP port of the gRPC service (Triton's ``inference.GRPCInferenceService`` and
+    ``grpc.health.v1.Health``), on the same host as HTTP; 0 turns gRPC off."""
+
+    grpc_keepalive_time_ms: int = Field(default=7_200_000, gt=0)
+    """gRPC keepalive: how often the server pings a connection to check it is alive
+    (Triton's default: 2 hours)."""
+
+    grpc_keepalive_timeout_ms: int = Field(default=20_000, gt=0)
+    """gRPC keepalive: how long the server waits for a ping's answer before it closes the
+    connection."""
+
+    grpc_keepalive_permit_without_calls: bool = False
+    """gRPC keepalive: allow pings (the server's and the clients') on connections with no
+    call in flight."""
+
+    grpc_http2_max_pings_without_data: int = Field(default=2, ge=0)
+    """gRPC keepalive: pings the server sends while no data flow before it waits for some
+    (0: no limit)."""
+
+    grpc_http2_min_recv_ping_interval_without_data_ms: int = Field(default=300_000, ge=0)
+    """gRPC keepalive: the shortest interval between a client's pings while no data flow;
+    each faster ping is a strike."""
+
+    grpc_http2_max_ping_strikes: int = Field(default=2, ge=0)
+    """gRPC keepalive: strikes after which the server closes the connection (GOAWAY
+    ``too_many_pings``); 0: never."""
+
     model_repository: Path | None = None
     """Model repository folder (one sub-folder per model); unset serves the built-in demo."""
 
@@ -126,6 +154,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_host_resources(self) -> Settings:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port and port are both {self.port}; give gRPC its own port")
         if self.model_repository is not None and not self.model_repository.is_dir():
             raise ValueError(f"model_repository {str(self.model_repository)!r} is not a folder")
         if self.device.startswith("cuda"):

@@ -222,17 +222,26 @@ def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
     return v
 
 
-def _decode_header(
-    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
-) -> InferRequest:
-    rid = header.get("id")
+def check_request_fields(
+    rid: object, params: object
+) -> tuple[str | None, dict[str, Any], int | None]:
+    """Check a request's ``id`` and ``parameters`` (every transport's decoder calls this).
+
+    Returns:
+        ``(id, parameters, timeout_us)``: the id (None when absent), the parameters ({} when
+        absent) and ``parameters.timeout`` in µs (None when absent).
+
+    Raises:
+        InvalidInput: an id that is not a string or holds control characters, parameters
+            that are not an object or use the reserved ``triton_`` prefix, a timeout that is
+            not an integer in ``[0, MAX_TIMEOUT_US]``.
+    """
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput("request 'id' must be a string")
     if rid:  # "" is echoed as it came
         check_text(rid, "request 'id'", MAX_ID_CHARS)
-    params = _check_parameters(header.get("parameters"), "request")
-    binary_out = _bool_param(params, "binary_data_output", "request") or False
-    timeout = params.get("timeout")
+    checked = _check_parameters(params, "request")
+    timeout = checked.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
         shown = repr(timeout)[:40]
         raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {shown}")
@@ -243,7 +252,77 @@ def _decode_header(
         raise InvalidInput(
             f"request: parameter 'timeout' must be between 0 and {MAX_TIMEOUT_US} µs, got {shown}"
         )
+    return rid, checked, timeout
 
+
+def check_input_head(
+    index: int,
+    name: object,
+    datatype: object,
+    shape: object,
+    params: object,
+    seen: set[str],
+    model: InputChecker | None,
+) -> tuple[str, str, tuple[int, ...], dict[str, Any]]:
+    """Check one input's name, datatype, shape and parameters before its data are converted.
+
+    Every transport's decoder calls this once per input, in request order; the model's
+    ``check_input`` is called here (so never a second time elsewhere).
+
+    Args:
+        index: the input's position in the request (messages).
+        name, datatype, shape, params: as the request gave them.
+        seen: the names of the inputs before this one; ``name`` is added.
+        model: the model the request is for, or None.
+
+    Returns:
+        ``(name, datatype, shape, parameters)``, checked.
+
+    Raises:
+        InvalidInput: naming the input and what is wrong.
+    """
+    checked_name = check_text(name, f"inputs[{index}]: 'name'", MAX_NAME_CHARS)
+    what = f"input {checked_name!r}"
+    if checked_name in seen:
+        raise InvalidInput(f"{what} appears more than once")
+    seen.add(checked_name)
+    checked_type = check_datatype(datatype, what)
+    dims = check_shape(shape, what)
+    checked_params = _check_parameters(params, what)
+    if model is not None:
+        model.check_input(checked_name, checked_type, dims)
+    return checked_name, checked_type, dims, checked_params
+
+
+def check_requested_output(
+    index: int, name: object, params: object, seen: set[str]
+) -> RequestOutput:
+    """Check one requested output (every transport's decoder calls this, in request order).
+
+    Args:
+        index: its position in the request's outputs (messages).
+        name, params: as the request gave them.
+        seen: the names of the outputs before this one; ``name`` is added.
+
+    Raises:
+        InvalidInput: a bad or repeated name, bad parameters, or the classification extension.
+    """
+    checked = check_text(name, f"outputs[{index}]: 'name'", MAX_NAME_CHARS)
+    what = f"output {checked!r}"
+    if checked in seen:
+        raise InvalidInput(f"{what} is requested more than once")
+    seen.add(checked)
+    checked_params = _check_parameters(params, what)
+    if checked_params.get("classification"):
+        raise InvalidInput(f"{what}: the classification extension is not supported")
+    return RequestOutput(checked, _bool_param(checked_params, "binary_data", what), checked_params)
+
+
+def _decode_header(
+    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
+) -> InferRequest:
+    rid, params, timeout = check_request_fields(header.get("id"), header.get("parameters"))
+    binary_out = _bool_param(params, "binary_data_output", "request") or False
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("request 'inputs' must be a non-empty list")
@@ -251,10 +330,7 @@ def _decode_header(
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, binary=binary, model=model)
-        if inp.name in seen:
-            raise InvalidInput(f"input {inp.name!r} appears more than once")
-        seen.add(inp.name)
+        inp, size = _decode_input(item, i, rest, offset, seen, binary=binary, model=model)
         inputs.append(inp)
         offset += size
     if offset != rest.nbytes:
@@ -278,19 +354,18 @@ def _decode_input(
     index: int,
     rest: memoryview,
     offset: int,
+    seen: set[str],
     *,
     binary: bool,
     model: InputChecker | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
-    name = check_text(item.get("name"), f"inputs[{index}]: 'name'", MAX_NAME_CHARS)
+    name, datatype, shape, params = check_input_head(
+        index, item.get("name"), item.get("datatype"), item.get("shape"),
+        item.get("parameters"), seen, model,
+    )  # fmt: skip
     what = f"input {name!r}"
-    datatype = check_datatype(item.get("datatype"), what)
-    shape = check_shape(item.get("shape"), what)
-    params = _check_parameters(item.get("parameters"), what)
-    if model is not None:
-        model.check_input(name, datatype, shape)
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in item:
@@ -332,13 +407,5 @@ def _decode_outputs(raw: object) -> list[RequestOutput] | None:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidInput(f"outputs[{i}] must be an object")
-        name = check_text(item.get("name"), f"outputs[{i}]: 'name'", MAX_NAME_CHARS)
-        what = f"output {name!r}"
-        if name in seen:
-            raise InvalidInput(f"{what} is requested more than once")
-        seen.add(name)
-        params = _check_parameters(item.get("parameters"), what)
-        if params.get("classification"):
-            raise InvalidInput(f"{what}: the classification extension is not supported")
-        outputs.append(RequestOutput(name, _bool_param(params, "binary_data", what), params))
+        outputs.append(check_requested_output(i, item.get("name"), item.get("parameters"), seen))
     return outputs

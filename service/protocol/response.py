@@ -51,7 +51,9 @@ def dumps_plain(obj: object) -> bytes:
     return orjson.dumps(obj)
 
 
-def _binary_payload(out: ResponseOutput) -> bytes | memoryview:
+def binary_payload(out: ResponseOutput) -> bytes | memoryview:
+    """An output's data as Triton's binary form (little-endian elements, BYTES
+    length-prefixed, BF16 as its bits): REST's binary outputs and gRPC's raw contents."""
     if out.datatype == BYTES:
         return to_binary_bytes(out.data)
     arr = np.ascontiguousarray(as_bf16_bits(out.data) if out.datatype == BF16 else out.data)
@@ -95,7 +97,7 @@ def encode_infer_response(
         }
         params = dict(out.parameters)
         if wants_binary(request, out.name):
-            payload = _binary_payload(out)
+            payload = binary_payload(out)
             params["binary_data_size"] = len(payload)
             payloads.append(payload)
         else:

@@ -1,0 +1,286 @@
+"""gRPC framing: Triton's protobuf messages to the protocol's types and back.
+
+The gRPC counterpart of ``service.protocol.request``/``response``: nothing here decides about a
+request on its own. Ids, parameters, input heads and requested outputs go through the same
+checks as REST's (``check_request_fields``, ``check_input_head``, ``check_requested_output``),
+which call the model's ``check_input`` once per input before any data are converted; raw
+contents become tensors with REST's ``from_binary`` (the same byte-count, BOOL and BYTES
+checks). What is gRPC's own is the typed contents (``InferTensorContents``), the pairing of
+``raw_input_contents`` with inputs, and the messages' shapes.
+
+Outputs always go back as ``raw_output_contents`` (as Triton's server does): packed bits stay
+packed, ``UINT8`` along the last axis, exactly as over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TypeVar
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+
+from service.errors import InvalidInput
+from service.grpc.proto import grpc_service_pb2 as pb
+from service.grpc.proto import model_config_pb2 as mc
+from service.protocol.request import (
+    InputChecker,
+    check_input_head,
+    check_request_fields,
+    check_requested_output,
+)
+from service.protocol.response import binary_payload
+from service.protocol.tensors import element_count, from_binary
+from service.protocol.types import BYTES, DATATYPES, InferRequest, InferResponse, RequestInput
+
+M = TypeVar("M", bound=Message)
+
+# The typed-contents field of each datatype (FP16 and BF16 have none: raw contents only), and
+# the NumPy type its elements come in before they are narrowed to the datatype.
+_FIELD: dict[str, tuple[str, np.dtype[Any]]] = {
+    "BOOL": ("bool_contents", np.dtype(np.bool_)),
+    "INT8": ("int_contents", np.dtype(np.int32)),
+    "INT16": ("int_contents", np.dtype(np.int32)),
+    "INT32": ("int_contents", np.dtype(np.int32)),
+    "INT64": ("int64_contents", np.dtype(np.int64)),
+    "UINT8": ("uint_contents", np.dtype(np.uint32)),
+    "UINT16": ("uint_contents", np.dtype(np.uint32)),
+    "UINT32": ("uint_contents", np.dtype(np.uint32)),
+    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
+    "FP32": ("fp32_contents", np.dtype(np.float32)),
+    "FP64": ("fp64_contents", np.dtype(np.float64)),
+    BYTES: ("bytes_contents", np.dtype(object)),
+}
+_CONTENT_FIELDS = sorted({f for f, _ in _FIELD.values()})
+_INT64_MAX = 2**63 - 1
+
+
+def parse(message_type: type[M], raw: bytes) -> M:
+    """Parse one request message.
+
+    Raises:
+        InvalidInput: the bytes are not a valid ``message_type`` (a client's mistake, never an
+            internal error).
+    """
+    try:
+        return message_type.FromString(raw)
+    except (DecodeError, RecursionError) as e:
+        raise InvalidInput(f"malformed {message_type.DESCRIPTOR.name} message: {e}") from None
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+def parameters_from_proto(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``map<string, InferParameter>`` (or ``ModelRepositoryParameter``) as a dict of plain
+    values (a parameter with no value set is None)."""
+    out: dict[str, Any] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(p, which)
+    return out
+
+
+def parameters_to_proto(values: Mapping[str, Any], target: MutableMapping[str, Any]) -> None:
+    """Write plain values into a ``map<string, InferParameter>``: bool, int (int64, else
+    uint64), float and str as themselves, anything else as its JSON text."""
+    for key, v in values.items():
+        p = target[key]
+        if isinstance(v, bool):
+            p.bool_param = v
+        elif isinstance(v, int | np.integer):
+            if int(v) > _INT64_MAX:
+                p.uint64_param = int(v)
+            else:
+                p.int64_param = int(v)
+        elif isinstance(v, float | np.floating):
+            p.double_param = float(v)
+        elif isinstance(v, str):
+            p.string_param = v
+        else:
+            p.string_param = json.dumps(v, default=str)
+
+
+# --- inference ----------------------------------------------------------------------------
+
+
+def from_contents(
+    contents: pb.InferTensorContents, datatype: str, shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """An input's typed contents as an array of ``shape`` in the datatype's NumPy type.
+
+    Raises:
+        InvalidInput: a datatype without typed contents (FP16, BF16), data in another
+            datatype's field, an element count that does not match the shape, or values out
+            of the datatype's range.
+    """
+    entry = _FIELD.get(datatype)
+    if entry is None:
+        raise InvalidInput(
+            f"{what}: {datatype} has no typed contents; send its bytes in raw_input_contents"
+        )
+    field, wide = entry
+    for other in _CONTENT_FIELDS:
+        if other != field and len(getattr(contents, other)):
+            raise InvalidInput(f"{what}: {datatype} data go in contents.{field}, not {other}")
+    values = getattr(contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise InvalidInput(
+            f"{what}: contents.{field} has {len(values)} elements, shape {list(shape)} "
+            f"needs {count}"
+        )
+    if datatype == BYTES:
+        out = np.empty(count, dtype=object)
+        for i, v in enumerate(values):
+            out[i] = v
+        return out.reshape(shape)
+    arr = np.fromiter(values, dtype=wide, count=count)
+    target = DATATYPES[datatype]
+    if target != wide and arr.size:
+        info = np.iinfo(target)
+        if int(arr.min()) < info.min or int(arr.max()) > info.max:
+            raise InvalidInput(f"{what}: {datatype} data out of range [{info.min}, {info.max}]")
+    return arr.astype(target, copy=False).reshape(shape)
+
+
+def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> InferRequest:
+    """A ``ModelInferRequest`` as the protocol's request, checked as REST checks its own.
+
+    Each input's data are its typed ``contents`` or the next entry of ``raw_input_contents``
+    (entries pair with the inputs that have no contents, in order; Triton's rule is that a
+    request uses one form or the other). Raw data are read-only views over the message's
+    bytes.
+
+    Raises:
+        InvalidInput: naming the field or tensor that is wrong.
+    """
+    rid, params, timeout = check_request_fields(
+        msg.id or None, parameters_from_proto(msg.parameters)
+    )
+    if not msg.inputs:
+        raise InvalidInput("request 'inputs' must be a non-empty list")
+    raw = msg.raw_input_contents
+    if raw and any(t.HasField("contents") for t in msg.inputs):
+        raise InvalidInput(
+            "a request with raw_input_contents must not give any input's contents (use one "
+            "form for all inputs)"
+        )
+    inputs: list[RequestInput] = []
+    seen: set[str] = set()
+    used = 0
+    for i, t in enumerate(msg.inputs):
+        name, datatype, shape, tparams = check_input_head(
+            i, t.name, t.datatype, list(t.shape), parameters_from_proto(t.parameters), seen, model
+        )
+        what = f"input {name!r}"
+        if t.HasField("contents"):
+            data = from_contents(t.contents, datatype, shape, what)
+        elif used < len(raw):
+            data = from_binary(memoryview(raw[used]), datatype, shape, what)
+            used += 1
+        else:
+            raise InvalidInput(
+                f"{what} has no data: neither contents nor an entry of raw_input_contents "
+                f"({len(raw)} given for {len(msg.inputs)} inputs)"
+            )
+        inputs.append(RequestInput(name, datatype, shape, data, tparams))
+    if used != len(raw):
+        raise InvalidInput(
+            f"the request has {len(raw)} raw_input_contents for {used} inputs; give one "
+            "entry per input, in the order of 'inputs'"
+        )
+    outputs = None
+    if msg.outputs:
+        seen_out: set[str] = set()
+        outputs = [
+            check_requested_output(i, o.name, parameters_from_proto(o.parameters), seen_out)
+            for i, o in enumerate(msg.outputs)
+        ]
+    return InferRequest(
+        id=rid, inputs=inputs, outputs=outputs, parameters=params, timeout_us=timeout
+    )
+
+
+def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:
+    """The protocol's response as a ``ModelInferResponse`` with ``raw_output_contents``."""
+    msg = pb.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version or "",
+        id=response.id or "",
+    )
+    parameters_to_proto(response.parameters, msg.parameters)
+    for out in response.outputs:
+        tensor = msg.outputs.add(
+            name=out.name, datatype=out.datatype, shape=[int(d) for d in out.shape]
+        )
+        parameters_to_proto(out.parameters, tensor.parameters)
+        msg.raw_output_contents.append(bytes(binary_payload(out)))
+    return msg
+
+
+# --- descriptions -------------------------------------------------------------------------
+
+
+def model_metadata(meta: Mapping[str, Any]) -> pb.ModelMetadataResponse:
+    """V2 model metadata (``ModelHandle.metadata``) as a ``ModelMetadataResponse``.
+
+    The message has no parameters: a packed input's packing is in ``ModelConfig``.
+    """
+
+    def tensors(entries: list[dict[str, Any]]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+        return [
+            pb.ModelMetadataResponse.TensorMetadata(
+                name=e["name"], datatype=e["datatype"], shape=e["shape"]
+            )
+            for e in entries
+        ]
+
+    return pb.ModelMetadataResponse(
+        name=meta["name"],
+        versions=meta["versions"],
+        platform=meta["platform"],
+        inputs=tensors(meta["inputs"]),
+        outputs=tensors(meta["outputs"]),
+    )
+
+
+def model_config(config: Mapping[str, Any]) -> pb.ModelConfigResponse:
+    """Triton's model configuration (``ModelHandle.config``) as a ``ModelConfigResponse``.
+
+    ``ModelInput`` has no parameters, so a packed input's (``packing``, ``bitorder``,
+    ``logical_shape``, ``logical_datatype``) go to the model's ``parameters`` as
+    ``"<input>.<key>"``, each value a string (JSON for lists). Keys Triton's message does not
+    know are left out.
+    """
+    cfg = dict(config)
+    extra: dict[str, dict[str, str]] = {}
+    inputs = []
+    for entry in cfg.get("input", []):
+        e = dict(entry)
+        for key, value in (e.pop("parameters", None) or {}).items():
+            text = value if isinstance(value, str) else json.dumps(value)
+            extra[f"{e['name']}.{key}"] = {"string_value": text}
+        inputs.append(e)
+    cfg["input"] = inputs
+    if extra:
+        cfg["parameters"] = {**cfg.get("parameters", {}), **extra}
+    proto = json_format.ParseDict(cfg, mc.ModelConfig(), ignore_unknown_fields=True)
+    return pb.ModelConfigResponse(config=proto)
+
+
+def repository_index(index: list[dict[str, Any]]) -> pb.RepositoryIndexResponse:
+    """Triton's repository index as a ``RepositoryIndexResponse``."""
+    return pb.RepositoryIndexResponse(
+        models=[
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=str(m.get("name", "")),
+                version=str(m.get("version", "")),
+                state=str(m.get("state", "")),
+                reason=str(m.get("reason", "")),
+            )
+            for m in index
+        ]
+    )

@@ -1,0 +1,108 @@
+"""The gRPC server (grpcio's asyncio API) beside HTTP, on the same event loop and data plane.
+
+:class:`GrpcServer` is started by the application's lifespan after the models load, and
+stopped before the repository is: on SIGTERM it refuses new calls at once (alongside HTTP,
+see ``service.cli``) and lets in-flight ones finish for up to ``graceful_shutdown_s``.
+
+Limits: the largest message accepted is ``max_body_bytes`` (larger: RESOURCE_EXHAUSTED, from
+grpcio before the message is read whole); ``limit_concurrency`` bounds the calls handled at
+once (grpcio answers RESOURCE_EXHAUSTED past it); keepalive follows the ``grpc_*`` settings.
+The port is not shared with other processes (``SO_REUSEPORT`` off): a second server on the
+same port fails at start instead of silently taking half the connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from service.dataplane import DataPlane
+from service.grpc.rpc import Rpcs
+from service.grpc.servicer import GrpcEndpoints
+from service.settings import Settings
+
+log = logging.getLogger("bitserve.grpc")
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    """grpcio channel arguments of the server."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", settings.grpc_keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", settings.grpc_keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(settings.grpc_keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", settings.grpc_http2_max_pings_without_data),
+        (
+            "grpc.http2.min_recv_ping_interval_without_data_ms",
+            settings.grpc_http2_min_recv_ping_interval_without_data_ms,
+        ),
+        ("grpc.http2.max_ping_strikes", settings.grpc_http2_max_ping_strikes),
+    ]
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as grpcio takes it (an IPv6 address in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class GrpcServer:
+    """``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` on one port.
+
+    Args:
+        dataplane: the server's data plane (shared with HTTP).
+        settings: host, ``grpc_port``, limits, keepalive, token, access log.
+    """
+
+    def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
+        self.settings = settings
+        token = settings.auth_token.get_secret_value() if settings.auth_token else None
+        rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
+        self.endpoints = GrpcEndpoints(dataplane, rpcs)
+        self.port: int | None = None
+        """The port bound, once started."""
+        self._server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the port.
+
+        Raises:
+            OSError: the address cannot be bound (in use, or not an address of this host).
+        """
+        s = self.settings
+        server = grpc.aio.server(
+            options=server_options(s), maximum_concurrent_rpcs=s.limit_concurrency
+        )
+        server.add_generic_rpc_handlers(self.endpoints.handlers())
+        where = address(s.host, s.grpc_port)
+        try:
+            port = server.add_insecure_port(where)
+        except RuntimeError as e:
+            raise OSError(
+                f"gRPC cannot listen on {where}: address already in use or not available "
+                f"({e}); choose another --grpc-port, or 0 to turn gRPC off"
+            ) from None
+        await server.start()
+        self._server, self.port = server, port
+        log.info("gRPC listening on %s", address(s.host, port))
+        return port
+
+    def begin_stop(self) -> None:
+        """Refuse new calls now; in-flight ones get ``graceful_shutdown_s`` to finish."""
+        if self._server is not None and self._stopping is None:
+            grace = float(self.settings.graceful_shutdown_s)
+            self._stopping = asyncio.ensure_future(self._server.stop(grace))
+
+    async def stop(self) -> None:
+        """:meth:`begin_stop`, and wait until every call has finished or been cancelled."""
+        self.begin_stop()
+        if self._stopping is not None:
+            await self._stopping
+            log.info("gRPC stopped")

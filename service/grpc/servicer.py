@@ -1,0 +1,282 @@
+"""``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``: thin adapters over the data
+plane.
+
+Each handler takes its message apart, makes one :class:`service.dataplane.DataPlane` call and
+builds the answer (``service.grpc.codec``); lookups, checks, capacity, metrics and messages
+are the data plane's, as for REST. Inference goes through :meth:`DataPlane.infer_with` with
+gRPC's decoder and encoder.
+
+ModelStreamInfer computes the requests of a stream concurrently (so they batch with each
+other and with everyone else's) and answers them in the order they came; an error is
+answered in-band (``error_message``) and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from service.dataplane import DataPlane, decode_sized
+from service.errors import ModelNotFound, ServiceError, Unimplemented
+from service.grpc import codec
+from service.grpc.proto import grpc_service_pb2 as pb
+from service.grpc.proto import health_pb2
+from service.grpc.rpc import Context, Rpcs, error_log, safe_details
+from service.handle import ModelHandle
+from service.observability import request_id_var
+from service.protocol.types import InferRequest, InferResponse
+
+SERVICE = "inference.GRPCInferenceService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+STREAM_WINDOW = 64
+"""Requests of one stream being computed at once; past it the stream is read no further
+(HTTP/2 flow control then holds the client back)."""
+
+_Serving = health_pb2.HealthCheckResponse.ServingStatus
+
+
+class _UnknownService(ServiceError):
+    status_code = 404
+
+
+def _deadline_us(context: Context, timeout_us: int | None) -> int | None:
+    """The request's ``timeout`` parameter, shortened to the call's gRPC deadline (if any)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return timeout_us
+    left = max(0, int(remaining * 1e6))
+    return left if timeout_us is None else min(timeout_us, left)
+
+
+def _stream_frame(infer_response: bytes) -> bytes:
+    """A ``ModelStreamInferResponse`` holding the serialized ``infer_response`` (field 2),
+    framed by hand so the response's bytes are not parsed and copied again."""
+    n = len(infer_response)
+    length = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        length.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"\x12" + bytes(length) + infer_response
+
+
+class GrpcEndpoints:
+    """The RPC handlers, bound to one data plane.
+
+    Args:
+        dataplane: the server's data plane.
+        rpcs: the call envelope (auth, logging, status codes).
+    """
+
+    def __init__(self, dataplane: DataPlane, rpcs: Rpcs) -> None:
+        self.dataplane = dataplane
+        self.rpcs = rpcs
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        """grpcio's handlers of both services."""
+        r = self.rpcs
+        unary = r.unary
+        table = {
+            "ServerLive": unary("ServerLive", pb.ServerLiveRequest, self.server_live, open_=True),
+            "ServerReady": unary(
+                "ServerReady", pb.ServerReadyRequest, self.server_ready, open_=True
+            ),
+            "ModelReady": unary("ModelReady", pb.ModelReadyRequest, self.model_ready),
+            "ServerMetadata": unary(
+                "ServerMetadata", pb.ServerMetadataRequest, self.server_metadata
+            ),
+            "ModelMetadata": unary("ModelMetadata", pb.ModelMetadataRequest, self.model_metadata),
+            "ModelConfig": unary("ModelConfig", pb.ModelConfigRequest, self.model_config),
+            "ModelInfer": unary("ModelInfer", None, self.model_infer),
+            "ModelStreamInfer": r.stream("ModelStreamInfer", self.model_stream_infer),
+            "ModelStatistics": unary(
+                "ModelStatistics", pb.ModelStatisticsRequest, self.model_statistics
+            ),
+            "RepositoryIndex": unary(
+                "RepositoryIndex", pb.RepositoryIndexRequest, self.repository_index
+            ),
+            "RepositoryModelLoad": unary(
+                "RepositoryModelLoad", pb.RepositoryModelLoadRequest, self.repository_model_load
+            ),
+            "RepositoryModelUnload": unary(
+                "RepositoryModelUnload",
+                pb.RepositoryModelUnloadRequest,
+                self.repository_model_unload,
+            ),
+            "TraceSetting": unary("TraceSetting", pb.TraceSettingRequest, self.trace_setting),
+        }
+        for name, request_type in (
+            ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),
+            ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest),
+            ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest),
+            ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
+            ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
+            ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
+            ("LogSettings", pb.LogSettingsRequest),
+        ):
+            table[name] = unary(name, request_type, self._not_yet(name))
+        health = {"Check": unary("Check", health_pb2.HealthCheckRequest, self.check, open_=True)}
+        return [
+            grpc.method_handlers_generic_handler(SERVICE, table),
+            grpc.method_handlers_generic_handler(HEALTH_SERVICE, health),
+        ]
+
+    # --- health and metadata --------------------------------------------------------------
+
+    async def server_live(self, request: Any, context: Context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: Any, context: Context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+
+    async def check(
+        self, request: health_pb2.HealthCheckRequest, context: Context
+    ) -> health_pb2.HealthCheckResponse:
+        """``grpc.health.v1.Health/Check``: the server (``""``) or the inference service is
+        SERVING when every model is ready (Kubernetes' gRPC probe asks this)."""
+        if request.service not in ("", SERVICE):
+            raise _UnknownService(f"unknown service '{safe_details(request.service[:200])}'")
+        ready = self.dataplane.ready()
+        return health_pb2.HealthCheckResponse(
+            status=_Serving.SERVING if ready else _Serving.NOT_SERVING
+        )
+
+    async def model_ready(
+        self, request: pb.ModelReadyRequest, context: Context
+    ) -> pb.ModelReadyResponse:
+        """Whether the model (version) serves; an unknown model is not ready (as in Triton)."""
+        try:
+            ready = self.dataplane.model_ready(request.name, request.version or None)
+        except ModelNotFound:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def server_metadata(self, request: Any, context: Context) -> pb.ServerMetadataResponse:
+        meta = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(
+            name=meta["name"], version=meta["version"], extensions=meta["extensions"]
+        )
+
+    async def model_metadata(
+        self, request: pb.ModelMetadataRequest, context: Context
+    ) -> pb.ModelMetadataResponse:
+        handle = self.dataplane.model(request.name, request.version or None)
+        return codec.model_metadata(handle.metadata())
+
+    async def model_config(
+        self, request: pb.ModelConfigRequest, context: Context
+    ) -> pb.ModelConfigResponse:
+        handle = self.dataplane.model(request.name, request.version or None)
+        return codec.model_config(handle.config())
+
+    # --- repository -----------------------------------------------------------------------
+
+    async def repository_index(
+        self, request: pb.RepositoryIndexRequest, context: Context
+    ) -> pb.RepositoryIndexResponse:
+        return codec.repository_index(self.dataplane.repository_index(request.ready))
+
+    async def repository_model_load(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        await self.dataplane.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self.dataplane.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # --- extensions -----------------------------------------------------------------------
+
+    async def model_statistics(self, request: Any, context: Context) -> pb.ModelStatisticsResponse:
+        raise Unimplemented("ModelStatistics is not available in this build of bitserve")
+
+    async def trace_setting(self, request: Any, context: Context) -> pb.TraceSettingResponse:
+        raise Unimplemented(
+            "bitserve does not support Triton's trace extension: TraceSetting is not available "
+            "(request timings are in the Prometheus metrics at /metrics)"
+        )
+
+    def _not_yet(self, name: str) -> Any:
+        async def handler(request: Any, context: Context) -> Any:
+            raise Unimplemented(f"{name} is not available in this build of bitserve")
+
+        return handler
+
+    # --- inference ------------------------------------------------------------------------
+
+    async def _infer(self, msg: pb.ModelInferRequest, size: int, context: Context) -> bytes:
+        """One inference of a parsed request of ``size`` bytes: the serialized response
+        (ServiceError for a refused request)."""
+
+        async def decode(handle: ModelHandle) -> InferRequest:
+            signature = handle.signature
+            request = await decode_sized(size, lambda: codec.decode_infer_request(msg, signature))
+            request.timeout_us = _deadline_us(context, request.timeout_us)
+            return request
+
+        async def encode(
+            handle: ModelHandle, request: InferRequest, response: InferResponse
+        ) -> bytes:
+            return codec.encode_infer_response(response).SerializeToString()
+
+        return await self.dataplane.infer_with(
+            msg.model_name, msg.model_version or None, decode, encode
+        )
+
+    async def model_infer(self, raw: bytes, context: Context) -> bytes:
+        return await self._infer(codec.parse(pb.ModelInferRequest, raw), len(raw), context)
+
+    async def _stream_one(self, raw: bytes, context: Context) -> bytes:
+        """One request of a stream: its response, or its error in ``error_message``."""
+        rid = self.rpcs.request_ids(None)
+        request_id_var.set(rid)  # in this task's own context
+        echo = pb.ModelInferResponse()
+        try:
+            msg = codec.parse(pb.ModelInferRequest, raw)
+            echo = pb.ModelInferResponse(
+                model_name=msg.model_name, model_version=msg.model_version, id=msg.id
+            )
+            return _stream_frame(await self._infer(msg, len(raw), context))
+        except ServiceError as e:
+            _, message, _ = self.rpcs.status(e, "ModelStreamInfer")
+        except Exception:
+            error_log.exception("unhandled error in gRPC ModelStreamInfer")
+            message = f"internal error (request id {rid})"
+        return pb.ModelStreamInferResponse(
+            error_message=message, infer_response=echo
+        ).SerializeToString()
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: Context
+    ) -> AsyncIterator[bytes]:
+        """ModelStreamInfer: each request computed as it arrives, answered in arrival order."""
+        window: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(STREAM_WINDOW)
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    await window.put(asyncio.create_task(self._stream_one(raw, context)))
+            finally:
+                await window.put(None)
+
+        reader = asyncio.create_task(read())
+        task: asyncio.Task[bytes] | None = None
+        try:
+            while (task := await window.get()) is not None:
+                yield await task
+            await reader  # the client's half-close, or its error
+        finally:  # the call ended early (cancelled, or the client's error): drop the rest
+            reader.cancel()
+            if task is not None:
+                task.cancel()
+            while not window.empty():
+                pending = window.get_nowait()
+                if pending is not None:
+                    pending.cancel()
