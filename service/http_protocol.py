@@ -29,7 +29,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.protocol.response import error_body
 
-log = logging.getLogger("bitserve.http")
+log = logging.getLogger(__name__)
 
 
 def _error_bytes(status: int, message: str) -> bytes:
