@@ -20,8 +20,8 @@ from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_in
 from service.observability import RequestIds, request_id_var
 from service.protocol.response import error_body
 
-log = logging.getLogger("bitserve.access")
-error_log = logging.getLogger("bitserve.error")
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(f"{__name__}.access")  # one line per request
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -130,7 +130,7 @@ class Gateway:
             else:
                 await self.fallback(scope, receive, send_with_id)
         except Exception:
-            error_log.exception("unhandled error in %s %s", scope["method"], path)
+            log.exception("unhandled error in %s %s", scope["method"], path)
             if not started and status == 0:
                 status = 500
                 body = error_body(f"internal error (request id {rid})")
@@ -148,7 +148,7 @@ class Gateway:
                 await send({"type": "http.response.body", "body": body})
         finally:
             if self.access_log:
-                log.info(
+                request_log.info(
                     "%s %s %d %.1fms",
                     scope["method"],
                     path,
