@@ -33,27 +33,30 @@ from service.protocol.request import (
 )
 from service.protocol.response import binary_payload
 from service.protocol.tensors import element_count, from_binary
-from service.protocol.types import BYTES, DATATYPES, InferRequest, InferResponse, RequestInput
+from service.protocol.types import (
+    BYTES,
+    DATATYPES,
+    REGISTRY,
+    InferRequest,
+    InferResponse,
+    RequestInput,
+)
 
 M = TypeVar("M", bound=Message)
 
-# The typed-contents field of each datatype (FP16 and BF16 have none: raw contents only), and
-# the NumPy type its elements come in before they are narrowed to the datatype.
-_FIELD: dict[str, tuple[str, np.dtype[Any]]] = {
-    "BOOL": ("bool_contents", np.dtype(np.bool_)),
-    "INT8": ("int_contents", np.dtype(np.int32)),
-    "INT16": ("int_contents", np.dtype(np.int32)),
-    "INT32": ("int_contents", np.dtype(np.int32)),
-    "INT64": ("int64_contents", np.dtype(np.int64)),
-    "UINT8": ("uint_contents", np.dtype(np.uint32)),
-    "UINT16": ("uint_contents", np.dtype(np.uint32)),
-    "UINT32": ("uint_contents", np.dtype(np.uint32)),
-    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
-    "FP32": ("fp32_contents", np.dtype(np.float32)),
-    "FP64": ("fp64_contents", np.dtype(np.float64)),
-    BYTES: ("bytes_contents", np.dtype(object)),
+# The NumPy type of each typed-contents field's elements (before they are narrowed to the
+# datatype: INT8 comes in int_contents' int32); which field a datatype uses is the registry's.
+_ELEMENTS: dict[str, np.dtype[Any]] = {
+    "bool_contents": np.dtype(np.bool_),
+    "int_contents": np.dtype(np.int32),
+    "int64_contents": np.dtype(np.int64),
+    "uint_contents": np.dtype(np.uint32),
+    "uint64_contents": np.dtype(np.uint64),
+    "fp32_contents": np.dtype(np.float32),
+    "fp64_contents": np.dtype(np.float64),
+    "bytes_contents": np.dtype(object),
 }
-_CONTENT_FIELDS = sorted({f for f, _ in _FIELD.values()})
+_CONTENT_FIELDS = sorted(_ELEMENTS)
 _INT64_MAX = 2**63 - 1
 
 
@@ -116,12 +119,12 @@ def from_contents(
             datatype's field, an element count that does not match the shape, or values out
             of the datatype's range.
     """
-    entry = _FIELD.get(datatype)
-    if entry is None:
+    field = REGISTRY[datatype].contents
+    if field is None:
         raise InvalidInput(
             f"{what}: {datatype} has no typed contents; send its bytes in raw_input_contents"
         )
-    field, wide = entry
+    wide = _ELEMENTS[field]
     for other in _CONTENT_FIELDS:
         if other != field and len(getattr(contents, other)):
             raise InvalidInput(f"{what}: {datatype} data go in contents.{field}, not {other}")

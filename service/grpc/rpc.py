@@ -24,8 +24,8 @@ from service.errors import Overloaded, ServiceError
 from service.grpc.codec import parse
 from service.observability import RequestIds, request_id_var
 
-log = logging.getLogger("bitserve.access")
-error_log = logging.getLogger("bitserve.error")
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(f"{__name__}.access")  # one line per call
 
 M = TypeVar("M", bound=Message)
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -90,7 +90,7 @@ class Rpcs:
 
     def _end(self, method: str, code: str, t0: float, token: Any) -> None:
         if self.access_log:
-            log.info("gRPC %s %s %.1fms", method, code, (time.perf_counter() - t0) * 1e3)
+            request_log.info("gRPC %s %s %.1fms", method, code, (time.perf_counter() - t0) * 1e3)
         request_id_var.reset(token)
 
     def authorize(self, context: Context) -> None:
@@ -130,7 +130,7 @@ class Rpcs:
                 except ServiceError as e:
                     status, details, trailers = self.status(e, method)
                 except Exception:
-                    error_log.exception("unhandled error in gRPC %s", method)
+                    log.exception("unhandled error in gRPC %s", method)
                     status, details = grpc.StatusCode.INTERNAL, f"internal error (request id {rid})"
                     trailers = ()
                 code = status.name
@@ -166,7 +166,7 @@ class Rpcs:
             finally:
                 if self.access_log:
                     ms = (time.perf_counter() - t0) * 1e3
-                    log.info("gRPC %s %s %.1fms", method, code, ms)
+                    request_log.info("gRPC %s %s %.1fms", method, code, ms)
 
         return grpc.stream_stream_rpc_method_handler(call)
 
@@ -178,7 +178,7 @@ class Rpcs:
         logs it: a warning for server-side trouble, info for a client's mistake or question)."""
         trouble = error.status_code >= 500 and error.status_code != 501
         level = logging.WARNING if trouble else logging.INFO
-        error_log.log(level, "gRPC %s -> %d: %s", method, error.status_code, error)
+        log.log(level, "gRPC %s -> %d: %s", method, error.status_code, error)
         trailers: tuple[tuple[str, str], ...] = ()
         if isinstance(error, Overloaded):
             trailers = (("retry-after", str(error.retry_after)),)

@@ -24,7 +24,7 @@ from service.grpc.rpc import Rpcs
 from service.grpc.servicer import GrpcEndpoints
 from service.settings import Settings
 
-log = logging.getLogger("bitserve.grpc")
+log = logging.getLogger(__name__)
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:

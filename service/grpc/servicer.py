@@ -24,7 +24,7 @@ from service.errors import ModelNotFound, ServiceError, Unimplemented
 from service.grpc import codec
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
-from service.grpc.rpc import Context, Rpcs, error_log, safe_details
+from service.grpc.rpc import Context, Rpcs, log, safe_details
 from service.handle import ModelHandle
 from service.observability import request_id_var
 from service.protocol.types import InferRequest, InferResponse
@@ -247,7 +247,7 @@ class GrpcEndpoints:
         except ServiceError as e:
             _, message, _ = self.rpcs.status(e, "ModelStreamInfer")
         except Exception:
-            error_log.exception("unhandled error in gRPC ModelStreamInfer")
+            log.exception("unhandled error in gRPC ModelStreamInfer")
             message = f"internal error (request id {rid})"
         return pb.ModelStreamInferResponse(
             error_message=message, infer_response=echo

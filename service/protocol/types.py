@@ -19,6 +19,8 @@ class Datatype:
         torch: the name of the matching ``torch`` dtype (``"float32"``), or None.
         model_input: whether a model's ``[[inputs]]`` may declare it.
         model_output: whether a model's ``[[outputs]]`` may declare it.
+        contents: the field of gRPC's ``InferTensorContents`` that carries its elements
+            (``"fp32_contents"``); None where gRPC has none (FP16, BF16: raw contents only).
     """
 
     name: str
@@ -26,10 +28,13 @@ class Datatype:
     torch: str | None
     model_input: bool = True
     model_output: bool = True
+    contents: str | None = None
 
 
-def _fixed(name: str, wire: str, torch: str, *, output: bool = True) -> Datatype:
-    return Datatype(name, np.dtype(wire), torch, model_output=output)
+def _fixed(
+    name: str, wire: str, torch: str, contents: str | None, *, output: bool = True
+) -> Datatype:
+    return Datatype(name, np.dtype(wire), torch, model_output=output, contents=contents)
 
 
 BYTES = "BYTES"
@@ -37,22 +42,24 @@ BF16 = "BF16"
 REGISTRY: dict[str, Datatype] = {
     d.name: d
     for d in (
-        _fixed("BOOL", "?", "bool", output=False),
-        _fixed("UINT8", "<u1", "uint8"),
-        _fixed("UINT16", "<u2", "uint16", output=False),
-        _fixed("UINT32", "<u4", "uint32", output=False),
-        _fixed("UINT64", "<u8", "uint64", output=False),
-        _fixed("INT8", "<i1", "int8"),
-        _fixed("INT16", "<i2", "int16"),
-        _fixed("INT32", "<i4", "int32"),
-        _fixed("INT64", "<i8", "int64"),
-        _fixed("FP16", "<f2", "float16"),
-        _fixed("FP32", "<f4", "float32"),
-        _fixed("FP64", "<f8", "float64"),
+        _fixed("BOOL", "?", "bool", "bool_contents", output=False),
+        _fixed("UINT8", "<u1", "uint8", "uint_contents"),
+        _fixed("UINT16", "<u2", "uint16", "uint_contents", output=False),
+        _fixed("UINT32", "<u4", "uint32", "uint_contents", output=False),
+        _fixed("UINT64", "<u8", "uint64", "uint64_contents", output=False),
+        _fixed("INT8", "<i1", "int8", "int_contents"),
+        _fixed("INT16", "<i2", "int16", "int_contents"),
+        _fixed("INT32", "<i4", "int32", "int_contents"),
+        _fixed("INT64", "<i8", "int64", "int64_contents"),
+        _fixed("FP16", "<f2", "float16", None),
+        _fixed("FP32", "<f4", "float32", "fp32_contents"),
+        _fixed("FP64", "<f8", "float64", "fp64_contents"),
         # NumPy has no bfloat16: the framing carries BF16 elements as their raw bits in a
         # ``<u2`` view (the NumPy dtype of UINT16 too), and no model declares it.
         Datatype(BF16, np.dtype("<u2"), "bfloat16", model_input=False, model_output=False),
-        Datatype(BYTES, None, None, model_input=False, model_output=False),
+        Datatype(
+            BYTES, None, None, model_input=False, model_output=False, contents="bytes_contents"
+        ),
     )
 }
 

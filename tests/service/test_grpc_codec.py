@@ -21,7 +21,7 @@ from service.grpc import codec
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.protocol import decode_infer_request
 from service.protocol.tensors import float_to_bf16_bits
-from service.protocol.types import InferRequest, InferResponse, ResponseOutput
+from service.protocol.types import REGISTRY, InferRequest, InferResponse, ResponseOutput
 from service.signature import Signature
 from tests.service.app_fakes import FakeHandle
 
@@ -379,3 +379,10 @@ def _loosely_equal(proto_json: Any, rest: Any) -> bool:
             _loosely_equal(a, b) for a, b in zip(proto_json, rest, strict=True)
         )
     return str(proto_json) == str(rest)
+
+
+def test_registry_names_every_typed_contents_field() -> None:
+    fields = {f.name for f in pb.InferTensorContents.DESCRIPTOR.fields}
+    named = {d.contents for d in REGISTRY.values() if d.contents is not None}
+    assert named == fields
+    assert {n for n, d in REGISTRY.items() if d.contents is None} == {"FP16", "BF16"}
