@@ -47,7 +47,7 @@ def _deadline_us(context: Context, timeout_us: int | None) -> int | None:
     remaining = context.time_remaining()
     if remaining is None:
         return timeout_us
-    left = max(0, int(remaining * 1e6))
+    left = max(1, int(remaining * 1e6))  # 0 would mean "no timeout" to the batcher
     return left if timeout_us is None else min(timeout_us, left)
 
 
