@@ -116,6 +116,14 @@ def serve(settings: Settings) -> int:
     from service.http_protocol import max_connections, protocol_class
     from service.observability import configure_logging
 
+    if settings.grpc_port:
+        from service.grpc.server import check_bindable
+
+        try:  # before the models load, and without a traceback (as uvicorn says it for HTTP)
+            check_bindable(settings.host, settings.grpc_port)
+        except OSError as e:
+            print(f"bitserve serve: {e}", file=sys.stderr)
+            return 1
     log_config = configure_logging(settings.log_level)
     app = create_app(settings, grpc=True)
     http = protocol_class(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import grpc
@@ -37,8 +38,9 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", settings.grpc_keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", int(settings.grpc_keepalive_permit_without_calls)),
         ("grpc.http2.max_pings_without_data", settings.grpc_http2_max_pings_without_data),
+        # grpc-core's name for the shortest interval it accepts between a client's pings
         (
-            "grpc.http2.min_recv_ping_interval_without_data_ms",
+            "grpc.http2.min_ping_interval_without_data_ms",
             settings.grpc_http2_min_recv_ping_interval_without_data_ms,
         ),
         ("grpc.http2.max_ping_strikes", settings.grpc_http2_max_ping_strikes),
@@ -50,6 +52,30 @@ def address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Fail now, before models load, if ``host:port`` cannot be bound (as grpcio binds it:
+    ``SO_REUSEADDR``, no ``SO_REUSEPORT``); the port is free again on return.
+
+    Raises:
+        OSError: with a message that names the address and the setting to change.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+    except OSError as e:
+        raise OSError(_bind_message(address(host, port), e.strerror or str(e))) from None
+
+
+def _bind_message(where: str, why: str) -> str:
+    return (
+        f"gRPC cannot listen on {where}: {why.lower()}; choose another --grpc-port, or 0 to "
+        "turn gRPC off"
+    )
 
 
 class GrpcServer:
@@ -84,11 +110,8 @@ class GrpcServer:
         where = address(s.host, s.grpc_port)
         try:
             port = server.add_insecure_port(where)
-        except RuntimeError as e:
-            raise OSError(
-                f"gRPC cannot listen on {where}: address already in use or not available "
-                f"({e}); choose another --grpc-port, or 0 to turn gRPC off"
-            ) from None
+        except RuntimeError:
+            raise OSError(_bind_message(where, "address already in use or not available")) from None
         await server.start()
         self._server, self.port = server, port
         log.info("gRPC listening on %s", address(s.host, port))

@@ -51,6 +51,7 @@ class Replica:
             "BITSERVE_PORT": str(self.port),
             "BITSERVE_DEVICE": "cpu",
             "BITSERVE_LOG_LEVEL": "warning",
+            "BITSERVE_GRPC_PORT": "0",  # HTTP replicas here; 8001 may be anyone's
             **self.env,
         }
         env.pop("TRITON_INTERPRET", None)

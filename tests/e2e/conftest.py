@@ -61,6 +61,8 @@ class BitserveServer:
     port: int
     log_path: Path
     args: list[str] = field(default_factory=list)
+    grpc_port: int = 0
+    """Its gRPC port on 127.0.0.1 (0: gRPC off)."""
 
     @property
     def url(self) -> str:
@@ -71,6 +73,11 @@ class BitserveServer:
     def host_port(self) -> str:
         """``127.0.0.1:PORT``, the form ``tritonclient.http`` takes."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        """``127.0.0.1:GRPC_PORT``, the form ``tritonclient.grpc`` takes."""
+        return f"127.0.0.1:{self.grpc_port}"
 
     def log(self) -> str:
         """Everything the server has written so far."""
@@ -119,6 +126,8 @@ def start_server(
         repository: a model repository folder; None serves the built-in demo model.
         args: extra ``bitserve serve`` flags (e.g. ``["--auth-token", "t"]``).
         env: extra environment variables (e.g. ``{"BITSERVE_MAX_BODY_BYTES": "1024"}``).
+            gRPC gets a free port of its own unless ``args`` or ``env`` choose one (never
+            the default 8001, which other servers on the machine may hold).
         timeout: seconds to wait for readiness.
         log_dir: where the log file goes (a temporary folder by default).
         ready: wait for ``/v2/health/ready``; False waits for ``/v2/health/live`` only (a
@@ -138,11 +147,15 @@ def start_server(
         cmd = [*bitserve_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
         if repository is not None:
             cmd += ["--model-repository", str(repository)]
+        grpc_port = _chosen_grpc_port(args, child_env)
+        if grpc_port is None:
+            grpc_port = free_port()
+            cmd += ["--grpc-port", str(grpc_port)]
         cmd += list(args)
         log_path = log_dir / f"bitserve-{port}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
-        server = BitserveServer(proc, port, log_path, cmd)
+        server = BitserveServer(proc, port, log_path, cmd, grpc_port)
         try:
             server.wait_ready(timeout, "/v2/health/ready" if ready else "/v2/health/live")
         except RuntimeError:
@@ -156,6 +169,17 @@ def start_server(
         finally:
             server.terminate()
         return
+
+
+def _chosen_grpc_port(args: Sequence[str], env: Mapping[str, str]) -> int | None:
+    """The gRPC port ``args`` (``--grpc-port N``) or ``env`` choose, else None."""
+    for i, a in enumerate(args):
+        if a == "--grpc-port" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--grpc-port="):
+            return int(a.split("=", 1)[1])
+    value = env.get("BITSERVE_GRPC_PORT")
+    return int(value) if value else None
 
 
 @pytest.fixture(scope="session")

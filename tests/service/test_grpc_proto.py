@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import tritonclient.grpc as tgrpc
 
 from service.grpc.proto import generate
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.rpc import Rpcs
+from service.grpc.server import server_options
 from service.grpc.servicer import HEALTH_SERVICE, SERVICE, GrpcEndpoints
+from service.settings import Settings
 
 
 def test_generated_modules_are_current(tmp_path: Path) -> None:
@@ -62,3 +65,13 @@ def test_every_rpc_has_a_handler() -> None:
         assert handler is not None, method.name
         streaming = method.client_streaming, method.server_streaming
         assert (handler.request_streaming, handler.response_streaming) == streaming
+
+
+def test_every_server_option_is_one_grpcio_knows() -> None:
+    # grpc-core ignores channel arguments it does not know: a misspelt keepalive option would
+    # silently leave the default in place (its names differ from the settings' in places).
+    library = b"".join(p.read_bytes() for p in Path(grpc.__file__).parent.glob("_cython/*.so"))
+    options = server_options(Settings(grpc_keepalive_permit_without_calls=True))
+    for key, _ in options:
+        assert key.encode() in library, key
+    assert dict(options)["grpc.http2.min_ping_interval_without_data_ms"] == 300_000
