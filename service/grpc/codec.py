@@ -58,6 +58,12 @@ _ELEMENTS: dict[str, np.dtype[Any]] = {
 }
 _CONTENT_FIELDS = sorted(_ELEMENTS)
 _INT64_MAX = 2**63 - 1
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+"""The one ``triton_`` request parameter gRPC accepts (a boolean; REST refuses every
+``triton_`` one): Triton's gRPC clients send it (perf_analyzer always,
+``async_stream_infer(enable_empty_final_response=True)``) to learn when a streamed request is
+complete. Every response of a model that is not decoupled is its request's final one, which a
+stream then marks with the ``triton_final_response`` parameter."""
 
 
 def parse(message_type: type[M], raw: bytes) -> M:
@@ -155,14 +161,16 @@ def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> Infe
     Each input's data are its typed ``contents`` or the next entry of ``raw_input_contents``
     (entries pair with the inputs that have no contents, in order; Triton's rule is that a
     request uses one form or the other). Raw data are read-only views over the message's
-    bytes.
+    bytes. ``triton_enable_empty_final_response`` is checked and left out of the request's
+    parameters (see :data:`EMPTY_FINAL_RESPONSE`).
 
     Raises:
         InvalidInput: naming the field or tensor that is wrong.
     """
-    rid, params, timeout = check_request_fields(
-        msg.id or None, parameters_from_proto(msg.parameters)
-    )
+    params = parameters_from_proto(msg.parameters)
+    if not isinstance(params.pop(EMPTY_FINAL_RESPONSE, False), bool):
+        raise InvalidInput(f"request: parameter {EMPTY_FINAL_RESPONSE!r} must be a boolean")
+    rid, params, timeout = check_request_fields(msg.id or None, params)
     if not msg.inputs:
         raise InvalidInput("request 'inputs' must be a non-empty list")
     raw = msg.raw_input_contents

@@ -22,6 +22,7 @@ import grpc
 from service.dataplane import DataPlane, decode_sized
 from service.errors import ModelNotFound, ServiceError, Unimplemented
 from service.grpc import codec
+from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
 from service.grpc.rpc import Context, Rpcs, log, safe_details
@@ -211,9 +212,13 @@ class GrpcEndpoints:
 
     # --- inference ------------------------------------------------------------------------
 
-    async def _infer(self, msg: pb.ModelInferRequest, size: int, context: Context) -> bytes:
+    async def _infer(
+        self, msg: pb.ModelInferRequest, size: int, context: Context, *, streamed: bool = False
+    ) -> bytes:
         """One inference of a parsed request of ``size`` bytes: the serialized response
-        (ServiceError for a refused request)."""
+        (ServiceError for a refused request). In a stream, a request that asked for
+        ``triton_enable_empty_final_response`` gets its (only, so final) response marked
+        ``triton_final_response``."""
 
         async def decode(handle: ModelHandle) -> InferRequest:
             signature = handle.signature
@@ -224,6 +229,9 @@ class GrpcEndpoints:
         async def encode(
             handle: ModelHandle, request: InferRequest, response: InferResponse
         ) -> bytes:
+            final = msg.parameters.get(EMPTY_FINAL_RESPONSE)  # [] would add the key
+            if streamed and final is not None and final.bool_param:
+                response.parameters["triton_final_response"] = True
             return codec.encode_infer_response(response).SerializeToString()
 
         return await self.dataplane.infer_with(
@@ -243,7 +251,7 @@ class GrpcEndpoints:
             echo = pb.ModelInferResponse(
                 model_name=msg.model_name, model_version=msg.model_version, id=msg.id
             )
-            return _stream_frame(await self._infer(msg, len(raw), context))
+            return _stream_frame(await self._infer(msg, len(raw), context, streamed=True))
         except ServiceError as e:
             _, message, _ = self.rpcs.status(e, "ModelStreamInfer")
         except Exception:

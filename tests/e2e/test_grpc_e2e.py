@@ -226,7 +226,12 @@ def test_sync_stream_in_request_order(server: BitserveServer) -> None:
         a = rng.integers(-1000, 1000, (1, 16), dtype=np.int32)
         b = rng.integers(-1000, 1000, (1, 16), dtype=np.int32)
         model = "nope" if i == 5 else "simple"
-        client.async_stream_infer(model, simple_inputs(grpcclient, a, b), request_id=f"r{i}")
+        client.async_stream_infer(
+            model,
+            simple_inputs(grpcclient, a, b),
+            request_id=f"r{i}",
+            enable_empty_final_response=i % 2 == 1,  # what perf_analyzer sends over gRPC
+        )
         sent.append((a, b))
     got = [results.get(timeout=60) for _ in sent]
     client.stop_stream()
@@ -237,8 +242,11 @@ def test_sync_stream_in_request_order(server: BitserveServer) -> None:
             assert "nope" in str(error)
             continue
         assert error is None
-        assert result.get_response().id == f"r{i}"
+        response = result.get_response()
+        assert response.id == f"r{i}"
         assert_sum_and_difference(result, a, b)
+        final = response.parameters.get("triton_final_response")
+        assert (final.bool_param if final is not None else None) == (True if i % 2 else None)
 
 
 def test_aio_stream(server: BitserveServer) -> None:

@@ -386,3 +386,18 @@ def test_registry_names_every_typed_contents_field() -> None:
     named = {d.contents for d in REGISTRY.values() if d.contents is not None}
     assert named == fields
     assert {n for n, d in REGISTRY.items() if d.contents is None} == {"FP16", "BF16"}
+
+
+def test_the_one_triton_parameter_grpc_accepts() -> None:
+    data = random_inputs(np.random.default_rng(2), 1)
+    msg = grpc_message(data, typed=False)
+    msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    msg.parameters["n"].int64_param = 3
+    assert codec.decode_infer_request(msg, CountingSignature()).parameters == {"n": 3}
+    msg.parameters["triton_enable_empty_final_response"].int64_param = 1
+    with pytest.raises(InvalidInput, match="must be a boolean"):
+        codec.decode_infer_request(msg, CountingSignature())
+    del msg.parameters["triton_enable_empty_final_response"]
+    msg.parameters["triton_other"].bool_param = True
+    with pytest.raises(InvalidInput, match="the triton_ prefix is reserved"):
+        codec.decode_infer_request(msg, CountingSignature())
