@@ -56,7 +56,9 @@ over the timed phase divided by the answers. Server and load generator share the
 cores. {", ".join(versions) + "." if versions else ""}
 
 - bitserve: `bitserve serve` on its built-in demo model (this workload, dynamic batching up to
-  16); packed = UINT8 (1, 20, 6250) with Triton's binary extension; BOOL = one byte per bit.
+  16); packed = UINT8 (1, 20, 6250) with Triton's binary extension; BOOL = one byte per bit;
+  gRPC = the same packed bytes in `raw_input_contents` of Triton's `ModelInferRequest`, every
+  client's calls on one channel (one HTTP/2 connection; HTTP clients have a connection each).
 - hand-written FastAPI + packbits: raw `np.packbits` bytes in, `np.unpackbits`, the same torch
   code in a thread, raw float32 bytes out (`benchmarks/e2e/peers/baseline_app.py`).
 - MLServer: a custom `MLModel` runtime, V2 JSON (its REST API has no binary extension),
@@ -67,6 +69,11 @@ cores. {", ".join(versions) + "." if versions else ""}
 {runner.table(rows)}
 
 {runner.targets(rows)}
+
+bitserve over gRPC against HTTP (packed UINT8 both ways; the shared machine's numbers are noisy,
+see the README):
+
+{runner.grpc_vs_http(rows)}
 {"" if args.smoke else chr(10) + "![throughput and p99 against concurrency](e2e.png)" + chr(10)}
 Reproduce: `python -m benchmarks.bench_e2e` (installs MLServer and KServe into
 `benchmarks/e2e/.venvs/` on first use).

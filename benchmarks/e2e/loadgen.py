@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,10 @@ def _is_error_body(content: bytes) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("error"), str) and bool(doc["error"])
 
 
+SUCCESS = ("200", "OK")
+"""The statuses of an answer: HTTP's 200, gRPC's OK (other gRPC codes by name)."""
+
+
 @dataclass
 class LevelResult:
     """What one concurrency level measured."""
@@ -79,7 +83,8 @@ class LevelResult:
     """Requests answered 200 with a correct answer during the timed phase."""
     seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
-    """Every answer by status ("200", "503", ..., "transport" for connection errors)."""
+    """Every answer by status ("200", "503", ..., gRPC's "OK", "UNAVAILABLE", ...,
+    "transport" for connection errors)."""
     wrong: int = 0
     """200 answers that did not match the float64 reference."""
     first_problem: str | None = None
@@ -98,8 +103,8 @@ class LevelResult:
 
     @property
     def errors(self) -> int:
-        """Answers that were not 200, plus wrong 200s."""
-        return sum(n for s, n in self.statuses.items() if s != "200") + self.wrong
+        """Answers that were not 200 (gRPC: OK), plus wrong 200s."""
+        return sum(n for s, n in self.statuses.items() if s not in SUCCESS) + self.wrong
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -125,7 +130,8 @@ async def run_level(
     """Drive ``url`` with ``concurrency`` closed-loop clients and check every answer.
 
     Args:
-        url: the infer URL.
+        url: the infer URL; for the ``grpc`` format the server's ``host:port``, with one
+            channel (one HTTP/2 connection) carrying every client's calls.
         fmt: the wire format (see :mod:`benchmarks.e2e.wire`).
         pool: the items cycled through, with their references.
         concurrency: number of clients, each with at most one request in flight.
@@ -161,25 +167,47 @@ async def run_level(
         counter += 1
         return counter
 
-    async def one(client: httpx.AsyncClient, i: int, record: bool) -> None:
-        k = i % len(bodies)
-        body = bodies[k]
-        t0 = time.perf_counter()
+    grpc_call: Any = None
+
+    async def post(client: httpx.AsyncClient, body: wire.Body) -> _Answer | None:
         try:
             r = await client.post(url, content=body.content, headers={**body.headers})
         except httpx.HTTPError as e:
             statuses["transport"] += 1
             res.first_problem = res.first_problem or f"transport: {e!r}"
-            return
-        dt = time.perf_counter() - t0
-        statuses[str(r.status_code)] += 1
+            return None
         if r.status_code != 200:
             if r.status_code == 503 and "retry-after" not in r.headers:
                 res.retry_after_missing += 1
             if not _is_error_body(r.content):
                 res.malformed_errors += 1
-            res.first_problem = res.first_problem or f"{r.status_code}: {r.text[:300]}"
-            if r.status_code == 503 and backoff_503_s > 0:
+        answer = _Answer(str(r.status_code), r.headers, r.content, r.num_bytes_downloaded)
+        answer.text = r.text[:300]
+        return answer
+
+    async def call(body: wire.Body) -> _Answer:
+        import grpc
+
+        try:
+            content = await grpc_call(body.content, timeout=timeout_s, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            answer = _Answer(e.code().name, {}, b"", 0)
+            answer.text = str(e.details())[:300]
+            return answer
+        return _Answer("OK", {}, content, len(content))
+
+    async def one(client: httpx.AsyncClient, i: int, record: bool) -> None:
+        k = i % len(bodies)
+        body = bodies[k]
+        t0 = time.perf_counter()
+        r = await call(body) if grpc_call is not None else await post(client, body)
+        if r is None:
+            return
+        dt = time.perf_counter() - t0
+        statuses[r.status] += 1
+        if r.status not in SUCCESS:
+            res.first_problem = res.first_problem or f"{r.status}: {r.text}"
+            if r.status in ("503", "UNAVAILABLE") and backoff_503_s > 0:
                 await asyncio.sleep(backoff_503_s)
             return
         try:
@@ -194,12 +222,19 @@ async def run_level(
         if record:
             res.latencies_ms.append(dt * 1e3)
             # Bytes on the wire (compressed when the server gzips the answer).
-            resp_bytes.append(r.num_bytes_downloaded)
+            resp_bytes.append(r.nbytes)
 
     async def worker(client: httpx.AsyncClient, record: bool) -> None:
         while (i := take()) is not None:
             await one(client, i, record)
 
+    metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
+    channel = None
+    if fmt == "grpc":
+        import grpc
+
+        channel = grpc.aio.insecure_channel(url, options=[("grpc.max_receive_message_length", -1)])
+        grpc_call = channel.unary_unary(wire.GRPC_METHOD)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         if warmup_requests:
             await asyncio.gather(*(worker(client, False) for _ in range(concurrency)))
@@ -215,6 +250,8 @@ async def run_level(
         await asyncio.gather(*(worker(client, True) for _ in range(concurrency)))
         res.seconds = time.perf_counter() - t0
         cpu1 = tree_cpu_seconds(server_pid)
+    if channel is not None:
+        await channel.close()
 
     res.statuses = dict(statuses)
     res.ok = len(res.latencies_ms)
@@ -226,6 +263,17 @@ async def run_level(
     if server_pid is not None and res.ok:
         res.server_cpu_s_per_req = (cpu1 - cpu0) / res.ok
     return res
+
+
+@dataclass
+class _Answer:
+    """One answer, whichever the transport: its status, headers, body and bytes received."""
+
+    status: str
+    headers: Mapping[str, str]
+    content: bytes
+    nbytes: int
+    text: str = ""
 
 
 def save_pool(pool: Pool, path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks._common import markdown_table
 from benchmarks.e2e import servers
-from benchmarks.e2e.loadgen import save_pool
+from benchmarks.e2e.loadgen import SUCCESS, save_pool
 from benchmarks.e2e.servers import Peer
 from benchmarks.e2e.workload import Pool
 
@@ -79,7 +79,7 @@ def _loadgen(
         "-m",
         "benchmarks.e2e.loadgen",
         "--url",
-        run.infer_url,
+        run.grpc_target if peer.fmt == "grpc" else run.infer_url,
         "--format",
         peer.fmt,
         "--concurrency",
@@ -109,7 +109,7 @@ def _progress(row: Row) -> str:
 
 
 def _errors(d: dict[str, Any]) -> int:
-    bad = sum(n for s, n in d["statuses"].items() if s != "200")
+    bad = sum(n for s, n in d["statuses"].items() if s not in SUCCESS)
     return int(bad + d["wrong"])
 
 
@@ -196,6 +196,32 @@ def targets(rows: Sequence[Row], c: int = TARGETS_AT) -> str:
         ["p99 / p50 (bitserve packed)", f"{ratio:.2f}", "< 3", "yes" if ratio < 3 else "NO"]
     )
     return markdown_table(["at concurrency 8", "measured", "target", "met"], lines)
+
+
+def _pair(a: dict[str, Any], b: dict[str, Any], key: str, scale: float = 1.0) -> str:
+    return f"{a[key] * scale:.1f} / {b[key] * scale:.1f}"
+
+
+def grpc_vs_http(rows: Sequence[Row]) -> str:
+    """bitserve's packed requests over gRPC against the same over HTTP, at each concurrency."""
+    lines = []
+    for c in sorted({r.concurrency for r in rows}):
+        http = _at(rows, "bitserve packed UINT8 (binary)", c)
+        grpc = _at(rows, "bitserve packed UINT8 (gRPC)", c)
+        if not (http and grpc and http["ok"] and grpc["ok"]):
+            continue
+        ratio = f"{grpc['rps'] / http['rps']:.2f}x"
+        lines.append(
+            [c, _pair(grpc, http, "rps"), ratio, _pair(grpc, http, "p50_ms"),
+             _pair(grpc, http, "p99_ms"), _pair(grpc, http, "server_cpu_s_per_req", 1e3)]
+        )  # fmt: skip
+    if not lines:
+        return "_gRPC and HTTP were not both measured._"
+    return markdown_table(
+        ["conc.", "req/s gRPC / HTTP", "gRPC ÷ HTTP", "p50 ms gRPC / HTTP",
+         "p99 ms gRPC / HTTP", "server CPU ms/req gRPC / HTTP"],
+        lines,
+    )  # fmt: skip
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:

@@ -50,11 +50,15 @@ class Server:
             return Path(sys.executable)
         return VENVS / self.name / "bin" / "python"
 
-    def command(self, port: int, workdir: Path) -> list[str]:
-        """The argv that starts the server on ``port`` (files it needs go to ``workdir``)."""
+    def command(self, port: int, workdir: Path, grpc_port: int = 0) -> list[str]:
+        """The argv that starts the server on ``port`` (files it needs go to ``workdir``);
+        bitserve's gRPC goes on ``grpc_port`` (0: off)."""
         py = str(self.python())
         if self.name == "bitserve":
-            return [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+            return [
+                py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--grpc-port", str(grpc_port),
+            ]  # fmt: skip
         if self.name == "baseline":
             return [py, "-m", "benchmarks.e2e.peers.baseline_app", "--port", str(port)]
         if self.name == "kserve":
@@ -85,6 +89,7 @@ class Peer:
 
 PEERS: tuple[Peer, ...] = (
     Peer("bitserve packed UINT8 (binary)", BITSERVE, "packed"),
+    Peer("bitserve packed UINT8 (gRPC)", BITSERVE, "grpc"),
     Peer("bitserve packed UINT8 (raw binary form)", BITSERVE, "v2raw"),
     Peer("bitserve BOOL (binary)", BITSERVE, "bool"),
     Peer("bitserve BOOL (JSON)", BITSERVE, "json"),
@@ -93,7 +98,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("KServe BOOL (binary)", KSERVE, "bool"),
     Peer("KServe BOOL (JSON)", KSERVE, "json"),
 )
-SMOKE_PEERS: tuple[Peer, ...] = (PEERS[0], PEERS[4])
+SMOKE_PEERS: tuple[Peer, ...] = (PEERS[0], PEERS[1], PEERS[5])
 
 
 def write_mlserver_settings(folder: Path, port: int, grpc_port: int, metrics_port: int) -> None:
@@ -161,6 +166,8 @@ class Running:
     proc: subprocess.Popen[bytes]
     base_url: str
     log: Path
+    grpc_target: str = ""
+    """``127.0.0.1:PORT`` of bitserve's gRPC service."""
 
     @property
     def infer_url(self) -> str:
@@ -172,18 +179,19 @@ def running(server: Server, workdir: Path, *, start_timeout_s: float = 120.0) ->
     """Start ``server`` on a free loopback port, wait until healthy, stop it on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    grpc_port = free_port()
     log = workdir / f"{server.name}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **server.extra_env}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            server.command(port, workdir),
+            server.command(port, workdir, grpc_port),
             cwd=ROOT,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    run = Running(server, proc, f"http://127.0.0.1:{port}", log)
+    run = Running(server, proc, f"http://127.0.0.1:{port}", log, f"127.0.0.1:{grpc_port}")
     try:
         _wait_healthy(run, start_timeout_s)
         yield run

@@ -12,7 +12,10 @@ bytes and decodes answers. Formats:
   (``Inference-Header-Content-Length: 0``): the body is the packed UINT8 bytes alone, with no
   JSON header; binary V2 answer;
 - ``raw``: the hand-written baseline's body, ``np.packbits`` bytes; the answer is raw
-  little-endian float32 bytes.
+  little-endian float32 bytes;
+- ``grpc``: a serialized ``inference.ModelInferRequest`` (Triton's gRPC protocol) with the
+  packed UINT8 (1, N, ceil(B/8)) in ``raw_input_contents``; the answer is a
+  ``ModelInferResponse`` with the float32 output in ``raw_output_contents``.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ import numpy as np
 
 from benchmarks.e2e.workload import INPUT_NAME, N_COARSE, N_FUNCTIONS, OUTPUT_NAME
 
-Format = Literal["packed", "v2raw", "bool", "json", "raw"]
-FORMATS: tuple[Format, ...] = ("packed", "v2raw", "bool", "json", "raw")
+GRPC_MODEL = "demo"
+"""The model gRPC requests name (bitserve's built-in demo; gRPC puts the name in the message)."""
+GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+Format = Literal["packed", "v2raw", "bool", "json", "raw", "grpc"]
+FORMATS: tuple[Format, ...] = ("packed", "v2raw", "bool", "json", "raw", "grpc")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,16 @@ def encode(
             doc["parameters"] = params
         body = json.dumps(doc, separators=(",", ":")).encode()
         return Body(body, {"Content-Type": "application/json"})
+    if fmt == "grpc":
+        from service.grpc.proto import grpc_service_pb2 as pb
+
+        packed = np.packbits(item, axis=-1, bitorder="big")
+        msg = pb.ModelInferRequest(model_name=GRPC_MODEL, raw_input_contents=[packed.tobytes()])
+        msg.inputs.add(name=INPUT_NAME, datatype="UINT8", shape=list(packed.shape))
+        msg.outputs.add(name=OUTPUT_NAME)
+        for key, value in params.items():
+            msg.parameters[key].int64_param = int(value)
+        return Body(msg.SerializeToString(), {})
     if fmt in ("raw", "v2raw"):
         if params:
             raise ValueError(f"the {fmt} format carries no parameters")
@@ -114,6 +131,17 @@ def decode(fmt: Format, headers: Mapping[str, str], content: bytes) -> np.ndarra
     shape = (1, N_FUNCTIONS, N_COARSE)
     if fmt == "raw":
         return np.frombuffer(content, dtype="<f4").reshape(shape)
+    if fmt == "grpc":
+        from service.grpc.proto import grpc_service_pb2 as pb
+
+        response = pb.ModelInferResponse.FromString(content)
+        for i, out in enumerate(response.outputs):
+            if out.name == OUTPUT_NAME:
+                if out.datatype != "FP32":
+                    raise ValueError(f"output datatype {out.datatype}, expected FP32")
+                data = np.frombuffer(response.raw_output_contents[i], dtype="<f4")
+                return data.reshape(list(out.shape))
+        raise ValueError(f"no output {OUTPUT_NAME!r} in the response")
     hlen = headers.get("inference-header-content-length")
     if hlen is not None:
         n = int(hlen)

@@ -64,7 +64,8 @@ def bitserve(repository: Path, *flags: str) -> list[str]:
     """``bitserve serve`` on ``repository`` (the port is appended by :func:`start`)."""
     exe = Path(sys.executable).with_name("bitserve")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
-    return [*cmd, "serve", "--model-repository", str(repository), *flags]
+    # HTTP only here: gRPC off (several servers run at once; 8001 may be anyone's)
+    return [*cmd, "serve", "--model-repository", str(repository), "--grpc-port", "0", *flags]
 
 
 def module(name: str) -> list[str]:
