@@ -255,6 +255,15 @@ def check_request_fields(
     return rid, checked, timeout
 
 
+def _new_name(kind: str, index: int, name: object, seen: set[str], repeated: str) -> str:
+    """An input's or output's name, checked as text and against the names before it."""
+    checked = check_text(name, f"{kind}s[{index}]: 'name'", MAX_NAME_CHARS)
+    if checked in seen:
+        raise InvalidInput(f"{kind} {checked!r} {repeated}")
+    seen.add(checked)
+    return checked
+
+
 def check_input_head(
     index: int,
     name: object,
@@ -281,11 +290,8 @@ def check_input_head(
     Raises:
         InvalidInput: naming the input and what is wrong.
     """
-    checked_name = check_text(name, f"inputs[{index}]: 'name'", MAX_NAME_CHARS)
+    checked_name = _new_name("input", index, name, seen, "appears more than once")
     what = f"input {checked_name!r}"
-    if checked_name in seen:
-        raise InvalidInput(f"{what} appears more than once")
-    seen.add(checked_name)
     checked_type = check_datatype(datatype, what)
     dims = check_shape(shape, what)
     checked_params = _check_parameters(params, what)
@@ -307,11 +313,8 @@ def check_requested_output(
     Raises:
         InvalidInput: a bad or repeated name, bad parameters, or the classification extension.
     """
-    checked = check_text(name, f"outputs[{index}]: 'name'", MAX_NAME_CHARS)
+    checked = _new_name("output", index, name, seen, "is requested more than once")
     what = f"output {checked!r}"
-    if checked in seen:
-        raise InvalidInput(f"{what} is requested more than once")
-    seen.add(checked)
     checked_params = _check_parameters(params, what)
     if checked_params.get("classification"):
         raise InvalidInput(f"{what}: the classification extension is not supported")

@@ -81,6 +81,18 @@ def echo_input(x: np.ndarray = X) -> list[tgrpc.InferInput]:  # type: ignore[typ
     return [inp]
 
 
+def slow_down(repo: FakeRepository, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make every batch of the echo model take ``seconds`` longer."""
+    handle = repo.models["echo"]
+    real = handle.compute
+
+    def slow(bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
+        time.sleep(seconds)
+        return real(bound)
+
+    monkeypatch.setattr(handle, "compute", slow)
+
+
 async def raw_call(target: str, method: str, body: bytes, **kw: Any) -> bytes:
     async with grpc.aio.insecure_channel(target) as channel:
         response: bytes = await channel.unary_unary(SERVICE + method)(body, **kw)
@@ -279,14 +291,7 @@ async def test_message_larger_than_the_body_limit(target: str) -> None:
 async def test_deadline_exceeded(
     client: tgrpc.InferenceServerClient, repo: FakeRepository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    handle = repo.models["echo"]
-    real = handle.compute
-
-    def slow(bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
-        time.sleep(0.3)
-        return real(bound)
-
-    monkeypatch.setattr(handle, "compute", slow)
+    slow_down(repo, monkeypatch, 0.3)
     first = asyncio.ensure_future(client.infer("echo", echo_input()))
     await asyncio.sleep(0.05)
     with pytest.raises(InferenceServerException) as e:  # waits in the queue past 1 ms
@@ -375,14 +380,7 @@ async def _requests(
 async def test_stream_answers_in_request_order_and_errors_in_band(
     client: tgrpc.InferenceServerClient, repo: FakeRepository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    handle = repo.models["echo"]
-    real = handle.compute
-
-    def slow(bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
-        time.sleep(0.02)  # the errors (unknown model) are ready long before
-        return real(bound)
-
-    monkeypatch.setattr(handle, "compute", slow)
+    slow_down(repo, monkeypatch, 0.02)  # the errors (unknown model) are ready long before
     seen: list[tuple[str, Any]] = []
     # 14 at once: fewer than the echo model's queue of 16 (a stream's requests are
     # computed concurrently, STREAM_WINDOW at a time, and take their places in the queue)
@@ -408,14 +406,7 @@ async def test_stop_drains_in_flight_calls_and_refuses_new_ones(
     app: BitserveApp, client: tgrpc.InferenceServerClient, repo: FakeRepository,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    handle = repo.models["echo"]
-    real = handle.compute
-
-    def slow(bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
-        time.sleep(0.4)
-        return real(bound)
-
-    monkeypatch.setattr(handle, "compute", slow)
+    slow_down(repo, monkeypatch, 0.4)
     in_flight = asyncio.ensure_future(client.infer("echo", echo_input()))
     await asyncio.sleep(0.1)
     app.state.grpc.begin_stop()
