@@ -280,6 +280,11 @@ async def test_message_larger_than_the_body_limit(target: str) -> None:
     msg.inputs.add(name="x", datatype="UINT8", shape=list(big.shape))
     e = await raw_error(target, "ModelInfer", msg.SerializeToString())
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # a gzip bomb: a few dozen bytes on the wire, past the limit once inflated
+    e = await raw_error(
+        target, "ModelInfer", msg.SerializeToString(), compression=grpc.Compression.Gzip
+    )
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     small = np.zeros((900, 4), np.uint8)
     ok = pb.ModelInferRequest(model_name="echo", raw_input_contents=[small.tobytes()])
     ok.inputs.add(name="x", datatype="UINT8", shape=list(small.shape))
