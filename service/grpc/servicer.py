@@ -49,7 +49,7 @@ def _deadline_us(context: Context, timeout_us: int | None) -> int | None:
     if remaining is None:
         return timeout_us
     left = max(1, int(remaining * 1e6))  # 0 would mean "no timeout" to the batcher
-    return left if timeout_us is None else min(timeout_us, left)
+    return left if not timeout_us else min(timeout_us, left)  # timeout 0: none of its own
 
 
 def _stream_frame(infer_response: bytes) -> bytes:
