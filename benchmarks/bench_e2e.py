@@ -6,8 +6,9 @@ clients and checks every answer against a float64 reference.
 
     python -m benchmarks.bench_e2e            # all peers; installs MLServer and KServe into
                                               # benchmarks/e2e/.venvs/ on first use (minutes)
-    python -m benchmarks.bench_e2e --smoke    # bitserve and the hand-written baseline only,
-                                              # a few seconds, main venv, writes nothing
+    python -m benchmarks.bench_e2e --smoke    # bitserve (HTTP and gRPC) and the hand-written
+                                              # baseline only, a few seconds, main venv,
+                                              # writes nothing
 
 Without ``--smoke`` it writes ``benchmarks/results/e2e.md`` and ``benchmarks/results/e2e.png``.
 """
