@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import argparse
 import logging.config
+import os
 import signal
+import socket
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def _flag(name: str) -> str:
@@ -93,17 +98,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def serve(settings: Settings) -> int:
-    """Run uvicorn until SIGINT/SIGTERM, which let in-flight requests finish first."""
+def uvicorn_config(
+    settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
+) -> uvicorn.Config:
+    """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
     import uvicorn
 
-    from service.app import create_app
-    from service.observability import logging_config
-
-    log_config = logging_config(settings.log_level)
-    logging.config.dictConfig(log_config)
-    app = create_app(settings)
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -118,8 +119,16 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         limit_concurrency=settings.limit_concurrency,
         h11_max_incomplete_event_size=settings.max_header_bytes,
+        **extra,
     )
-    server = uvicorn.Server(config)
+
+
+def run_server(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> int:
+    """Run a uvicorn server until SIGINT/SIGTERM, which let in-flight requests finish first.
+
+    Returns:
+        0 after a drain that SIGTERM started, 130 after SIGINT, 1 if it never started.
+    """
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
     # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
     # Then it restores the handlers it found and raises the signal again, which by default
@@ -135,7 +144,7 @@ def serve(settings: Settings) -> int:
 
     previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -143,6 +152,34 @@ def serve(settings: Settings) -> int:
         return 1
     # Ctrl-C keeps the shell's convention; SIGTERM (a supervisor's stop) is a clean exit.
     return 128 + signal.SIGINT if signal.SIGINT in received else 0
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM: in this process, or as ``settings.workers``
+    worker processes under a supervisor (:mod:`service.workers`)."""
+    import uvicorn
+
+    from service.observability import logging_config
+
+    log_config = logging_config(settings.log_level)
+    logging.config.dictConfig(log_config)
+    if settings.workers != 1:
+        from service import workers
+
+        gpus = workers.gpu_count()
+        plan = workers.plan_workers(
+            settings.workers,
+            cores=workers.available_cores(),
+            gpus=gpus,
+            omp_threads=os.environ.get("OMP_NUM_THREADS"),
+        )
+        if plan.workers > 1:
+            return workers.supervise(settings, log_config, plan, gpus)
+        logging.getLogger("bitserve.workers").info("%s: serving in this process", plan.reason)
+    from service.app import create_app
+
+    app = create_app(settings)
+    return run_server(uvicorn.Server(uvicorn_config(settings, app, log_config)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,6 +54,8 @@ class ModelRepository:
         metrics: optional metrics sink.
         default_device: the device for configs that say ``device = "auto"``.
         warmup: run a full-size batch through each model at load.
+        initial_models: the models :meth:`start` loads; None: every model of the repository
+            (``--workers``: the set the workers agreed on, see ``service.cluster``).
     """
 
     def __init__(
@@ -63,11 +65,13 @@ class ModelRepository:
         metrics: Metrics | None = None,
         default_device: str = "auto",
         warmup: bool = True,
+        initial_models: list[str] | None = None,
     ) -> None:
         self.root = root
         self.metrics = metrics
         self.default_device = default_device
         self.warmup = warmup
+        self._initial_models = initial_models
         self._models: dict[str, dict[str, _Entry]] = {}
         self._unloaded: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -84,7 +88,10 @@ class ModelRepository:
         A model that fails to load is recorded as UNAVAILABLE with the reason; the server is
         then not ready (see :attr:`ready`), as in Triton's strict readiness.
         """
-        names = ["demo"] if self.root is None else self._disk_names()
+        if self._initial_models is not None:
+            names = self._initial_models
+        else:
+            names = ["demo"] if self.root is None else self._disk_names()
         for name in names:
             try:
                 await self.load(name)

@@ -1,0 +1,461 @@
+"""``bitserve serve --workers N``: N server processes on one port, and their supervisor.
+
+The supervisor (this process) binds the port once and starts N workers with
+``multiprocessing``'s ``spawn`` (fresh interpreters: no CUDA state or threads inherited from a
+fork), passing each the listening socket; every worker runs its own uvicorn server, event
+loop and device pipelines on it, and the kernel hands each new connection to one of the
+workers waiting in ``accept``. Holding the socket in the supervisor means a restarted worker
+takes up the same socket: connections queued while a worker restarts wait in the backlog
+for the others instead of being reset (as SO_REUSEPORT's per-process queues would be).
+
+The supervisor then only watches: a worker that dies is restarted with the same index (and
+logged); SIGTERM/SIGINT is passed on as SIGTERM, each worker drains its in-flight requests as
+a single server does, and the supervisor exits 0 (130 after SIGINT, as a single server does).
+What the workers share lives in a private run directory: see :mod:`service.cluster`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.context import SpawnProcess
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+
+from service.cluster import Cluster, ControlState, ready_path
+from service.settings import Settings
+
+__all__ = [
+    "WorkerPlan",
+    "available_cores",
+    "gpu_count",
+    "plan_workers",
+    "supervise",
+    "worker_device",
+]
+
+log = logging.getLogger("bitserve.workers")
+
+CPU_WORKERS_CAP = 8
+"""``auto`` on a host without a GPU: one worker per core, at most this many (each worker holds
+its own copy of every model; past a few, more processes add memory, not throughput)."""
+WORKERS_PER_GPU = 2
+"""``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
+overlaps another's kernels (with CUDA MPS their kernels can also run side by side)."""
+_STARTUP_FAILED = 1  # a worker's exit status when its server never started (as cli.serve's)
+_RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubled while a worker keeps crashing
+_STABLE_S = 30.0  # a worker that ran this long crashed afresh: restart it at once
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many workers, with how many torch threads each, and why.
+
+    Attributes:
+        workers: the number of worker processes.
+        torch_threads: intra-op threads per worker (``torch.set_num_threads``); None leaves
+            torch's default (``OMP_NUM_THREADS`` was set).
+        interop_threads: inter-op threads per worker (``torch.set_num_interop_threads``).
+        reason: one line for the start-up log.
+    """
+
+    workers: int
+    torch_threads: int | None
+    interop_threads: int
+    reason: str
+
+
+def plan_workers(
+    requested: int | Literal["auto"], *, cores: int, gpus: int, omp_threads: str | None = None
+) -> WorkerPlan:
+    """The worker count for ``--workers`` and the torch threads of each worker.
+
+    ``auto`` is ``min(cores, 8)`` on a host without a GPU, and ``2 x GPUs`` on a GPU host,
+    bounded by the cores but never fewer than one worker per GPU. Each worker gets
+    ``cores // workers`` intra-op threads (at least 1), so workers x threads stays within the
+    cores, and one inter-op thread (a worker runs one batch at a time per device).
+
+    Args:
+        requested: the ``workers`` setting.
+        cores: the cores this process may use (:func:`available_cores`).
+        gpus: the CUDA devices it sees (:func:`gpu_count`).
+        omp_threads: ``OMP_NUM_THREADS`` if set: the user's choice of threads is kept.
+    """
+    if requested != "auto":
+        workers = requested
+        why = "as set"
+    elif gpus:
+        workers = max(gpus, min(WORKERS_PER_GPU * gpus, cores))
+        why = f"auto: {WORKERS_PER_GPU} per GPU for {gpus} GPU(s), at most one per core"
+        why += " but at least one per GPU" if workers > cores else ""
+    else:
+        workers = min(cores, CPU_WORKERS_CAP)
+        why = f"auto: one per core, at most {CPU_WORKERS_CAP}, no GPU"
+    threads: int | None = max(1, cores // workers)
+    if omp_threads:
+        threads = None
+        per = f"OMP_NUM_THREADS={omp_threads} torch threads"
+    else:
+        per = f"{threads} torch thread(s)"
+    reason = f"{workers} worker(s) ({why}; {cores} core(s), {gpus} GPU(s)), {per} each"
+    return WorkerPlan(workers, threads, 1, reason)
+
+
+def worker_device(device: str, index: int, gpus: int) -> str:
+    """Worker ``index``'s default device for models whose config says ``auto``.
+
+    ``auto`` and ``cuda`` spread the workers over the GPUs (``cuda:(index mod gpus)``);
+    ``auto`` without a GPU, ``cpu`` and ``cuda:N`` stay as they are.
+    """
+    if device in ("auto", "cuda") and gpus > 0:
+        return f"cuda:{index % gpus}"
+    return device
+
+
+def available_cores(
+    *, cgroup_root: Path = Path("/sys/fs/cgroup"), own_cgroup: Path = Path("/proc/self/cgroup")
+) -> int:
+    """The cores this process may use: its CPU affinity, bounded by a cgroup CPU quota
+    (``docker run --cpus``, a Kubernetes CPU limit), which the affinity does not show."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota(cgroup_root, own_cgroup)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def _cgroup_cpu_quota(root: Path, own_cgroup: Path) -> int | None:
+    """The smallest CPU quota in whole cores (rounded up) on the way from this process's
+    cgroup up to the root (cgroup v2 ``cpu.max``), or cgroup v1's CFS quota; None: no quota."""
+    limits: list[int] = []
+    with contextlib.suppress(OSError):
+        line = next((x for x in own_cgroup.read_text().splitlines() if x.startswith("0::")), None)
+        if line is not None:
+            folder = root / line[3:].strip().lstrip("/")
+            for d in (folder, *folder.parents):
+                with contextlib.suppress(OSError, ValueError):
+                    quota, period = (d / "cpu.max").read_text().split()
+                    if quota != "max":
+                        limits.append(math.ceil(int(quota) / int(period)))
+                if d == root:
+                    break
+    with contextlib.suppress(OSError, ValueError):
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        if quota_us > 0:
+            limits.append(math.ceil(quota_us / period_us))
+    return min(limits) if limits else None
+
+
+def gpu_count() -> int:
+    """The CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process is started with (pickled to it by ``spawn``)."""
+
+    settings: Settings
+    index: int
+    workers: int
+    device: str
+    torch_threads: int | None
+    interop_threads: int
+    run_dir: str
+    secret: str
+    log_config: dict[str, Any]
+
+
+def supervise(settings: Settings, log_config: dict[str, Any], plan: WorkerPlan, gpus: int) -> int:
+    """Run ``plan.workers`` workers on ``settings.host:port`` until SIGTERM/SIGINT.
+
+    Returns:
+        the exit status: 0 after SIGTERM, 130 after SIGINT, 1 if the port cannot be bound or
+        a worker fails to start before the server was ever ready.
+    """
+    return _Supervisor(settings, log_config, plan, gpus).run()
+
+
+class _Supervisor:
+    def __init__(
+        self, settings: Settings, log_config: dict[str, Any], plan: WorkerPlan, gpus: int
+    ) -> None:
+        self.settings = settings
+        self.log_config = log_config
+        self.plan = plan
+        self.gpus = gpus
+        self.secret = secrets.token_urlsafe(32)
+        self.run_dir = Path()
+        self.procs: list[SpawnProcess | None] = [None] * plan.workers
+        self.started_at = [0.0] * plan.workers
+        self.backoff = [0.0] * plan.workers
+        self.due: dict[int, float] = {}  # index -> when to restart it
+        self.ever_ready = False
+        self.signals: list[int] = []
+
+    def run(self) -> int:
+        _remove_stale_run_dirs()
+        self.run_dir = Path(tempfile.mkdtemp(prefix="bitserve-"))  # mode 0700
+        (self.run_dir / "supervisor.pid").write_text(str(os.getpid()))
+        (self.run_dir / "ready").mkdir()
+        metrics_dir = self.run_dir / "metrics"
+        metrics_dir.mkdir()
+        # Read by prometheus_client when a worker imports it: every worker writes there.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        wake_r, wake_w = socket.socketpair()
+        try:
+            ControlState.create(self.run_dir, _boot_models(self.settings))
+            try:
+                self.sock = _listen(self.settings.host, self.settings.port)
+            except OSError as e:
+                log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port,
+                          "address already in use" if e.errno == 98 else e)  # fmt: skip
+                return 1
+            host, port = self.sock.getsockname()[:2]
+            log.info("bitserve listening on http://%s:%d: %s", host, port, self.plan.reason)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda s, f: self.signals.append(s))
+            wake_w.setblocking(False)
+            signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+            try:
+                for i in range(self.plan.workers):
+                    self._start(i)
+                failed = self._watch(wake_r)
+            except BaseException:
+                self._stop(1)  # never leave workers behind (multiprocessing would wait)
+                raise
+            return self._stop(failed)
+        finally:
+            signal.set_wakeup_fd(-1)
+            wake_r.close()
+            wake_w.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _start(self, index: int) -> None:
+        spec = WorkerSpec(
+            settings=self.settings,
+            index=index,
+            workers=self.plan.workers,
+            device=worker_device(self.settings.device, index, self.gpus),
+            torch_threads=self.plan.torch_threads,
+            interop_threads=self.plan.interop_threads,
+            run_dir=str(self.run_dir),
+            secret=self.secret,
+            log_config=self.log_config,
+        )
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_worker_main, args=(spec, self.sock), name=f"bitserve-w{index}")
+        proc.start()
+        self.procs[index] = proc
+        self.started_at[index] = time.monotonic()
+        log.info("worker %d started: pid %s, device %s", index, proc.pid, spec.device)
+
+    def _watch(self, wake: socket.socket) -> int | None:
+        """Restart workers that die until a signal; the exit status if start-up failed."""
+        wake.setblocking(False)
+        while not self.signals:
+            now = time.monotonic()
+            timeout = min([t - now for t in self.due.values()] + [0.5])
+            waitables: list[Any] = [p.sentinel for p in self.procs if p is not None]
+            multiprocessing.connection.wait([*waitables, wake], timeout=max(0.0, timeout))
+            with contextlib.suppress(BlockingIOError):
+                wake.recv(4096)
+            if self.signals:
+                break
+            for i, p in enumerate(self.procs):
+                if p is not None and p.exitcode is not None and self._died(i, p):
+                    return 1
+            now = time.monotonic()
+            for i, t in list(self.due.items()):
+                if t <= now:
+                    del self.due[i]
+                    self._start(i)
+            if not self.ever_ready and all(
+                (self.run_dir / "ready" / f"w{i}").exists() for i in range(self.plan.workers)
+            ):
+                self.ever_ready = True
+                log.info("all %d workers are ready", self.plan.workers)
+        return None
+
+    def _died(self, index: int, proc: SpawnProcess) -> bool:
+        """Clean up after a dead worker and schedule its restart; True: give up instead."""
+        from prometheus_client.multiprocess import mark_process_dead
+
+        code, pid = proc.exitcode, proc.pid
+        assert code is not None
+        assert pid is not None
+        proc.close()
+        self.procs[index] = None
+        ready_path(self.run_dir, index).unlink(missing_ok=True)
+        mark_process_dead(pid, os.environ["PROMETHEUS_MULTIPROC_DIR"])  # type: ignore[no-untyped-call]
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        if code == _STARTUP_FAILED and not self.ever_ready:
+            log.error("worker %d (pid %d) %s before the server was ready: stopping",
+                      index, pid, how)  # fmt: skip
+            return True
+        lived = time.monotonic() - self.started_at[index]
+        first, cap = _RESTART_BACKOFF_S
+        if lived >= _STABLE_S:
+            self.backoff[index] = 0.0
+        else:
+            self.backoff[index] = min(cap, max(first, 2 * self.backoff[index]))
+        self.due[index] = time.monotonic() + self.backoff[index]
+        log.error("worker %d (pid %d) %s; restarting it in %.1f s",
+                  index, pid, how, self.backoff[index])  # fmt: skip
+        return False
+
+    def _stop(self, failed: int | None) -> int:
+        """SIGTERM every worker, wait for them to drain, and return the exit status."""
+        self.sock.close()  # the workers' copies keep serving until each one stops listening
+        sig = self.signals[0] if self.signals else None
+        if sig is not None:
+            log.info("received %s: draining %d workers", signal.Signals(sig).name,
+                     sum(p is not None for p in self.procs))  # fmt: skip
+        alive = [p for p in self.procs if p is not None]
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.monotonic() + self.settings.graceful_shutdown_s + 10.0
+        killed = 0
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                log.error("worker pid %d did not finish draining in time: killing it", p.pid)
+                p.kill()
+                p.join()
+                killed += 1
+        log.info("all workers stopped")
+        if failed is not None:
+            return failed
+        if killed:
+            return 1
+        return 128 + signal.SIGINT if sig == signal.SIGINT else 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's default backlog
+    sock.set_inheritable(True)
+    return sock
+
+
+def _boot_models(settings: Settings) -> list[str]:
+    """The models every worker loads at start (what a single server would load)."""
+    from service.config import model_names, valid_model_name
+
+    root = settings.model_repository
+    if root is None:
+        return ["demo"]
+    return [n for n in model_names(root) if valid_model_name(n)]
+
+
+def _remove_stale_run_dirs() -> None:
+    """Remove the run directories of supervisors that were killed (SIGKILL leaves them)."""
+    for d in Path(tempfile.gettempdir()).glob("bitserve-*"):
+        with contextlib.suppress(OSError, ValueError):
+            if d.stat().st_uid != os.getuid() or not d.is_dir():
+                continue
+            pid = int((d / "supervisor.pid").read_text())
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
+    """A worker process: its own torch threads, models, uvicorn server and private socket."""
+    # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
+    # drains. (uvicorn takes SIGINT over again once it serves.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import logging.config
+
+    import torch
+
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
+    torch.set_num_interop_threads(spec.interop_threads)
+    log_config = _tagged(spec.log_config, f"w{spec.index}")
+    logging.config.dictConfig(log_config)
+    raise SystemExit(_serve_worker(spec, sock, log_config))
+
+
+def _serve_worker(spec: WorkerSpec, sock: socket.socket, log_config: dict[str, Any]) -> int:
+    from service.app import create_app
+    from service.cli import run_server, uvicorn_config
+    from service.cluster import WORKER_HEADER
+    from service.metrics import Metrics
+    from service.repository import ModelRepository
+
+    settings = spec.settings
+    run_dir = Path(spec.run_dir)
+    token = settings.auth_token.get_secret_value() if settings.auth_token else None
+    repository: ModelRepository | None = None
+    cluster = Cluster(
+        run_dir,
+        spec.index,
+        spec.workers,
+        spec.secret,
+        repository_ready=lambda: repository is not None and repository.ready,
+        auth_token=token,
+        max_body_bytes=settings.max_body_bytes,
+    )
+    metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    repository = ModelRepository(
+        settings.model_repository,
+        metrics=metrics,
+        default_device=spec.device,
+        warmup=settings.warmup,
+        initial_models=cluster.initial_models(),
+    )
+    app = create_app(settings, repository, metrics=metrics)
+    cluster.install(app)
+    config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
+    server = _WorkerServer(config, cluster)
+    return run_server(server, [sock, cluster.private_socket()])
+
+
+def _tagged(log_config: dict[str, Any], tag: str) -> dict[str, Any]:
+    """``log_config`` with ``tag`` (the worker) after the logger name on every line."""
+    formatters = {
+        name: {**f, "format": f["format"].replace("%(name)s", f"%(name)s {tag}")}
+        for name, f in log_config.get("formatters", {}).items()
+    }
+    return {**log_config, "formatters": formatters}
+
+
+class _WorkerServer(uvicorn.Server):
+    """uvicorn's server, plus the cluster's catch-up once it listens (see service.cluster)."""
+
+    def __init__(self, config: uvicorn.Config, cluster: Cluster) -> None:
+        super().__init__(config)
+        self.cluster = cluster
+        self._cluster_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._cluster_task = asyncio.create_task(self.cluster.run())
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.cluster.leave()
+        if self._cluster_task is not None:
+            self._cluster_task.cancel()
+        await super().shutdown(sockets)
