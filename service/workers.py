@@ -227,7 +227,8 @@ class _Supervisor:
                           "address already in use" if e.errno == 98 else e)  # fmt: skip
                 return 1
             host, port = self.sock.getsockname()[:2]
-            log.info("bitserve listening on http://%s:%d: %s", host, port, self.plan.reason)
+            log.info("bitserve listening on http://%s:%d: %s; run directory %s",
+                     host, port, self.plan.reason, self.run_dir)  # fmt: skip
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda s, f: self.signals.append(s))
             wake_w.setblocking(False)
