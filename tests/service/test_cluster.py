@@ -58,16 +58,30 @@ class Worker:
             auth_token=token,
             max_body_bytes=1024,
         )
+        # As a worker process starts: the models to load from disk, then the app.
+        self.initial = self.cluster.initial_models()
         settings = Settings(access_log=False, auth_token=token)
         self.app = create_app(settings, self.repo)
         self.cluster.install(self.app)
 
     @contextlib.asynccontextmanager
     async def client(self) -> AsyncIterator[httpx.AsyncClient]:
-        async with self.app.router.lifespan_context(self.app):
+        """A client of the app, inside its lifespan run through the whole ASGI stack (as
+        uvicorn runs it: the cluster middleware takes part)."""
+        incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        outgoing: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        task = asyncio.create_task(self.app(scope, incoming.get, outgoing.put))
+        await incoming.put({"type": "lifespan.startup"})
+        assert (await outgoing.get())["type"] == "lifespan.startup.complete"
+        try:
             transport = httpx.ASGITransport(app=self.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
                 yield c
+        finally:
+            await incoming.put({"type": "lifespan.shutdown"})
+            assert (await outgoing.get())["type"] == "lifespan.shutdown.complete"
+            await task
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -137,7 +151,7 @@ def test_initial_models_are_the_plain_loads(run_dir: Path) -> None:
     state.record("busy", "load", b'{"parameters": {"config": "{}"}}', {})
     w = Worker(run_dir, 1)
     # 'busy' carried a body: it is replayed through the app, not loaded from disk.
-    assert w.cluster.initial_models() == ["echo"]
+    assert w.initial == ["echo"]
 
 
 async def test_loads_with_a_body_are_replayed_before_the_worker_takes_traffic(
@@ -145,7 +159,7 @@ async def test_loads_with_a_body_are_replayed_before_the_worker_takes_traffic(
 ) -> None:
     ControlState(run_dir).record("busy", "load", b'{"parameters": {"config": "{}"}}', {})
     w = Worker(run_dir, 1)
-    assert w.cluster.initial_models() == ["boom", "echo"]
+    assert w.initial == ["boom", "echo"]
     assert w.repo.loaded == []
     async with w.client():  # the lifespan's startup is complete only after the replay
         assert w.repo.loaded == ["busy"]
@@ -153,7 +167,6 @@ async def test_loads_with_a_body_are_replayed_before_the_worker_takes_traffic(
 
 async def test_catch_up_replays_what_this_worker_missed_in_order(run_dir: Path) -> None:
     w = Worker(run_dir, 1, token="tok")
-    w.cluster.initial_models()
     state = ControlState(run_dir)
     state.record("busy", "load", b'{"parameters": {"config": "{}"}}', {})
     state.record("echo", "unload", b"", {})
@@ -211,7 +224,6 @@ async def test_readiness_needs_every_worker(run_dir: Path) -> None:
 
 async def test_changes_reach_a_peer_over_its_unix_socket(run_dir: Path) -> None:
     a, b = Worker(run_dir, 0), Worker(run_dir, 1)
-    b.cluster.initial_models()
     async with a.client() as c, b.client(), b.serving():
         r = await c.post("/v2/repository/models/echo/unload", headers={"X-Request-ID": "r-1"})
         assert (r.status_code, r.json()) == (200, {})
