@@ -167,12 +167,17 @@ def serve(settings: Settings) -> int:
         from service import workers
 
         gpus = workers.gpu_count()
-        plan = workers.plan_workers(
-            settings.workers,
-            cores=workers.available_cores(),
-            gpus=gpus,
-            omp_threads=os.environ.get("OMP_NUM_THREADS"),
-        )
+        try:
+            plan = workers.plan_workers(
+                settings.workers,
+                cores=workers.available_cores(),
+                gpus=gpus,
+                omp_threads=os.environ.get("OMP_NUM_THREADS"),
+                linux=sys.platform == "linux",
+            )
+        except ValueError as e:
+            print(f"bitserve serve: workers: {e}", file=sys.stderr)
+            return 2
         if plan.workers > 1:
             return workers.supervise(settings, log_config, plan, gpus)
         logging.getLogger("bitserve.workers").info("%s: serving in this process", plan.reason)

@@ -1,12 +1,19 @@
 """``bitserve serve --workers N``: N server processes on one port, and their supervisor.
 
-The supervisor (this process) binds the port once and starts N workers with
-``multiprocessing``'s ``spawn`` (fresh interpreters: no CUDA state or threads inherited from a
-fork), passing each the listening socket; every worker runs its own uvicorn server, event
-loop and device pipelines on it, and the kernel hands each new connection to one of the
-workers waiting in ``accept``. Holding the socket in the supervisor means a restarted worker
-takes up the same socket: connections queued while a worker restarts wait in the backlog
-for the others instead of being reset (as SO_REUSEPORT's per-process queues would be).
+The supervisor (this process) starts N workers with ``multiprocessing``'s ``spawn`` (fresh
+interpreters: no CUDA state or threads inherited from a fork). Every worker runs its own
+uvicorn server, event loop and device pipelines, listening on the same port with
+``SO_REUSEPORT``: the kernel hashes each new connection to one of the listening workers. The
+supervisor binds the port first (without listening, so it takes no connections) and holds it
+for the life of the server, so ``--port 0`` works and a restarted worker gets the same port.
+
+Why not one listening socket that every worker accepts on (uvicorn's own ``--workers``)?
+Measured with ``python -m benchmarks.workers_spread`` (2 workers, a client opening 8
+keep-alive connections at once): on a shared socket the first worker to wake often accepts
+all 8 (17 trials in 30; the other worker then idles for as long as the connections live),
+with ``SO_REUSEPORT`` never (4/4 or 5/3 in 25 of 30). The price: connections a crashed
+worker had not yet accepted are reset, where a shared socket would hand them to another.
+``SO_REUSEPORT`` balances only on Linux; elsewhere ``auto`` means one process.
 
 The supervisor then only watches: a worker that dies is restarted with the same index (and
 logged); SIGTERM/SIGINT is passed on as SIGTERM, each worker drains its in-flight requests as
@@ -80,7 +87,12 @@ class WorkerPlan:
 
 
 def plan_workers(
-    requested: int | Literal["auto"], *, cores: int, gpus: int, omp_threads: str | None = None
+    requested: int | Literal["auto"],
+    *,
+    cores: int,
+    gpus: int,
+    omp_threads: str | None = None,
+    linux: bool = True,
 ) -> WorkerPlan:
     """The worker count for ``--workers`` and the torch threads of each worker.
 
@@ -94,8 +106,17 @@ def plan_workers(
         cores: the cores this process may use (:func:`available_cores`).
         gpus: the CUDA devices it sees (:func:`gpu_count`).
         omp_threads: ``OMP_NUM_THREADS`` if set: the user's choice of threads is kept.
+        linux: whether ``SO_REUSEPORT`` balances connections (Linux); elsewhere ``auto`` is 1.
+
+    Raises:
+        ValueError: more than one worker asked for where the port cannot be shared.
     """
-    if requested != "auto":
+    if requested != "auto" and requested > 1 and not linux:
+        raise ValueError("more than one worker needs Linux (SO_REUSEPORT); use --workers 1")
+    if not linux:
+        workers = 1
+        why = "auto: one, workers share a port only on Linux"
+    elif requested != "auto":
         workers = requested
         why = "as set"
     elif gpus:
@@ -171,6 +192,7 @@ class WorkerSpec:
     """Everything a worker process is started with (pickled to it by ``spawn``)."""
 
     settings: Settings
+    port: int
     index: int
     workers: int
     device: str
@@ -221,12 +243,13 @@ class _Supervisor:
         try:
             ControlState.create(self.run_dir, _boot_models(self.settings))
             try:
-                self.sock = _listen(self.settings.host, self.settings.port)
+                self.sock = _hold_port(self.settings.host, self.settings.port)
             except OSError as e:
                 log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port,
                           "address already in use" if e.errno == 98 else e)  # fmt: skip
                 return 1
-            host, port = self.sock.getsockname()[:2]
+            host, self.port = self.sock.getsockname()[:2]
+            port = self.port
             log.info("bitserve listening on http://%s:%d: %s; run directory %s",
                      host, port, self.plan.reason, self.run_dir)  # fmt: skip
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -250,6 +273,7 @@ class _Supervisor:
     def _start(self, index: int) -> None:
         spec = WorkerSpec(
             settings=self.settings,
+            port=self.port,
             index=index,
             workers=self.plan.workers,
             device=worker_device(self.settings.device, index, self.gpus),
@@ -260,7 +284,7 @@ class _Supervisor:
             log_config=self.log_config,
         )
         ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=_worker_main, args=(spec, self.sock), name=f"bitserve-w{index}")
+        proc = ctx.Process(target=_worker_main, args=(spec,), name=f"bitserve-w{index}")
         proc.start()
         self.procs[index] = proc
         self.started_at[index] = time.monotonic()
@@ -322,7 +346,6 @@ class _Supervisor:
 
     def _stop(self, failed: int | None) -> int:
         """SIGTERM every worker, wait for them to drain, and return the exit status."""
-        self.sock.close()  # the workers' copies keep serving until each one stops listening
         sig = self.signals[0] if self.signals else None
         if sig is not None:
             log.info("received %s: draining %d workers", signal.Signals(sig).name,
@@ -340,6 +363,7 @@ class _Supervisor:
                 p.kill()
                 p.join()
                 killed += 1
+        self.sock.close()
         log.info("all workers stopped")
         if failed is not None:
             return failed
@@ -348,13 +372,29 @@ class _Supervisor:
         return 128 + signal.SIGINT if sig == signal.SIGINT else 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _hold_port(host: str, port: int) -> socket.socket:
+    """The supervisor's :func:`_bind_port`, after checking that nothing listens on the port:
+    a server of this user's with ``SO_REUSEPORT`` would otherwise silently share it. (Only
+    ``SO_REUSEADDR`` on the probe, so connections of an earlier server in TIME_WAIT do not
+    count; a second supervisor that has bound the port but whose workers do not listen yet
+    is not seen.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    return _bind_port(host, port)
+
+
+def _bind_port(host: str, port: int) -> socket.socket:
+    """A socket on ``host:port`` with ``SO_REUSEPORT``, bound and not listening: the
+    supervisor's hold on the port (and its number when ``port`` is 0); each worker's is the
+    same but listening, which puts it in the kernel's group that connections are spread over."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)  # uvicorn's default backlog
-    sock.set_inheritable(True)
     return sock
 
 
@@ -381,7 +421,7 @@ def _remove_stale_run_dirs() -> None:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
+def _worker_main(spec: WorkerSpec) -> None:
     """A worker process: its own torch threads, models, uvicorn server and private socket."""
     # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
     # drains. (uvicorn takes SIGINT over again once it serves.)
@@ -395,10 +435,10 @@ def _worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     torch.set_num_interop_threads(spec.interop_threads)
     log_config = _tagged(spec.log_config, f"w{spec.index}")
     logging.config.dictConfig(log_config)
-    raise SystemExit(_serve_worker(spec, sock, log_config))
+    raise SystemExit(_serve_worker(spec, log_config))
 
 
-def _serve_worker(spec: WorkerSpec, sock: socket.socket, log_config: dict[str, Any]) -> int:
+def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     from service.app import create_app
     from service.cli import run_server, uvicorn_config
     from service.cluster import WORKER_HEADER
@@ -430,7 +470,10 @@ def _serve_worker(spec: WorkerSpec, sock: socket.socket, log_config: dict[str, A
     cluster.install(app)
     config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
     server = _WorkerServer(config, cluster)
-    return run_server(server, [sock, cluster.private_socket()])
+    # uvicorn listens on both once the models are loaded: until then the kernel sends this
+    # worker no connections, and its peers no repository changes.
+    sockets = [_bind_port(settings.host, spec.port), cluster.private_socket()]
+    return run_server(server, sockets)
 
 
 def _tagged(log_config: dict[str, Any], tag: str) -> dict[str, Any]:

@@ -132,3 +132,14 @@ def test_available_cores_honours_a_cgroup_quota(tmp_path: Path) -> None:
         {"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"},
     )
     assert available_cores(**v1) == 1
+
+
+def test_workers_share_a_port_only_on_linux() -> None:
+    # SO_REUSEPORT balances connections only on Linux: elsewhere auto is one process...
+    plan = plan_workers("auto", cores=8, gpus=0, linux=False)
+    assert plan.workers == 1
+    assert "only on Linux" in plan.reason
+    assert plan_workers(1, cores=8, gpus=0, linux=False).workers == 1
+    # ...and asking for more is an error at start.
+    with pytest.raises(ValueError, match="more than one worker needs Linux"):
+        plan_workers(2, cores=8, gpus=0, linux=False)
