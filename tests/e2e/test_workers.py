@@ -171,9 +171,16 @@ def test_load_and_unload_reach_every_worker(server: BitserveServer, repo: Path) 
 def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer) -> None:
     r = control(server.url, "other", "unload")
     assert r.status_code == 200, r.text
+
+    def memory() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return metric(text, "bitserve_device_memory_bytes", model="tri", device="cpu")
+
+    both = memory()  # two workers' copies of 'tri'
     victim = worker_pids(server)[1]
     os.kill(victim, signal.SIGKILL)
-    # Worker 0 answers every readiness probe now, and says who is missing.
+    # Worker 0 answers every probe now: readiness says who is missing, and the device memory
+    # gauge (summed over the live workers) has lost the dead worker's share.
     deadline = time.monotonic() + 30
     while True:
         r = httpx.get(server.url + "/v2/health/ready", timeout=10)
@@ -182,7 +189,11 @@ def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer)
             break
         assert time.monotonic() < deadline, "readiness never noticed the dead worker"
         time.sleep(0.05)
+    while memory() != both / 2:
+        assert time.monotonic() < deadline, (memory(), both)
+        time.sleep(0.05)
     server.wait_ready()
+    assert memory() == both
     assert f"worker 1 (pid {victim}) was killed by signal 9; restarting it" in server.log()
     assert worker_pids(server)[1] != victim
     # The new worker 1 serves what its peer serves: 'other' stays unloaded.
