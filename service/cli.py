@@ -166,7 +166,7 @@ def serve(settings: Settings) -> int:
     if settings.workers != 1:
         from service import workers
 
-        gpus = workers.gpu_count()
+        gpus = workers.gpu_count(settings.device)
         try:
             plan = workers.plan_workers(
                 settings.workers,

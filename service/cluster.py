@@ -267,8 +267,10 @@ class Cluster:
                 return
             ready = self._repository_ready()
             if ready != shown:
-                if ready:
-                    path.write_text(str(os.getpid()))
+                if ready:  # atomically: a reader never sees a half-written pid
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(str(os.getpid()))
+                    os.replace(tmp, path)
                 else:
                     path.unlink(missing_ok=True)
                 shown = ready
@@ -404,7 +406,11 @@ class ClusterMiddleware:
                     )
                     await _send(send, _Answer(503, [], dumps({"error": message})))
                     return
-            elif scope["method"] == "POST" and (m := _CONTROL_PATH.match(path)):
+            elif (
+                path.startswith("/v2/repository/models/")  # cheap test first: infer is hot
+                and scope["method"] == "POST"
+                and (m := _CONTROL_PATH.match(path))
+            ):
                 await self._control(scope, receive, send, m.group(1), m.group(2))
                 return
         elif scope["type"] == "lifespan":
@@ -432,7 +438,10 @@ class ClusterMiddleware:
                 self.cluster.applied(name, seq)
             await _send(send, answer)
             return
-        body = await _read_all(receive, self.cluster.max_body_bytes)
+        try:
+            body = await _read_all(receive, self.cluster.max_body_bytes)
+        except ConnectionError:
+            return  # the client left mid-body: nothing is applied, nobody to answer
         if body is None:
             message = f"request body exceeds the limit of {self.cluster.max_body_bytes} bytes"
             await _send(send, _Answer(413, [], dumps({"error": message})))
@@ -481,13 +490,17 @@ class ClusterMiddleware:
 
 
 async def _read_all(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None past ``limit`` bytes."""
+    """The whole request body, or None past ``limit`` bytes.
+
+    Raises:
+        ConnectionError: the client disconnected before the end of the body.
+    """
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            raise ConnectionError("client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -34,6 +34,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -180,8 +181,14 @@ def _cgroup_cpu_quota(root: Path, own_cgroup: Path) -> int | None:
     return min(limits) if limits else None
 
 
-def gpu_count() -> int:
-    """The CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
+def gpu_count(device: str = "auto") -> int:
+    """The GPUs the workers are spread over for the server's ``device`` setting: none for
+    ``cpu`` (then torch is not even imported here), one for a named ``cuda:N``, else the CUDA
+    devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
+    if device == "cpu":
+        return 0
+    if ":" in device:
+        return 1
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -435,7 +442,13 @@ def _worker_main(spec: WorkerSpec) -> None:
     torch.set_num_interop_threads(spec.interop_threads)
     log_config = _tagged(spec.log_config, f"w{spec.index}")
     logging.config.dictConfig(log_config)
-    raise SystemExit(_serve_worker(spec, log_config))
+    code = _serve_worker(spec, log_config)
+    # Drained, models freed, sockets closed: what is left is the interpreter's teardown of
+    # torch, seconds (per worker, on shared cores) that would only delay the server's exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:

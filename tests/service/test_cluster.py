@@ -337,3 +337,39 @@ async def test_auth_is_checked_before_anything_is_forwarded(
         assert ok.status_code == 200
     assert len(peers.calls) == 1
     assert ControlState(run_dir).read()[0] == 1
+
+
+async def test_a_change_whose_client_left_mid_body_is_not_applied(
+    stubbed: tuple[Worker, StubPeers],
+) -> None:
+    w, peers = stubbed
+    messages = [
+        {"type": "http.request", "body": b'{"parame', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v2/repository/models/echo/load",
+        "raw_path": b"/v2/repository/models/echo/load",
+        "query_string": b"",
+        "headers": [(b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    async with w.client():
+        await w.app(scope, receive, send)
+    assert w.repo.loaded == []
+    assert peers.calls == []
+    assert ControlState(w.cluster.run_dir).read()[0] == 0

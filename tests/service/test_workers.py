@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from service.cli import main
 from service.settings import Settings
-from service.workers import available_cores, plan_workers, worker_device
+from service.workers import available_cores, gpu_count, plan_workers, worker_device
 
 
 @pytest.mark.parametrize(("value", "parsed"), [("auto", "auto"), ("1", 1), (" 3 ", 3), (16, 16)])
@@ -143,3 +143,12 @@ def test_workers_share_a_port_only_on_linux() -> None:
     # ...and asking for more is an error at start.
     with pytest.raises(ValueError, match="more than one worker needs Linux"):
         plan_workers(2, cores=8, gpus=0, linux=False)
+
+
+def test_gpus_counted_for_the_device_setting() -> None:
+    import torch
+
+    assert gpu_count("cpu") == 0  # models pinned to the CPU: size as a CPU host
+    assert gpu_count("cuda:3") == 1  # every worker on that one GPU
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert gpu_count("auto") == gpu_count("cuda") == seen
