@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import fcntl
 import hmac
 import json
 import logging
@@ -36,17 +35,18 @@ import os
 import re
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.control import ControlEntry, ControlState
 from service.protocol.response import dumps
 
-__all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware", "ControlState"]
+__all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]
 
 log = logging.getLogger("bitserve.cluster")
 
@@ -73,8 +73,6 @@ _HOP_HEADERS = frozenset(
         SEQ_HEADER.encode(),
     }
 )
-# Headers a recorded change keeps, so that a replay means what the original request meant.
-_REPLAYED_HEADERS = ("content-type", "content-encoding")
 # How long a peer may take to apply a forwarded change (a load builds and warms up models).
 _FORWARD_TIMEOUT_S = 600.0
 _HEARTBEAT_S = 0.25
@@ -88,81 +86,6 @@ def socket_path(run_dir: Path, index: int) -> Path:
 def ready_path(run_dir: Path, index: int) -> Path:
     """The file that exists while worker ``index`` is ready."""
     return run_dir / "ready" / f"w{index}"
-
-
-@dataclass(frozen=True)
-class ControlEntry:
-    """The last repository change of one model, as the server recorded it.
-
-    Attributes:
-        action: ``load`` or ``unload``.
-        seq: the server-wide sequence number of the change (0: the set loaded at start).
-        body: the request body, base64 (empty for a plain load or an unload).
-        headers: the request's ``Content-Type``/``Content-Encoding``, if it had them.
-    """
-
-    action: str
-    seq: int
-    body: str = ""
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-class ControlState:
-    """``control.json``: the model set, shared by the workers through the run directory.
-
-    Args:
-        run_dir: the run directory.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "control.json"
-        self._lock_path = run_dir / "control.lock"
-        self._local = asyncio.Lock()  # flock is per open file: one holder per process too
-
-    @classmethod
-    def create(cls, run_dir: Path, names: Iterable[str]) -> ControlState:
-        """Write the state a server starts with: every model in ``names`` loaded (seq 0)."""
-        state = cls(run_dir)
-        state._write(0, {name: ControlEntry("load", 0) for name in names})
-        state._lock_path.touch(mode=0o600)
-        return state
-
-    def read(self) -> tuple[int, dict[str, ControlEntry]]:
-        """The last sequence number and every model's last change."""
-        raw = json.loads(self.path.read_text())
-        entries = {name: ControlEntry(**e) for name, e in raw["models"].items()}
-        return int(raw["seq"]), entries
-
-    def _write(self, seq: int, entries: dict[str, ControlEntry]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        data = {"seq": seq, "models": {n: asdict(e) for n, e in entries.items()}}
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)  # readers see the old file or the new one, never half
-
-    def record(self, name: str, action: str, body: bytes, headers: dict[str, str]) -> int:
-        """Record a change (hold :meth:`locked`); return its sequence number."""
-        seq, entries = self.read()
-        seq += 1
-        kept = {k: v for k, v in headers.items() if k in _REPLAYED_HEADERS}
-        entries[name] = ControlEntry(action, seq, base64.b64encode(body).decode(), kept)
-        self._write(seq, entries)
-        return seq
-
-    @contextlib.asynccontextmanager
-    async def locked(self) -> AsyncIterator[None]:
-        """Hold the server-wide lock (polled, so a cancelled waiter leaves nothing behind)."""
-        async with self._local:
-            fd = os.open(self._lock_path, os.O_RDWR)
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        await asyncio.sleep(0.02)
-                yield
-            finally:
-                os.close(fd)  # releases the flock (it dies with the process too)
 
 
 @dataclass

@@ -23,8 +23,8 @@ What the workers share lives in a private run directory: see :mod:`service.clust
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import fcntl
 import logging
 import math
 import multiprocessing
@@ -34,7 +34,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,10 +41,10 @@ from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import Any, Literal
 
-import uvicorn
-
-from service.cluster import Cluster, ControlState, ready_path
+from service.cluster import ready_path
+from service.control import ControlState
 from service.settings import Settings
+from service.worker_process import WorkerSpec, bind_port, run_worker
 
 __all__ = [
     "WorkerPlan",
@@ -194,22 +193,6 @@ def gpu_count(device: str = "auto") -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process is started with (pickled to it by ``spawn``)."""
-
-    settings: Settings
-    port: int
-    index: int
-    workers: int
-    device: str
-    torch_threads: int | None
-    interop_threads: int
-    run_dir: str
-    secret: str
-    log_config: dict[str, Any]
-
-
 def supervise(settings: Settings, log_config: dict[str, Any], plan: WorkerPlan, gpus: int) -> int:
     """Run ``plan.workers`` workers on ``settings.host:port`` until SIGTERM/SIGINT.
 
@@ -240,13 +223,18 @@ class _Supervisor:
     def run(self) -> int:
         _remove_stale_run_dirs()
         self.run_dir = Path(tempfile.mkdtemp(prefix="bitserve-"))  # mode 0700
-        (self.run_dir / "supervisor.pid").write_text(str(os.getpid()))
+        # Held (flock) for the life of the server: how a later supervisor tells this
+        # directory from one a killed supervisor left behind, whatever its PID namespace.
+        self._pid_file = os.open(self.run_dir / "supervisor.pid", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._pid_file, fcntl.LOCK_EX)
+        os.write(self._pid_file, str(os.getpid()).encode())
         (self.run_dir / "ready").mkdir()
         metrics_dir = self.run_dir / "metrics"
         metrics_dir.mkdir()
         # Read by prometheus_client when a worker imports it: every worker writes there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         wake_r, wake_w = socket.socketpair()
+        previous: dict[int, Any] = {}
         try:
             ControlState.create(self.run_dir, _boot_models(self.settings))
             try:
@@ -259,8 +247,10 @@ class _Supervisor:
             port = self.port
             log.info("bitserve listening on http://%s:%d: %s; run directory %s",
                      host, port, self.plan.reason, self.run_dir)  # fmt: skip
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda s, f: self.signals.append(s))
+            previous = {
+                sig: signal.signal(sig, lambda s, f: self.signals.append(s))
+                for sig in (signal.SIGTERM, signal.SIGINT)
+            }
             wake_w.setblocking(False)
             signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
             try:
@@ -273,9 +263,12 @@ class _Supervisor:
             return self._stop(failed)
         finally:
             signal.set_wakeup_fd(-1)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             wake_r.close()
             wake_w.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            os.close(self._pid_file)
 
     def _start(self, index: int) -> None:
         spec = WorkerSpec(
@@ -291,7 +284,7 @@ class _Supervisor:
             log_config=self.log_config,
         )
         ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=_worker_main, args=(spec,), name=f"bitserve-w{index}")
+        proc = ctx.Process(target=run_worker, args=(spec,), name=f"bitserve-w{index}")
         proc.start()
         self.procs[index] = proc
         self.started_at[index] = time.monotonic()
@@ -380,8 +373,9 @@ class _Supervisor:
 
 
 def _hold_port(host: str, port: int) -> socket.socket:
-    """The supervisor's :func:`_bind_port`, after checking that nothing listens on the port:
-    a server of this user's with ``SO_REUSEPORT`` would otherwise silently share it. (Only
+    """The supervisor's :func:`~service.worker_process.bind_port`, after checking that
+    nothing listens on the port: a server of this user's with ``SO_REUSEPORT`` would
+    otherwise silently share it. (Only
     ``SO_REUSEADDR`` on the probe, so connections of an earlier server in TIME_WAIT do not
     count; a second supervisor that has bound the port but whose workers do not listen yet
     is not seen.)"""
@@ -390,19 +384,7 @@ def _hold_port(host: str, port: int) -> socket.socket:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
         port = probe.getsockname()[1]
-    return _bind_port(host, port)
-
-
-def _bind_port(host: str, port: int) -> socket.socket:
-    """A socket on ``host:port`` with ``SO_REUSEPORT``, bound and not listening: the
-    supervisor's hold on the port (and its number when ``port`` is 0); each worker's is the
-    same but listening, which puts it in the kernel's group that connections are spread over."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
+    return bind_port(host, port)
 
 
 def _boot_models(settings: Settings) -> list[str]:
@@ -416,103 +398,15 @@ def _boot_models(settings: Settings) -> list[str]:
 
 
 def _remove_stale_run_dirs() -> None:
-    """Remove the run directories of supervisors that were killed (SIGKILL leaves them)."""
+    """Remove the run directories that killed supervisors left (SIGKILL skips the clean-up):
+    those whose ``supervisor.pid`` no process holds locked."""
     for d in Path(tempfile.gettempdir()).glob("bitserve-*"):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError):
             if d.stat().st_uid != os.getuid() or not d.is_dir():
                 continue
-            pid = int((d / "supervisor.pid").read_text())
+            fd = os.open(d / "supervisor.pid", os.O_RDWR)
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def _worker_main(spec: WorkerSpec) -> None:
-    """A worker process: its own torch threads, models, uvicorn server and private socket."""
-    # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
-    # drains. (uvicorn takes SIGINT over again once it serves.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import logging.config
-
-    import torch
-
-    if spec.torch_threads is not None:
-        torch.set_num_threads(spec.torch_threads)
-    torch.set_num_interop_threads(spec.interop_threads)
-    log_config = _tagged(spec.log_config, f"w{spec.index}")
-    logging.config.dictConfig(log_config)
-    code = _serve_worker(spec, log_config)
-    # Drained, models freed, sockets closed: what is left is the interpreter's teardown of
-    # torch, seconds (per worker, on shared cores) that would only delay the server's exit.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
-    from service.app import create_app
-    from service.cli import run_server, uvicorn_config
-    from service.cluster import WORKER_HEADER
-    from service.metrics import Metrics
-    from service.repository import ModelRepository
-
-    settings = spec.settings
-    run_dir = Path(spec.run_dir)
-    token = settings.auth_token.get_secret_value() if settings.auth_token else None
-    repository: ModelRepository | None = None
-    cluster = Cluster(
-        run_dir,
-        spec.index,
-        spec.workers,
-        spec.secret,
-        repository_ready=lambda: repository is not None and repository.ready,
-        auth_token=token,
-        max_body_bytes=settings.max_body_bytes,
-    )
-    metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
-    repository = ModelRepository(
-        settings.model_repository,
-        metrics=metrics,
-        default_device=spec.device,
-        warmup=settings.warmup,
-        initial_models=cluster.initial_models(),
-    )
-    app = create_app(settings, repository, metrics=metrics)
-    cluster.install(app)
-    config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
-    server = _WorkerServer(config, cluster)
-    # uvicorn listens on both once the models are loaded: until then the kernel sends this
-    # worker no connections, and its peers no repository changes.
-    sockets = [_bind_port(settings.host, spec.port), cluster.private_socket()]
-    return run_server(server, sockets)
-
-
-def _tagged(log_config: dict[str, Any], tag: str) -> dict[str, Any]:
-    """``log_config`` with ``tag`` (the worker) after the logger name on every line."""
-    formatters = {
-        name: {**f, "format": f["format"].replace("%(name)s", f"%(name)s {tag}")}
-        for name, f in log_config.get("formatters", {}).items()
-    }
-    return {**log_config, "formatters": formatters}
-
-
-class _WorkerServer(uvicorn.Server):
-    """uvicorn's server, plus the cluster's catch-up once it listens (see service.cluster)."""
-
-    def __init__(self, config: uvicorn.Config, cluster: Cluster) -> None:
-        super().__init__(config)
-        self.cluster = cluster
-        self._cluster_task: asyncio.Task[None] | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self._cluster_task = asyncio.create_task(self.cluster.run())
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.cluster.leave()
-        if self._cluster_task is not None:
-            self._cluster_task.cancel()
-        await super().shutdown(sockets)
+            finally:
+                os.close(fd)

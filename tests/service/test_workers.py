@@ -152,3 +152,27 @@ def test_gpus_counted_for_the_device_setting() -> None:
     assert gpu_count("cuda:3") == 1  # every worker on that one GPU
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert gpu_count("auto") == gpu_count("cuda") == seen
+
+
+def test_only_run_directories_no_supervisor_holds_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+    import os
+    import tempfile
+
+    from service.workers import _remove_stale_run_dirs
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    live, dead, other = tmp_path / "bitserve-live", tmp_path / "bitserve-dead", tmp_path / "x"
+    for d in (live, dead, other, tmp_path / "bitserve-e2e-logs"):
+        d.mkdir()
+        (d / "supervisor.pid").write_text("1")
+    (tmp_path / "bitserve-e2e-logs" / "supervisor.pid").unlink()  # not a run directory
+    held = os.open(live / "supervisor.pid", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a running supervisor holds its own
+    try:
+        _remove_stale_run_dirs()
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bitserve-e2e-logs", "bitserve-live", "x"]
