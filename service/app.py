@@ -1,12 +1,18 @@
-"""The FastAPI application: routes, error mapping, auth, lifespan.
+"""The application: the fast infer path and FastAPI's control routes, error mapping, lifespan.
 
 ``create_app(settings)`` receives everything it needs and builds nothing at import time. The
 lifespan starts the model repository (loading every model) and, on shutdown, stops it after
 the HTTP server has let in-flight requests finish.
+
+Every HTTP request enters through :class:`service.gateway.Gateway` (request id, header
+limits, access log); inference goes from there straight to :class:`service.fastpath.InferRoute`,
+everything else to FastAPI's routes (``service.endpoints``). Both call the same
+:class:`service.dataplane.DataPlane`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,19 +23,23 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from service.auth import make_auth_check
-from service.endpoints import Endpoints, Repository, json_response
+from service.dataplane import DataPlane, Repository
+from service.endpoints import Endpoints
 from service.errors import ServiceError
+from service.fastpath import InferRoute
+from service.gateway import Gateway
 from service.metrics import Metrics
-from service.observability import RequestContextMiddleware
+from service.protocol.response import error_body
 from service.settings import Settings
 
-log = logging.getLogger("bitserve.app")
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    resp = json_response({"error": message}, status)
+    resp = Response(error_body(message), status_code=status, media_type="application/json")
     if headers:
         resp.headers.update(headers)
     return resp
@@ -62,12 +72,24 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     return _error(400, "invalid request: " + "; ".join(parts))
 
 
+class BitserveApp(FastAPI):
+    """FastAPI with :class:`Gateway` in front: every HTTP request passes the gateway once."""
+
+    gateway: Gateway | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.gateway is not None and scope["type"] == "http":
+            await self.gateway(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: Settings,
     repository: Repository | None = None,
     *,
     metrics: Metrics | None = None,
-) -> FastAPI:
+) -> BitserveApp:
     """Build the application.
 
     Args:
@@ -78,7 +100,8 @@ def create_app(
         metrics: the metrics registry shared with ``repository``; a new one by default.
 
     Returns:
-        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``.
+        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``
+        and ``dataplane``.
     """
     metrics = metrics if metrics is not None else Metrics()
     if repository is None:
@@ -89,6 +112,7 @@ def create_app(
             metrics=metrics,
             default_device=settings.device,
             warmup=settings.warmup,
+            max_operator_bytes=settings.max_operator_bytes,
         )
     repo = repository
 
@@ -103,7 +127,7 @@ def create_app(
             await repo.stop(timeout_s=settings.graceful_shutdown_s)
             log.info("repository stopped")
 
-    app = FastAPI(
+    app = BitserveApp(
         title="bitserve",
         docs_url=None,
         redoc_url=None,
@@ -111,18 +135,29 @@ def create_app(
         # endpoints, without a token: tools (schemathesis, client generators) read it first.
         openapi_url="/openapi.json",
         lifespan=lifespan,
+        # Paths are answered without redirects (the gateway drops a trailing slash).
+        redirect_slashes=False,
+    )
+    dataplane = DataPlane(
+        repo,
+        metrics,
+        max_body_bytes=settings.max_body_bytes,
+        max_json_bytes=settings.max_json_bytes,
+        response_compression=settings.response_compression,
+    )
+    token = settings.auth_token.get_secret_value() if settings.auth_token else None
+    infer = InferRoute(
+        dataplane,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        max_inflight_bytes=settings.max_inflight_bytes,
+        auth_token=token,
     )
     app.state.settings = settings
     app.state.repository = repo
     app.state.metrics = metrics
-    ep = Endpoints(
-        repo,
-        metrics,
-        settings.max_body_bytes,
-        settings.response_compression,
-        max_json_bytes=settings.max_json_bytes,
-        body_timeout_s=settings.body_timeout_s,
-    )
+    app.state.dataplane = dataplane
+    ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.
@@ -161,10 +196,12 @@ def create_app(
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(
-        RequestContextMiddleware,
+    app.gateway = Gateway(
+        functools.partial(FastAPI.__call__, app),
+        infer,
         access_log=settings.access_log,
         max_headers=settings.max_headers,
         max_header_bytes=settings.max_header_bytes,
+        limit_concurrency=settings.limit_concurrency,
     )
     return app

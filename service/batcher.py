@@ -20,23 +20,24 @@ is left of a batch opens the next one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
 
-log = logging.getLogger("bitserve.batcher")
+log = logging.getLogger(__name__)
 
+_MAX_TIMEOUT_US = 86_400 * 10**6  # a day
 P = TypeVar("P")
 R = TypeVar("R")
 
@@ -77,6 +78,12 @@ class Batcher(Generic[P, R]):
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
+        inline_below_s: run a batch on the event loop itself, not in ``executor``, while
+            recent batches took less than this much CPU time in the thread that ran them (a
+            moving average): below a few hundred microseconds the thread hop and the hand-offs
+            of the GIL between the loop and the worker cost more than the batch. 0 (the
+            default): always in ``executor``. For CPU devices only (a CUDA batch waits for
+            the device, which must not happen on the loop).
     """
 
     def __init__(
@@ -89,6 +96,7 @@ class Batcher(Generic[P, R]):
         max_queue_size: int,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        inline_below_s: float = 0.0,
     ) -> None:
         if max_batch_size < 0 or max_queue_delay_us < 0 or max_queue_size < 0:
             raise ValueError("batch size, queue delay and queue size must be >= 0")
@@ -103,11 +111,16 @@ class Batcher(Generic[P, R]):
         self._metrics = metrics
         self._queue: deque[_Pending[P, R]] = deque()
         self._queued_items = 0
-        self._wakeup = asyncio.Event()
+        # The scheduler sleeps on this future (and a timer for the batch's delay) when there
+        # is nothing to take; submit() and the queue's other changes resolve it.
+        self._waiter: asyncio.Future[None] | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._running: list[_Pending[P, R]] = []
         self._reported_depth = 0
+        self._depth_gauge: Any = None
+        self._inline_below_s = inline_below_s
+        self._batch_cpu_s = math.inf  # moving average; unknown until a batch has run
 
     # --- public ---------------------------------------------------------------------------
 
@@ -119,12 +132,28 @@ class Batcher(Generic[P, R]):
             )
             self._task.add_done_callback(self._scheduler_done)
             if self._metrics is not None:
-                self._metrics.add_queue_depth(self.name, 0)  # the series exists from the start
+                # The series exists from the start; its child is looked up once, not per
+                # request (the repository forgets it only after this batcher has stopped).
+                self._depth_gauge = self._metrics.queue_depth.labels(self.name)
 
     @property
     def depth(self) -> int:
         """Requests waiting in the queue."""
         return len(self._queue)
+
+    def check_capacity(self) -> None:
+        """Refuse a new request now if the queue has no room for it (transports call this
+        before they read a body, so overload is shed at the cost of the headers).
+
+        Raises:
+            Overloaded: the queue holds ``max_queue_size`` requests.
+        """
+        if self.max_queue_size and len(self._queue) >= self.max_queue_size:
+            raise Overloaded(
+                f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
+                f"(max_queue_size {self.max_queue_size}); retry later",
+                retry_after=1.0,
+            )
 
     @property
     def idle(self) -> bool:
@@ -155,12 +184,7 @@ class Batcher(Generic[P, R]):
             raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
         if not 1 <= size <= self._capacity:
             raise ValueError(f"size {size} outside 1..{self._capacity}")  # validated before
-        if self.max_queue_size and len(self._queue) >= self.max_queue_size:
-            raise Overloaded(
-                f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
-                f"(max_queue_size {self.max_queue_size}); retry later",
-                retry_after=1.0,
-            )
+        self.check_capacity()
         loop = asyncio.get_running_loop()
         now = loop.time()
         pending: _Pending[P, R] = _Pending(
@@ -168,8 +192,9 @@ class Batcher(Generic[P, R]):
             size,
             loop.create_future(),
             now,
-            # 0 means no timeout, as in Triton (its default request timeout is 0).
-            now + timeout_us / 1e6 if timeout_us and timeout_us > 0 else None,
+            # 0 means no timeout, as in Triton (its default request timeout is 0); a timeout
+            # past a day is as good as none (and 1e309 µs would overflow the float maths).
+            now + timeout_us / 1e6 if timeout_us and 0 < timeout_us < _MAX_TIMEOUT_US else None,
             request_id=request_id_var.get(),
         )
         if pending.deadline is not None:
@@ -177,7 +202,7 @@ class Batcher(Generic[P, R]):
         self._queue.append(pending)
         self._queued_items += size
         self._depth_changed()
-        self._wakeup.set()
+        self._wake()
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -190,7 +215,7 @@ class Batcher(Generic[P, R]):
         Requests still waiting after ``timeout_s`` are answered :class:`ModelNotReady`.
         """
         self._closing = True
-        self._wakeup.set()
+        self._wake()
         task = self._task
         if task is not None and not task.done():
             # asyncio.wait never raises the task's own error (a dead scheduler was logged by
@@ -219,7 +244,7 @@ class Batcher(Generic[P, R]):
             return False  # already taken into a batch (or removed)
         self._queued_items -= pending.size
         self._depth_changed()
-        self._wakeup.set()  # the head may have changed
+        self._wake()  # the head may have changed
         return True
 
     def _expire(self, pending: _Pending[P, R]) -> None:
@@ -236,8 +261,8 @@ class Batcher(Generic[P, R]):
     def _depth_changed(self) -> None:
         # Deltas, not the value: other versions of the model share the metric's label.
         depth = len(self._queue)
-        if self._metrics is not None and depth != self._reported_depth:
-            self._metrics.add_queue_depth(self.name, depth - self._reported_depth)
+        if self._depth_gauge is not None and depth != self._reported_depth:
+            self._depth_gauge.inc(depth - self._reported_depth)
             self._reported_depth = depth
 
     # --- scheduler ------------------------------------------------------------------------
@@ -270,22 +295,39 @@ class Batcher(Generic[P, R]):
         self._queued_items = 0
         self._depth_changed()
 
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _sleep(self, until: float | None) -> None:
+        """Wait for :meth:`_wake`, or until the loop time ``until`` (None: no limit)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if until is None else loop.call_at(until, self._wake)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
     async def _next_batch(self) -> list[_Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 if self._closing:
                     return None
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._sleep(None)
                 continue
-            close_at = self._queue[0].enqueued + self._delay
-            remaining = close_at - loop.time()
-            if self._queued_items < self._capacity and remaining > 0 and not self._closing:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                continue  # re-check: more items, a new head, or the delay has passed
+            # A batch closes when it is full, when its first request has waited the delay,
+            # or at once when there is no delay: requests that queued while the previous
+            # batch ran are all taken now, so batches grow with the load.
+            if self._queued_items < self._capacity and self._delay and not self._closing:
+                close_at = self._queue[0].enqueued + self._delay
+                if loop.time() < close_at:
+                    await self._sleep(close_at)
+                    continue  # re-check: more items, a new head, or the delay has passed
             batch = self._take_batch(loop.time())
             if batch:
                 return batch
@@ -315,14 +357,19 @@ class Batcher(Generic[P, R]):
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self._metrics is not None:
-            for p in batch:
-                self._metrics.observe_queue(self.name, start - p.enqueued)
+            self._metrics.observe_queue(self.name, [start - p.enqueued for p in batch])
         info = BatchInfo(sum(p.size for p in batch), len(batch))
         self._running = batch
+        payloads = [p.payload for p in batch]
         try:
-            results, seconds = await loop.run_in_executor(
-                self._executor, _timed, self._run_batch, [p.payload for p in batch]
-            )
+            if self._batch_cpu_s < self._inline_below_s:
+                results, seconds, cpu = _timed(self._run_batch, payloads)
+            else:
+                results, seconds, cpu = await loop.run_in_executor(
+                    self._executor, _timed, self._run_batch, payloads
+                )
+            avg = self._batch_cpu_s
+            self._batch_cpu_s = cpu if avg == math.inf else 0.75 * avg + 0.25 * cpu
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
         except asyncio.CancelledError:
@@ -352,10 +399,13 @@ class Batcher(Generic[P, R]):
                 p.future.set_result((result, info))
 
 
-def _timed(fn: Callable[[list[P]], Sequence[R]], payloads: list[P]) -> tuple[Sequence[R], float]:
-    t0 = time.perf_counter()
+def _timed(
+    fn: Callable[[list[P]], Sequence[R]], payloads: list[P]
+) -> tuple[Sequence[R], float, float]:
+    """``fn(payloads)``, its wall time and the CPU time of the thread that ran it."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     out = fn(payloads)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.thread_time() - c0
 
 
 def _fail(pending: _Pending[P, R], error: BaseException) -> None:

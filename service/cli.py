@@ -1,7 +1,8 @@
 """The ``bitserve`` command line.
 
     bitserve serve [--model-repository DIR] [--host H] [--port P] [... every setting]
-    bitserve check-repo DIR      # validate a model repository; exit 1 on problems
+    bitserve check-repo DIR [--max-operator-bytes N]   # validate a repository as serve
+                                                      # loads it; exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
@@ -11,7 +12,7 @@ Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); 
 from __future__ import annotations
 
 import argparse
-import logging.config
+import logging
 import os
 import signal
 import socket
@@ -20,9 +21,9 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from service.settings import Settings
 
@@ -85,8 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the server; with no --model-repository it serves the built-in demo.",
     )
     _add_setting_flags(serve)
-    check = sub.add_parser("check-repo", help="validate a model repository")
+    check = sub.add_parser(
+        "check-repo",
+        help="validate a model repository",
+        description="Check every model as `serve` would load it, without using a device; "
+        "print one line per problem, exit 1 if there is any.",
+    )
     check.add_argument("root", type=Path, metavar="DIR")
+    limit = Settings.model_fields["max_operator_bytes"]
+    check.add_argument(
+        "--max-operator-bytes",
+        metavar="N",
+        default=None,
+        help="refuse operators bigger than this, as `serve` does [env "
+        f"BITSERVE_MAX_OPERATOR_BYTES; default {limit.default}]",
+    )
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
     return parser
@@ -104,11 +118,18 @@ def uvicorn_config(
     """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
     import uvicorn
 
+    from service.http_protocol import max_connections, protocol_class
+
+    http = protocol_class(
+        head_timeout_s=settings.head_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+        max_connections=max_connections(settings.max_connections),
+    )
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=settings.http,
+        http=http,
         loop="auto",
         lifespan="on",
         log_config=log_config,
@@ -117,8 +138,6 @@ def uvicorn_config(
         server_header=False,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        limit_concurrency=settings.limit_concurrency,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         **extra,
     )
 
@@ -159,10 +178,9 @@ def serve(settings: Settings) -> int:
     worker processes under a supervisor (:mod:`service.workers`)."""
     import uvicorn
 
-    from service.observability import logging_config
+    from service.observability import configure_logging
 
-    log_config = logging_config(settings.log_level)
-    logging.config.dictConfig(log_config)
+    log_config = configure_logging(settings.log_level)
     if settings.workers != 1:
         from service import workers
 
@@ -179,12 +197,46 @@ def serve(settings: Settings) -> int:
             print(f"bitserve serve: workers: {e}", file=sys.stderr)
             return 2
         if plan.workers > 1:
-            return workers.supervise(settings, log_config, plan, gpus)
-        logging.getLogger("bitserve.workers").info("%s: serving in this process", plan.reason)
+            return workers.supervise(settings, plan, gpus)
+        logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
     from service.app import create_app
 
     app = create_app(settings)
     return run_server(uvicorn.Server(uvicorn_config(settings, app, log_config)))
+
+
+def _operator_limit(flag: str | None) -> int:
+    """``--max-operator-bytes``, else ``BITSERVE_MAX_OPERATOR_BYTES``, else the default: the
+    limit ``serve`` would apply in the same environment, validated as the setting is."""
+    field = Settings.model_fields["max_operator_bytes"]
+    raw = flag if flag is not None else os.environ.get("BITSERVE_MAX_OPERATOR_BYTES") or None
+    if raw is None:
+        return int(field.default)
+    adapter: TypeAdapter[int] = TypeAdapter(Annotated[int, *field.metadata])
+    return adapter.validate_python(raw.strip())
+
+
+def check_repo(root: Path, max_operator_bytes: str | None = None) -> int:
+    """``bitserve check-repo``: one line per problem on stderr; 0 when valid, 1 if not, 2 for
+    a bad limit. Never a traceback: every error is a problem of the file it came from."""
+    try:
+        limit = _operator_limit(max_operator_bytes)
+    except ValidationError as e:
+        print(f"bitserve check-repo: max_operator_bytes: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    if not root.is_dir():
+        print(f"{root}: not a folder", file=sys.stderr)
+        return 1
+    from service.model_files import check_repository
+
+    problems = check_repository(root, max_operator_bytes=limit)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} problem(s) in {root}", file=sys.stderr)
+        return 1
+    print(f"{root}: OK")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,19 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return serve(settings)
     if args.command == "check-repo":
-        from service.config import check_repository
-
-        if not args.root.is_dir():
-            print(f"{args.root}: not a folder", file=sys.stderr)
-            return 1
-        problems = check_repository(args.root)
-        for p in problems:
-            print(p, file=sys.stderr)
-        if problems:
-            print(f"{len(problems)} problem(s) in {args.root}", file=sys.stderr)
-            return 1
-        print(f"{args.root}: OK")
-        return 0
+        return check_repo(args.root, args.max_operator_bytes)
     if args.command == "demo-repo":
         from service.demo import write_demo_repository
 

@@ -48,7 +48,7 @@ from service.protocol.response import dumps
 
 __all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]
 
-log = logging.getLogger("bitserve.cluster")
+log = logging.getLogger(__name__)
 
 PEER_HEADER = "x-bitserve-peer"
 """Carries the server's secret on requests one worker forwards to another."""

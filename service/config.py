@@ -1,9 +1,10 @@
-"""The model repository on disk: ``config.toml`` models, layout scanning and ``check_repository``.
+"""The model repository on disk: ``config.toml`` models and layout scanning.
 
 A repository is a folder with one sub-folder per model. A model folder holds either a
 ``config.toml`` (one version, ``"1"``) or numbered version folders ``1/``, ``2/``, ... each with
 its own ``config.toml``. Files named in a config are relative to the folder of that config and
-may not leave the model's folder.
+may not leave the model's folder. Reading and checking those files (the operator's tensors,
+the model program) is :mod:`service.model_files`, the one path ``serve`` and ``check-repo`` share.
 
 Every problem is reported as ``<file>: <key>: <message>``, e.g.
 ``models/foo/config.toml: inputs[0].shape: Input should be greater than or equal to 1``.
@@ -11,55 +12,101 @@ Every problem is reported as ``<file>: <key>: <message>``, e.g.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import tomllib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from service.protocol.types import DATATYPES
+from service.devices import parse_device
+from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
 
-log = logging.getLogger("bitserve.repository")
 
-
-def hidden_error(where: str, what: str, exc: BaseException) -> str:
-    """A load problem for ``/load`` and the index without the exception's own text.
+def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
+    """A load problem whose client message leaves out the library exception's own text.
 
     Library exceptions (torch's loaders above all) carry absolute server paths, TorchScript
-    tracebacks and code locations: those go to the server log; the client sees where the
-    problem is (``where``: file and key, relative to the repository), ``what`` failed, and the
-    exception class.
+    tracebacks and code locations. ``problems`` (what ``/load`` and the index show) says where
+    the problem is (``where``: file and key, relative to the repository), ``what`` failed, and
+    the exception class; ``details`` adds the exception's text, for the server log and for
+    ``bitserve check-repo`` (run by the repository's owner). Raise it ``from exc`` so the
+    server can log the traceback.
     """
-    log.error("%s: %s: %s: %s", where, what, type(exc).__name__, exc, exc_info=exc)
-    return f"{where}: {what} ({type(exc).__name__}; details in the server log)"
+    kind = type(exc).__name__
+    text = safe_text(" ".join(str(exc).split()), 500)
+    return ConfigError(
+        [f"{where}: {what} ({kind}; details in the server log)"],
+        details=[f"{where}: {what} ({kind}: {text})"],
+    )
+
+
+def safe_text(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters, with control and unprintable characters escaped.
+
+    For names and keys taken from files or folders and printed to a terminal or log: an
+    escape sequence in a TOML key or a folder name is shown, never interpreted.
+    """
+    cut = text[:limit] + ("..." if len(text) > limit else "")
+    return cut if cut.isprintable() else ascii(cut)[1:-1]
 
 
 CONFIG_FILE = "config.toml"
+DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
+"""Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
-Datatype = Literal[
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64",
-]  # fmt: skip
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """A check that a value is one of ``allowed`` (a view of the datatype registry)."""
+
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"Input should be one of {', '.join(allowed)}")
+        return value
+
+    return check
+
+
+InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
+OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
 ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
 Response = Literal["gaussian", "lorentzian", "boxcar", "triangle", "tabulated"]
 # Suffix of a [model] file -> how it is loaded (never with pickle).
 MODEL_FORMATS = {".pt2": "torch_export", ".pt": "torchscript", ".ts": "torchscript"}
 
-assert set(Datatype.__args__) == set(DATATYPES)  # type: ignore[attr-defined]
-
 
 class ConfigError(Exception):
-    """A model configuration is invalid; ``problems`` holds one line per problem."""
+    """A model configuration is invalid; ``problems`` holds one line per problem.
 
-    def __init__(self, problems: list[str]) -> None:
+    ``details`` holds the same problems with library exceptions' own text (see
+    :func:`hidden_error`); it equals ``problems`` when nothing was hidden.
+    """
+
+    def __init__(self, problems: list[str], *, details: list[str] | None = None) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+        self.details = list(problems) if details is None else details
+
+    @classmethod
+    def join(cls, errors: Sequence[ConfigError]) -> ConfigError:
+        """One error with every problem of ``errors`` (the first cause kept for the log)."""
+        out = cls(
+            [p for e in errors for p in e.problems], details=[d for e in errors for d in e.details]
+        )
+        out.__cause__ = next((e.__cause__ for e in errors if e.__cause__ is not None), None)
+        return out
 
 
 class _Strict(BaseModel):
@@ -78,7 +125,7 @@ class InputConfig(_Strict):
 
     name: str = Field(min_length=1, max_length=128)
     """Tensor name clients use."""
-    datatype: Datatype
+    datatype: InputDatatype
     """Logical V2 datatype; ``"BOOL"`` with ``packing = "bits"`` for bit-packed features."""
     shape: list[int] = Field(min_length=1, max_length=8)
     """Logical shape of one item, without the batch dimension, e.g. ``[20, 50000]``."""
@@ -119,19 +166,22 @@ RESPONSE_PARAMS: dict[str, tuple[str, bool]] = {
 
 
 class OperatorConfig(_Strict):
-    """The banded response operator applied to the (unpacked) input."""
+    """The banded response operator applied to one (unpacked) input."""
 
+    input: str | None = None
+    """The input it applies to (default: the first); the other inputs reach the model as
+    they are."""
     file: str
     """safetensors file with ``x`` (B,), ``c`` (N, A) and, if tabulated, ``response_x``/``_y``."""
     response: Response
     """A named shape (its width parameter below) or ``"tabulated"`` (``response_x``/``_y``)."""
-    sigma: float | None = Field(default=None, gt=0)
+    sigma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Gaussian ``exp(-d²/(2 sigma²))`` width, in the units of ``x``."""
-    gamma: float | None = Field(default=None, gt=0)
+    gamma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Lorentzian ``1/(1 + (d/gamma)²)`` half-width, in the units of ``x``."""
-    half_width: float | None = Field(default=None, gt=0)
+    half_width: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Boxcar / triangle half-width, in the units of ``x``."""
-    support: float | None = Field(default=None, gt=0)
+    support: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Cut-off of a gaussian (in sigmas, default 4) or lorentzian (in gammas, default 10)."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
@@ -189,7 +239,7 @@ class OutputConfig(_Strict):
     """One output tensor; its shape is found at load time when not given."""
 
     name: str = Field(min_length=1, max_length=128)
-    datatype: Literal["FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8"]
+    datatype: OutputDatatype
     shape: list[int] | None = None
     """Shape of one item without the batch dimension; checked against the warm-up run."""
 
@@ -205,7 +255,8 @@ class ModelConfig(_Strict):
     """Requests allowed to wait; beyond it the answer is 503 with Retry-After. 0 = unbounded."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    inputs: list[InputConfig] = Field(min_length=1, max_length=1)
+    inputs: list[InputConfig] = Field(min_length=1, max_length=64)
+    """The inputs, passed to the model positionally in this order."""
     operator: OperatorConfig | None = None
     model: ModelFileConfig | None = None
     outputs: list[OutputConfig] = Field(min_length=1)
@@ -213,8 +264,7 @@ class ModelConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if not _DEVICE_RE.fullmatch(value):
-            raise ValueError(f'{value!r} is not "auto", "cpu", "cuda" or "cuda:N"')
+        parse_device(value)
         return value
 
     @model_validator(mode="after")
@@ -227,18 +277,37 @@ class ModelConfig(_Strict):
             raise ValueError(f"tensor names must be unique; repeated: {dup}")
         if self.model is None and len(self.outputs) != 1:
             raise ValueError("without a [model] there is exactly one output (the operator's)")
-        if self.operator is not None and len(self.inputs[0].shape) != 2:
-            raise ValueError(
-                f"the operator's input has the logical shape [N, B]; "
-                f"inputs[0].shape is {self.inputs[0].shape}"
-            )
+        if self.model is None and len(self.inputs) != 1:
+            raise ValueError("without a [model] there is exactly one input (the operator's)")
+        if self.operator is not None:
+            i = self.operator_input
+            if i is None:
+                names = [t.name for t in self.inputs]
+                raise ValueError(f"operator.input {self.operator.input!r} is not one of {names}")
+            if len(self.inputs[i].shape) != 2:
+                raise ValueError(
+                    f"the operator's input has the logical shape [N, B]; "
+                    f"inputs[{i}].shape is {self.inputs[i].shape}"
+                )
         return self
+
+    @property
+    def operator_input(self) -> int | None:
+        """The index of the input the operator applies to (None: no operator, or a name that
+        is not an input)."""
+        if self.operator is None:
+            return None
+        if self.operator.input is None:
+            return 0
+        names = [t.name for t in self.inputs]
+        return names.index(self.operator.input) if self.operator.input in names else None
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        key = safe_text(str(part), 64)
+        out += f"[{part}]" if isinstance(part, int) else (f".{key}" if out else key)
     return out or "(top level)"
 
 
@@ -260,18 +329,44 @@ def parse_config(data: dict[str, Any], source: str) -> ModelConfig:
             msg = str(err["msg"]).removeprefix("Value error, ")
             problems.append(f"{source}: {_loc(tuple(err['loc']))}: {msg}")
         raise ConfigError(problems) from None
+    except RecursionError:
+        raise ConfigError([f"{source}: nested too deeply"]) from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A ``config.toml`` is a few hundred bytes; a bigger file than this is refused unread."""
 
 
 def load_config(path: Path, source: str | None = None) -> ModelConfig:
-    """Read and validate one ``config.toml``; ``source`` names it in messages (default: path)."""
+    """Read and validate one ``config.toml``; ``source`` names it in messages (default: path).
+
+    Raises:
+        ConfigError: unreadable, larger than :data:`MAX_CONFIG_BYTES`, not UTF-8, not TOML
+            (nesting too deep included), or invalid; never another exception.
+    """
     source = source or str(path)
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError([f"{source}: cannot read: {exc.strerror}"]) from None
+        raise ConfigError(
+            [f"{source}: cannot read: {exc.strerror or type(exc).__name__}"]
+        ) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{source}: larger than {MAX_CONFIG_BYTES} bytes"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            [f"{source}: not UTF-8: byte {raw[exc.start]:#04x} on line {line}"]
+        ) from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{source}: invalid TOML: {exc}"]) from None
+        raise ConfigError([f"{source}: invalid TOML: {safe_text(str(exc))}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{source}: invalid TOML: nested too deeply"]) from None
     return parse_config(data, source)
 
 
@@ -306,13 +401,38 @@ class VersionSource:
         """A file named by the config, refused when it resolves outside the model's folder.
 
         Raises:
-            ConfigError: naming ``key`` when it escapes (through symlinks) or does not exist.
+            ConfigError: naming ``key`` when it escapes (through symlinks), loops, or is not
+                a regular file.
         """
-        path = (self.folder / file).resolve()
-        if not path.is_relative_to(self.model_folder.resolve()):
+        try:
+            path = (self.folder / file).resolve()
+            inside = path.is_relative_to(self.model_folder.resolve())
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+            raise ConfigError([f"{self.source}: {key}: {file!r} is a symlink loop"]) from None
+        if not inside:
             raise ConfigError([f"{self.source}: {key}: {file!r} resolves outside the model"])
         if not path.is_file():
             raise ConfigError([f"{self.source}: {key}: file {file!r} not found"])
+        return path
+
+    def checked_config_path(self) -> Path:
+        """The version's ``config.toml``, refused when it resolves outside the model's folder.
+
+        A ``config.toml`` (or version folder) symlinked from elsewhere would make the server
+        read, and report on, a file the repository does not hold.
+
+        Raises:
+            ConfigError: it leaves the model's folder, loops, or is not a regular file.
+        """
+        try:
+            path = self.config_path.resolve()
+            inside = path.is_relative_to(self.model_folder.resolve())
+        except (OSError, RuntimeError):
+            raise ConfigError([f"{self.source}: is a symlink loop"]) from None
+        if not inside:
+            raise ConfigError([f"{self.source}: resolves outside the model's folder"])
+        if not path.is_file():
+            raise ConfigError([f"{self.source}: missing"])
         return path
 
 
@@ -323,20 +443,23 @@ def model_versions(root: Path, name: str) -> dict[str, VersionSource]:
         ConfigError: the name is not allowed, the folder is missing or outside ``root``, or
             its layout is ambiguous (a top-level ``config.toml`` and version folders both).
     """
-    shown = f"{root.name}/{name}"
+    shown = f"{root.name}/{safe_text(name)}"
     if not valid_model_name(name):
         raise ConfigError(
             [f"{shown}: invalid model name (allowed: [A-Za-z0-9_.-], no leading dot)"]
         )
     folder = root / name
-    if not folder.is_dir():
-        raise ConfigError([f"{shown}: no such model folder"])
-    if not folder.resolve().is_relative_to(root.resolve()):
-        raise ConfigError([f"{shown}: resolves outside the repository"])
-    numbered = sorted(
-        (p for p in folder.iterdir() if p.is_dir() and valid_version(p.name)),
-        key=lambda p: int(p.name),
-    )
+    try:
+        if not folder.is_dir():
+            raise ConfigError([f"{shown}: no such model folder"])
+        if not folder.resolve().is_relative_to(root.resolve()):
+            raise ConfigError([f"{shown}: resolves outside the repository"])
+        numbered = sorted(
+            (p for p in folder.iterdir() if p.is_dir() and valid_version(p.name)),
+            key=lambda p: int(p.name),
+        )
+    except (OSError, RuntimeError) as exc:  # unreadable folder, symlink loop
+        raise ConfigError([f"{shown}: cannot read the folder ({type(exc).__name__})"]) from None
     top = folder / CONFIG_FILE
     if top.is_file():
         if numbered:
@@ -361,96 +484,3 @@ def model_versions(root: Path, name: str) -> dict[str, VersionSource]:
 def model_names(root: Path) -> list[str]:
     """Sub-folder names of ``root`` that look like models (hidden entries are skipped), sorted."""
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def check_repository(root: Path) -> list[str]:
-    """Validate a repository without loading anything onto a device.
-
-    Checks each config, that its files exist inside the model, and that the operator's
-    safetensors file holds the tensors the config needs with consistent shapes.
-
-    Returns:
-        Human-readable problems, each naming the file and the key; empty when valid.
-    """
-    if not root.is_dir():
-        return [f"{root}: not a directory"]
-    names = model_names(root)
-    if not names:
-        return [f"{root}: no model folders"]
-    problems: list[str] = []
-    for name in names:
-        try:
-            versions = model_versions(root, name)
-        except ConfigError as exc:
-            problems += exc.problems
-            continue
-        for src in versions.values():
-            try:
-                cfg = load_config(src.config_path, src.source)
-                check_version_files(src, cfg)
-            except ConfigError as exc:
-                problems += exc.problems
-    return problems
-
-
-def _tensor_shapes(path: Path, source: str, key: str) -> dict[str, tuple[list[int], str]]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as fh:
-            out = {}
-            for k in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = fh.get_slice(k)
-                out[k] = (list(sl.get_shape()), str(sl.get_dtype()))
-            return out
-    except Exception as exc:  # safetensors raises several types for a corrupt header
-        reason = hidden_error(f"{source}: {key}", "not a readable safetensors file", exc)
-        raise ConfigError([reason]) from None
-
-
-def check_version_files(src: VersionSource, cfg: ModelConfig) -> None:
-    """Check the files a config names: present, inside the model, tensors of the right shapes.
-
-    Raises:
-        ConfigError: one problem per mismatch, naming the config's key.
-    """
-    problems: list[str] = []
-    if cfg.model is not None:
-        try:
-            src.resolve(cfg.model.file, "model.file")
-        except ConfigError as exc:
-            problems += exc.problems
-    op = cfg.operator
-    if op is not None:
-        path = src.resolve(op.file, "operator.file")
-        shapes = _tensor_shapes(path, src.source, "operator.file")
-        N, B = cfg.inputs[0].shape
-        need: dict[str, int] = {"x": 1, "c": 2}
-        if op.response == "tabulated":
-            need |= {"response_x": 1, "response_y": 1}
-        where = f"{src.source}: operator.file"
-        for k, ndim in need.items():
-            if k not in shapes:
-                problems.append(f"{where}: {op.file} has no tensor {k!r} (has {sorted(shapes)})")
-            elif len(shapes[k][0]) != ndim:
-                problems.append(f"{where}: tensor {k!r} has shape {shapes[k][0]}; needs {ndim}-D")
-            elif not shapes[k][1].startswith(("F", "BF")):
-                problems.append(f"{where}: tensor {k!r} is {shapes[k][1]}; needs floating point")
-        if problems:
-            raise ConfigError(problems)
-        if shapes["x"][0] != [B]:
-            problems.append(f"{where}: x has shape {shapes['x'][0]}; inputs[0].shape needs [{B}]")
-        c_shape = shapes["c"][0]
-        if c_shape[0] != N:
-            problems.append(f"{where}: c has shape {c_shape}; inputs[0].shape needs [{N}, A]")
-        if op.response == "tabulated":
-            rx, ry = shapes["response_x"][0], shapes["response_y"][0]
-            if rx != ry or rx[0] < 2:
-                problems.append(f"{where}: response_x {rx} and response_y {ry} differ or < 2 long")
-        out = cfg.outputs[0]
-        if cfg.model is None and out.shape is not None and out.shape != c_shape:
-            problems.append(
-                f"{src.source}: outputs[0].shape: {out.shape}, but the operator gives {c_shape}"
-            )
-    if problems:
-        raise ConfigError(problems)

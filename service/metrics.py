@@ -10,6 +10,7 @@ gauges summed over the live ones (a worker's own share disappears when it dies).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import values as _values
@@ -31,6 +32,8 @@ class Metrics:
     """
 
     def __init__(self, multiprocess_dir: str | None = None) -> None:
+        # Labelled children of the per-request series, looked up once per (model, outcome).
+        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.registry = CollectorRegistry()
         self._render_registry = self.registry
         if multiprocess_dir is not None:
@@ -108,22 +111,24 @@ class Metrics:
 
     def observe_request(self, model: str, outcome: str, seconds: float) -> None:
         """Count one finished request; ``outcome`` is ``"success"`` or an error class name."""
-        self.requests.labels(model, outcome).inc()
-        self.request_latency.labels(model).observe(seconds)
+        children = self._request_children.get((model, outcome))
+        if children is None:
+            children = (self.requests.labels(model, outcome), self.request_latency.labels(model))
+            self._request_children[(model, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
-    def observe_queue(self, model: str, seconds: float) -> None:
-        """Record one request's time in the queue."""
-        self.queue_time.labels(model).observe(seconds)
+    def observe_queue(self, model: str, waits: list[float]) -> None:
+        """Record the queue times, in seconds, of one batch's requests."""
+        child = self.queue_time.labels(model)
+        for seconds in waits:
+            child.observe(seconds)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         """Record one executed batch: its size in items and in requests, and its compute time."""
         self.batch_size.labels(model).observe(items)
         self.batch_requests.labels(model).observe(requests)
         self.compute_time.labels(model).observe(compute_seconds)
-
-    def set_queue_depth(self, model: str, depth: int) -> None:
-        """Set the number of requests waiting in ``model``'s queue."""
-        self.queue_depth.labels(model).set(depth)
 
     def add_queue_depth(self, model: str, delta: int) -> None:
         """Change ``model``'s queue depth by ``delta``: each version's batcher reports its own
@@ -139,9 +144,11 @@ class Metrics:
         its batchers have stopped; not on a reload, whose new batchers own the series)."""
         if self._multiprocess:  # its file keeps the series: show it empty, not stale
             self.queue_depth.labels(model).set(0)
-            return
-        with contextlib.suppress(KeyError):
-            self.queue_depth.remove(model)
+        else:
+            with contextlib.suppress(KeyError):
+                self.queue_depth.remove(model)
+        for key in [k for k in self._request_children if k[0] == model]:
+            del self._request_children[key]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -1,33 +1,42 @@
-"""Request ids, access logs, header limits and the last-resort 500 handler, as one pure ASGI
-middleware.
+"""Request ids and logging: the id of the request being handled on every log record.
 
-Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
-cannot be trusted with them: h11 bounds only an *incomplete* request head, so a head that
-arrives whole in one read passes at any size, and no parser bounds the number of headers.
-
-Every request gets an id: the client's ``X-Request-ID`` when it is a sane token, else a fresh
-one. It is echoed in the response's ``X-Request-ID``, put on every log record emitted while
-the request is handled (``%(request_id)s``, via :class:`RequestIdFilter`), and quoted in the
-body of a 500 so an operator can find the traceback, which is logged and never sent.
+Every request gets an id (see ``service.gateway``): the client's ``X-Request-ID`` when it is
+a sane token, else a fresh one from :class:`RequestIds`. It is echoed in the response's
+``X-Request-ID``, put on every log record emitted while the request is handled
+(``%(request_id)s``, via :class:`RequestIdFilter`), and quoted in the body of a 500 so an
+operator can find the traceback, which is logged and never sent.
 """
 
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
+import os
 import re
-import time
-import uuid
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from service.protocol.response import dumps
-
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-log = logging.getLogger("bitserve.access")
-error_log = logging.getLogger("bitserve.error")
+_VALID_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+class RequestIds:
+    """Request ids: the client's ``X-Request-ID`` when it is a sane token, else a fresh one.
+
+    Fresh ids are a random per-process prefix and a counter (``3f9c1a0b-1f``): unique across
+    worker processes and restarts, and a counter increment instead of a ``uuid4`` per request.
+    """
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex() + "-"
+        self._count = itertools.count(1)
+
+    def __call__(self, sent: bytes | None) -> str:
+        """The id of a request that sent ``X-Request-ID: sent`` (None: none sent)."""
+        if sent is not None and _VALID_ID.fullmatch(sent):
+            return sent.decode("ascii")
+        return f"{self._prefix}{next(self._count):x}"
+
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
@@ -40,23 +49,27 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def logging_config(level: str) -> dict[str, Any]:
-    """A ``logging.config.dictConfig`` for the server and uvicorn, with request ids."""
+def logging_config(level: str, worker: int | None = None) -> dict[str, Any]:
+    """A ``logging.config.dictConfig`` for the server and uvicorn, with request ids (and the
+    worker's index after the logger name in a worker process of ``--workers``)."""
     handler = {
         "class": "logging.StreamHandler",
         "formatter": "default",
         "filters": ["request_id"],
         "stream": "ext://sys.stderr",
     }
+    tagged = LOG_FORMAT.replace("%(name)s", f"%(name)s w{worker}")
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "filters": {"request_id": {"()": RequestIdFilter}},
-        "formatters": {"default": {"format": LOG_FORMAT}},
+        "formatters": {"default": {"format": LOG_FORMAT if worker is None else tagged}},
         "handlers": {"default": handler},
         "loggers": {
-            "bitserve": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            # Every logger is named by its module (``logging.getLogger(__name__)``), so these
+            # two roots cover the server and the ops it runs.
             "service": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            "gpu_ops": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             "uvicorn": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             # Our own access log carries the request id; uvicorn's would duplicate it.
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
@@ -64,110 +77,19 @@ def logging_config(level: str) -> dict[str, Any]:
     }
 
 
-class RequestContextMiddleware:
-    """Assigns request ids, writes access logs, and turns unhandled exceptions into a 500.
+def configure_logging(level: str, worker: int | None = None) -> dict[str, Any]:
+    """Apply :func:`logging_config` to this process; returns it (for uvicorn's ``Config``).
 
-    Args:
-        app: the wrapped ASGI application.
-        access_log: log one line per HTTP request.
-        max_headers: requests with more header lines are answered 431.
-        max_header_bytes: requests whose headers (``name: value\\r\\n`` each) add up to
-            more bytes are answered 431.
+    Records skip what nobody formats here (caller's file and line, thread, process), each of
+    which costs a lookup per record: the access log writes one record per request.
     """
+    import logging.config
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        access_log: bool = True,
-        max_headers: int = 100,
-        max_header_bytes: int = 64 << 10,
-    ) -> None:
-        self.app = app
-        self.access_log = access_log
-        self.max_headers = max_headers
-        self.max_header_bytes = max_header_bytes
-
-    def header_problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
-        """Why ``headers`` are refused (a message for the 431), or None when they are fine."""
-        if len(headers) > self.max_headers:
-            return f"too many request headers: {len(headers)} (limit {self.max_headers})"
-        size = sum(len(k) + len(v) + 4 for k, v in headers)  # as sent: "k: v\r\n"
-        if size > self.max_header_bytes:
-            return f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = ""
-        for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
-                candidate = v.decode("latin-1")
-                if _VALID_ID.match(candidate):
-                    rid = candidate
-                break
-        rid = rid or uuid.uuid4().hex
-        token = request_id_var.set(rid)
-        scope.setdefault("state", {})["request_id"] = rid
-        started = False
-        status = 0
-        t0 = time.perf_counter()
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started, status
-            if message["type"] == "http.response.start":
-                started = True
-                status = message["status"]
-                headers = list(message.get("headers", ()))
-                headers.append((b"x-request-id", rid.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        try:
-            problem = self.header_problem(scope.get("headers", []))
-            if problem is not None:
-                status = 431
-                body = dumps({"error": problem})
-                await send_with_id(
-                    {
-                        "type": "http.response.start",
-                        "status": 431,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            # the body was not read: the connection cannot be reused safely
-                            (b"connection", b"close"),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-                return
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            error_log.exception("unhandled error in %s %s", scope["method"], scope["path"])
-            if not started:
-                status = 500
-                body = dumps({"error": f"internal error (request id {rid})"})
-                await send_with_id(
-                    {
-                        "type": "http.response.start",
-                        "status": 500,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-        finally:
-            if self.access_log:
-                log.info(
-                    "%s %s %d %.1fms",
-                    scope["method"],
-                    scope["path"],
-                    status,
-                    (time.perf_counter() - t0) * 1e3,
-                )
-            request_id_var.reset(token)
+    config = logging_config(level, worker)
+    logging.config.dictConfig(config)
+    # The logging module's documented switches for this ("Optimization" in its HOWTO).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    return config

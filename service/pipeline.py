@@ -15,64 +15,40 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from service import devices
 from service.config import (
     ConfigError,
     InputConfig,
     ModelConfig,
     OperatorConfig,
-    VersionSource,
-    hidden_error,
 )
-from service.protocol.types import DATATYPES
+from service.protocol.types import DATATYPES, REGISTRY
+from service.signature import Bound
 
-COMPUTE_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
 }
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-}
-
-_NUMPY_TO_TORCH = {DATATYPES[k]: v for k, v in TORCH_DTYPES.items()}
+"""The operator's compute dtypes by their config names (``[operator] dtype``)."""
 
 
-@dataclass(frozen=True)
-class WireInput:
-    """One request's input as it will be staged.
+def torch_dtype(datatype: str) -> torch.dtype:
+    """The torch dtype of a V2 datatype (from the one registry, ``REGISTRY``)."""
+    name = REGISTRY[datatype].torch
+    if name is None:
+        raise ValueError(f"{datatype} has no torch dtype")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
-    Attributes:
-        data: a C-contiguous array with the batch dimension first: UINT8 packed
-            ``(b, *packed_shape)`` when ``packed``, else the logical ``(b, *shape)`` in the
-            wire datatype. Read-only views over the request body are fine.
-        packed: whether ``data`` holds bits packed along the last axis.
-        size: ``b``, the number of items.
-    """
 
-    data: np.ndarray[Any, Any]
-    packed: bool
-    size: int
+# The wire's NumPy dtype of an unpacked input -> the torch dtype to view its bytes as.
+_NUMPY_TO_TORCH = {wire: torch_dtype(name) for name, wire in DATATYPES.items()}
 
 
 @dataclass
@@ -89,62 +65,12 @@ class Artifacts:
     model: Any = None
 
 
-def load_artifacts(src: VersionSource, cfg: ModelConfig) -> Artifacts:
-    """Read the files a version's config names: safetensors, ``torch.export`` or TorchScript.
-
-    Raises:
-        ConfigError: a file is missing, outside the model, or unreadable (naming the key).
-    """
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    if cfg.operator is not None:
-        path = src.resolve(cfg.operator.file, "operator.file")
-        try:
-            tensors = load_file(str(path), device="cpu")
-        except Exception as exc:  # corrupt headers raise several types
-            reason = hidden_error(f"{src.source}: operator.file", "cannot read", exc)
-            raise ConfigError([reason]) from None
-    model = None
-    if cfg.model is not None:
-        path = src.resolve(cfg.model.file, "model.file")
-        try:
-            model = _load_model(path, cfg.model.format)
-        except Exception as exc:
-            reason = hidden_error(f"{src.source}: model.file", "cannot load", exc)
-            raise ConfigError([reason]) from None
-    return Artifacts(tensors, model)
-
-
-def _load_model(path: Path, fmt: str) -> Any:
-    if fmt == "torch_export":
-        return torch.export.load(str(path))
-    with warnings.catch_warnings():
-        # TorchScript is deprecated in favour of torch.export but still the common format.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
-
-
 def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
-    """A concrete device string (``"cpu"`` or ``"cuda:N"``) for a config's ``device``.
-
-    ``"auto"`` in the config defers to ``default`` (the server's setting); ``"auto"`` there
-    means CUDA device 0 when available, else the CPU.
-
-    Raises:
-        ConfigError: a CUDA device that this host does not have.
-    """
-    if device == "auto":
-        device = default
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return "cpu"
-    index = int(device.partition(":")[2] or 0)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index >= count:
-        raise ConfigError([f"{source}: device: {device!r}, but this host has {count} CUDA devices"])
-    return f"cuda:{index}"
+    """:func:`service.devices.resolve_device` for a config, its problems as ConfigError."""
+    try:
+        return devices.resolve_device(device, default)
+    except ValueError as e:
+        raise ConfigError([f"{source}: device: {e}"]) from None
 
 
 def build_operator(
@@ -196,7 +122,7 @@ class Pipeline:
 
     Raises:
         ConfigError: the operator tensors do not fit the input, or the model's outputs do
-            not match ``[[outputs]]`` (count, or a declared shape).
+            not match ``[[outputs]]`` (count, names, or a declared shape).
     """
 
     def __init__(
@@ -215,13 +141,21 @@ class Pipeline:
         self.cfg = cfg
         self.device = torch.device(device)
         self.source = source
-        self.input: InputConfig = cfg.inputs[0]
+        self.inputs: list[InputConfig] = list(cfg.inputs)
         self.capacity = max(cfg.max_batch_size, 1)
         self.batched = cfg.max_batch_size > 0
         op = cfg.operator
+        self.operator_input = cfg.operator_input
         self.compute_dtype = COMPUTE_DTYPES[op.dtype] if op is not None else torch.float32
-        self._pool = StagingPool(self.device)
-        self._out_dtypes = [TORCH_DTYPES[o.datatype] for o in cfg.outputs]
+        # What each input is on the device: the operator's in its compute dtype, the others
+        # in their logical datatype (bit-packed ones as bool).
+        self._dtypes = [
+            self.compute_dtype if i == self.operator_input else torch_dtype(spec.datatype)
+            for i, spec in enumerate(self.inputs)
+        ]
+        self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
+        self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
+        self._out_names = [o.name for o in cfg.outputs]
         with torch.inference_mode(), self._device_context():
             self.operator = (
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
@@ -229,20 +163,21 @@ class Pipeline:
             self.model = (
                 None if artifacts.model is None else _prepare_model(artifacts.model, self.device)
             )
-            # Each batch is unpacked into (a prefix of) this buffer: no allocation per batch.
-            self._buffer = torch.zeros(
-                (self.capacity, *self.input.shape), dtype=self.compute_dtype, device=self.device
-            )
+            # Each batch is unpacked into (a prefix of) these buffers: no allocation per batch.
+            self._buffers = [
+                torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
+                for spec, dtype in zip(self.inputs, self._dtypes, strict=True)
+            ]
             # A single item gives the output shapes (and checks the model against the config).
-            probe = self._forward(self._buffer[:1])
+            probe = self._forward(1)
             self.output_shapes = [list(t.shape[1:]) for t in probe]
             self._check_outputs()
             if warmup:
                 for _ in range(2):
-                    self._forward(self._buffer)
+                    self._forward(self.capacity)
                 self._synchronize()
         self.device_memory_bytes = (
-            self._buffer.numel() * self._buffer.element_size()
+            sum(b.numel() * b.element_size() for b in self._buffers)
             + _module_bytes(self.operator)
             + _module_bytes(self.model)
         )
@@ -257,6 +192,9 @@ class Pipeline:
                     [f"{self.source}: outputs[{i}].shape: {o.shape}, but the model gives {shape}"]
                 )
 
+    def _bad_model(self, problem: str) -> ConfigError:
+        return ConfigError([f"{self.source}: model.file: {problem}"])
+
     # --- compute --------------------------------------------------------------------------
 
     def _device_context(self) -> Any:
@@ -268,23 +206,27 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _forward(self, u: torch.Tensor) -> list[torch.Tensor]:
-        """Operator then model on ``u`` (M, *shape) in the compute dtype; outputs batch-first."""
-        y = u if self.operator is None else self.operator(u)
-        outs: Any = y if self.model is None else self.model(y)
+    def _forward(self, m: int) -> list[torch.Tensor]:
+        """Operator then model on the first ``m`` items of the buffers; outputs batch-first,
+        in config order and dtypes."""
+        us = [b[:m] for b in self._buffers]
+        if self.operator is not None and self.operator_input is not None:
+            us[self.operator_input] = self.operator(us[self.operator_input])
+        outs: Any = us[0] if self.model is None else self.model(*us)
         if isinstance(outs, torch.Tensor):
             outs = [outs]
         elif isinstance(outs, dict):
-            outs = list(outs.values())
+            missing = [n for n in self._out_names if n not in outs]
+            if missing:
+                raise self._bad_model(f"the model's outputs {sorted(outs)} lack {missing}")
+            outs = [outs[n] for n in self._out_names]
         if not isinstance(outs, list | tuple) or not all(isinstance(t, torch.Tensor) for t in outs):
-            got = type(outs).__name__
-            raise ConfigError([f"{self.source}: model.file: the model returned {got}, not tensors"])
+            raise self._bad_model(f"the model returned {type(outs).__name__}, not tensors")
         if len(outs) != len(self.cfg.outputs):
             n = len(self.cfg.outputs)
             raise ConfigError(
                 [f"{self.source}: outputs: {n} declared, the model returns {len(outs)}"]
             )
-        m = u.shape[0]
         for i, t in enumerate(outs):
             if t.dim() == 0 or t.shape[0] != m:
                 shape = list(t.shape)
@@ -293,93 +235,126 @@ class Pipeline:
                 )
         return [t.to(d) for t, d in zip(outs, self._out_dtypes, strict=True)]
 
-    def _stage(self, inputs: Sequence[WireInput]) -> int:
-        """Gather the payloads, move them with one copy, unpack into the buffer; returns M."""
+    def _gather(self, requests: Sequence[Bound]) -> tuple[torch.Tensor, list[int]]:
+        """Every request's payloads, input by input, as one uint8 tensor on the device: one
+        host copy, and on CUDA one ``non_blocking`` copy from pinned memory.
+
+        Returns:
+            the bytes, and where each input's block starts in them (8-byte aligned, so any
+            datatype can be viewed in place).
+        """
+        parts: list[np.ndarray[Any, Any]] = []
+        starts = []
+        offset = 0
+        for i in range(len(self.inputs)):
+            pad = -offset % 8
+            if pad:
+                parts.append(np.zeros(pad, np.uint8))
+                offset += pad
+            starts.append(offset)
+            for r in requests:
+                data = r.inputs[i].data
+                parts.append(data)
+                offset += data.nbytes
+        if self._pool is None:
+            flat = [p.reshape(-1).view(np.uint8) for p in parts]
+            return torch.from_numpy(np.concatenate(flat)), starts  # fresh and writable
+        with self._pool.acquire(offset) as buf:
+            pos = 0
+            for p in parts:
+                pos = buf.write(p, pos)
+            return buf.to_device(self.device), starts
+
+    def _stage(self, requests: Sequence[Bound]) -> int:
+        """Move the batch's inputs to the device and unpack them into the buffers; returns M."""
         from gpu_ops.bits import unpackbits
 
-        sizes = [w.data.nbytes for w in inputs]
-        with self._pool.acquire(sum(sizes)) as buf:
-            offset = 0
-            for w in inputs:
-                offset = buf.write(w.data, offset)
-            raw = buf.to_device(self.device)  # one non_blocking copy on CUDA
-        spec = self.input
-        row = offset = 0
-        i = 0
-        # Consecutive requests of the same wire form are contiguous in ``raw``: one call each.
-        while i < len(inputs):
-            j = i
-            while j < len(inputs) and (inputs[j].packed, inputs[j].data.dtype) == (
-                inputs[i].packed,
-                inputs[i].data.dtype,
-            ):
-                j += 1
-            m = sum(w.size for w in inputs[i:j])
-            nbytes = sum(sizes[i:j])
-            part = raw[offset : offset + nbytes]
-            dst = self._buffer[row : row + m]
-            if inputs[i].packed:
-                packed = part.view(m, *spec.packed_shape)
-                unpackbits(
-                    packed, dim=-1, count=spec.shape[-1], bitorder=spec.bitorder,
-                    dtype=self.compute_dtype, out=dst,
-                )  # fmt: skip
-            else:
-                wire = _NUMPY_TO_TORCH[inputs[i].data.dtype]
-                if wire == torch.bool:
+        raw, starts = self._gather(requests)
+        m = 0
+        for i, (spec, buffer) in enumerate(zip(self.inputs, self._buffers, strict=True)):
+            wires = [r.inputs[i] for r in requests]
+            offset = starts[i]
+            row = 0
+            k = 0
+            # Consecutive requests of the same wire form are contiguous in ``raw``: one call
+            # each.
+            while k < len(wires):
+                form = (wires[k].packed, wires[k].data.dtype)
+                j = k
+                while j < len(wires) and (wires[j].packed, wires[j].data.dtype) == form:
+                    j += 1
+                n = sum(r.size for r in requests[k:j])
+                nbytes = sum(w.data.nbytes for w in wires[k:j])
+                part = raw[offset : offset + nbytes]
+                dst = buffer[row : row + n]
+                if wires[k].packed:
+                    packed = part.view(n, *spec.packed_shape)
+                    unpackbits(
+                        packed, dim=-1, count=spec.shape[-1], bitorder=spec.bitorder,
+                        dtype=dst.dtype, out=dst,
+                    )  # fmt: skip
+                elif form[1] == np.bool_:
                     # Every request path already refuses BOOL bytes other than 0/1 (the
                     # framing checks binary and JSON data), so this clamp is defence for
                     # direct callers of ``run`` (tools, tests, an embedding program): their
                     # BOOL arrays may hold any byte, and a bool tensor over byte 2 converts
                     # to 2.0. Like NumPy, nonzero counts as 1. It costs one pass over the
                     # buffer, only on the unpacked BOOL form.
-                    dst.copy_(part.view(m, *spec.shape)).clamp_(max=1)
+                    dst.copy_(part.view(n, *spec.shape).clamp(max=1))
                 else:
-                    dst.copy_(part.view(wire).view(m, *spec.shape))
-            row += m
-            offset += nbytes
-            i = j
-        return row
+                    dst.copy_(part.view(_NUMPY_TO_TORCH[form[1]]).view(n, *spec.shape))
+                row += n
+                offset += nbytes
+                k = j
+            m = row
+        return m
 
-    def run(self, inputs: Sequence[WireInput]) -> list[list[np.ndarray[Any, Any]]]:
+    def run(self, requests: Sequence[Bound]) -> list[list[np.ndarray[Any, Any]]]:
         """Compute one batch.
 
         Args:
-            inputs: the batch's requests, validated (shapes, dtypes, total size at most
-                ``capacity``).
+            requests: the batch's requests, checked by the model's signature (shapes, dtypes;
+                total size at most ``capacity``).
 
         Returns:
             Per request, one array per configured output, in config order: ``(b, *shape)``
-            C-contiguous views into a fresh host buffer (no batch dimension when the model
+            C-contiguous views into fresh host memory (no batch dimension when the model
             has ``max_batch_size = 0``).
         """
-        total = sum(w.size for w in inputs)
+        total = sum(r.size for r in requests)
         if not 0 < total <= self.capacity:
             raise ValueError(f"batch of {total} items outside 1..{self.capacity}")
         with torch.inference_mode(), self._device_context():
-            m = self._stage(inputs)
-            outs = self._forward(self._buffer[:m])
-            hosts = []
-            for t in outs:
-                # A fresh pinned buffer per batch: the views handed out must outlive this
-                # call (responses are serialised while the next batch runs). torch's
-                # caching host allocator makes this allocation cheap.
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
-                host.copy_(t, non_blocking=True)
-                hosts.append(host)
+            m = self._stage(requests)
+            outs = self._forward(m)
+            arrays = [self._to_host(t) for t in outs]
             self._synchronize()
-        arrays = [h.numpy() for h in hosts]
         results: list[list[np.ndarray[Any, Any]]] = []
         row = 0
-        for w in inputs:
-            sl = [a[row : row + w.size] for a in arrays]
+        for r in requests:
+            sl = [a[row : row + r.size] for a in arrays]
             results.append(sl if self.batched else [a[0] for a in sl])
-            row += w.size
+            row += r.size
         return results
+
+    def _to_host(self, t: torch.Tensor) -> np.ndarray[Any, Any]:
+        """An output as host memory of its own: the views handed out must outlive this batch
+        (responses are framed while the next batch runs)."""
+        if self.device.type == "cuda":
+            # torch's caching host allocator makes a pinned buffer per batch cheap.
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return host.numpy()
+        storage = t.untyped_storage().data_ptr()
+        if not t.is_contiguous() or any(
+            storage == b.untyped_storage().data_ptr() for b in self._buffers
+        ):
+            t = t.contiguous() if not t.is_contiguous() else t.clone()  # not a reused buffer
+        return t.numpy()
 
     def __repr__(self) -> str:
         return (
             f"Pipeline({self.name!r}, device={self.device}, capacity={self.capacity}, "
-            f"input={self.input.shape}, dtype={self.compute_dtype}, "
+            f"inputs={[spec.shape for spec in self.inputs]}, dtype={self.compute_dtype}, "
             f"memory={math.ceil(self.device_memory_bytes / 2**20)} MiB)"
         )

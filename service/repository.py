@@ -2,8 +2,9 @@
 
 ``ModelRepository`` owns every loaded model version (a :class:`~service.pipeline.Pipeline`
 resident on its device and a :class:`~service.batcher.Batcher` in front of it) and one worker
-thread per device. ``ModelHandle.infer`` validates a request against the model's config before
-it queues, so a bad request never reaches the batcher.
+thread per device. It alone holds the state of each version (READY, LOADING, UNLOADING,
+UNAVAILABLE and why): :meth:`ModelRepository.get` hands out only READY versions' handles, and
+a retired version's batcher refuses new requests.
 """
 
 from __future__ import annotations
@@ -18,23 +19,30 @@ import torch
 
 from service.batcher import Batcher, DeviceExecutors
 from service.config import (
+    DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
     VersionSource,
-    load_config,
     model_names,
     model_versions,
     valid_model_name,
     valid_version,
 )
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
-from service.handle import LOADING, READY, UNAVAILABLE, UNLOADING, ModelHandle, Result
+from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.pipeline import Artifacts, Pipeline, WireInput, load_artifacts, resolve_device
+from service.model_files import check_operator, load_version
+from service.pipeline import Artifacts, Pipeline, resolve_device
+from service.signature import Bound
 
-__all__ = ["ModelHandle", "ModelRepository"]
+log = logging.getLogger(__name__)
 
-log = logging.getLogger("bitserve.repository")
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+# CPU batches that take less CPU time than this run on the event loop, not in the device's
+# worker thread (see Batcher's inline_below_s): measured on the tiny model, the hop and the
+# GIL hand-offs cost more than such a batch. A CPU batch this short delays other requests by
+# no more than a request's own framing does.
+INLINE_BELOW_S = 300e-6
 
 
 @dataclass
@@ -54,6 +62,8 @@ class ModelRepository:
         metrics: optional metrics sink.
         default_device: the device for configs that say ``device = "auto"``.
         warmup: run a full-size batch through each model at load.
+        max_operator_bytes: the most bytes a model's response operator may take once built
+            (checked by :func:`service.model_files.load_version`, as ``check-repo`` does).
         initial_models: the models :meth:`start` loads; None: every model of the repository
             (``--workers``: the set the workers agreed on, see ``service.cluster``).
     """
@@ -65,9 +75,11 @@ class ModelRepository:
         metrics: Metrics | None = None,
         default_device: str = "auto",
         warmup: bool = True,
+        max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
         initial_models: list[str] | None = None,
     ) -> None:
         self.root = root
+        self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
         self.default_device = default_device
         self.warmup = warmup
@@ -221,7 +233,7 @@ class ModelRepository:
             new: dict[str, _Entry] = {}
             for v in versions:
                 cfg, pipeline = built[v]
-                batcher: Batcher[WireInput, Result] = Batcher(
+                batcher: Batcher[Bound, Result] = Batcher(
                     name,
                     pipeline.run,
                     max_batch_size=cfg.max_batch_size,
@@ -229,6 +241,7 @@ class ModelRepository:
                     max_queue_size=cfg.max_queue_size,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
+                    inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
                 )
                 batcher.start()
                 new[v] = _Entry(READY, "", ModelHandle(name, v, cfg, pipeline, batcher, versions))
@@ -252,6 +265,8 @@ class ModelRepository:
 
             cfg = demo_config()
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
+            check_operator(cfg, tensors, "<built-in demo>/config.toml",
+                           max_operator_bytes=self.max_operator_bytes)  # fmt: skip
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
                             source="<built-in demo>/config.toml")  # fmt: skip
@@ -260,13 +275,14 @@ class ModelRepository:
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg = load_config(src.config_path, src.source)
+                cfg, artifacts = load_version(src, max_operator_bytes=self.max_operator_bytes)
                 device = resolve_device(cfg.device, self.default_device, source=src.source)
-                artifacts = load_artifacts(src, cfg)
                 out[v] = (cfg, Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
                                         source=src.source))  # fmt: skip
             except ConfigError as exc:
                 problems += exc.problems
+                if exc.__cause__ is not None:  # a library's error: its text and traceback
+                    log.error("%s", "; ".join(exc.details), exc_info=exc.__cause__)
             except Exception as exc:  # a broken operator or model: report, don't crash
                 log.exception("model %s version %s failed to build", name, v)
                 problems.append(f"{src.source}: failed to build: {type(exc).__name__} "
@@ -276,9 +292,9 @@ class ModelRepository:
         return out
 
     async def _retire(self, name: str, entries: dict[str, _Entry], timeout_s: float = 30.0) -> None:
+        for e in entries.values():
+            e.state = UNLOADING
         handles = [e.handle for e in entries.values() if e.handle is not None]
-        for h in handles:
-            h.state = UNLOADING
         await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
 
     async def unload(self, name: str) -> None:

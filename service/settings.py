@@ -6,14 +6,14 @@ Precedence: command-line flag > environment variable > default.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+from service.config import DEFAULT_MAX_OPERATOR_BYTES
+from service.devices import cuda_count, parse_device
 
 
 class Settings(BaseSettings):
@@ -52,11 +52,24 @@ class Settings(BaseSettings):
     a slower upload is answered 408 and its connection closed (a client trickling bytes holds
     only what it has sent, and only this long)."""
 
+    max_operator_bytes: int = Field(default=DEFAULT_MAX_OPERATOR_BYTES, gt=0)
+    """Most bytes one model's response operator may take on its device once built (its band
+    of weights, window starts and row order). A bigger one, whether from a wide response, a
+    huge ``support`` or a fine grid too coarse for it, is refused at load with its size,
+    before anything is built; ``bitserve check-repo --max-operator-bytes`` applies the same
+    limit. The default, 1 GiB, is about 25 times the demo's operator."""
+
+    max_inflight_bytes: int = Field(default=256 << 20, ge=0)
+    """Most bytes of inference request bodies held at once, over all connections, while they
+    arrive and are computed; a request whose ``Content-Length`` would pass it is answered 503
+    with ``Retry-After`` before its body is read (0: no limit). Bounds the memory a crowd of
+    slow or large uploads can take."""
+
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
-    """Largest HTTP request head (request line and headers); enforced by the h11 parser."""
+    """Largest HTTP request head (request line and headers); larger is answered 431."""
 
     max_headers: int = Field(default=100, ge=8)
-    """Most request headers accepted; more are answered 431 (h11 counts only their bytes)."""
+    """Most request headers accepted; more are answered 431."""
 
     response_compression: Literal["auto", "always", "never"] = "auto"
     """Compress inference responses when the client's ``Accept-Encoding`` allows it:
@@ -79,14 +92,19 @@ class Settings(BaseSettings):
     warmup: bool = True
     """Run one batch through every model at load, so the first request is not slow."""
 
-    http: Literal["auto", "h11", "httptools"] = "h11"
-    """HTTP/1.1 parser; ``h11`` enforces ``max_header_bytes``, ``httptools`` is faster."""
-
     limit_concurrency: int | None = Field(default=None, gt=0)
-    """Connections plus tasks above which new requests get a 503 (unset: no limit). That 503
-    comes from uvicorn itself before the application runs: its body is the plain text
-    ``Service Unavailable`` (not ``{"error": ...}``) and it carries no ``Retry-After``, so
-    clients should treat any 503 as retryable with their own backoff."""
+    """Requests handled at once (per worker process) above which new ones are answered 503
+    with ``Retry-After`` (unset: no limit; the models' queues and ``max_inflight_bytes`` are
+    the finer bounds)."""
+
+    max_connections: int = Field(default=1000, gt=0)
+    """Open connections per worker process. A new connection beyond it closes the one that has
+    waited longest for a request head (slow or idle); when all are busy it is answered 503.
+    Lowered at start to fit the process's file-descriptor limit."""
+
+    head_timeout_s: float = Field(default=10.0, gt=0)
+    """Most seconds a request head (request line and headers) may take to arrive, from its
+    first byte or from the connection's opening; slower clients get a 408 and are closed."""
 
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""
@@ -119,20 +137,17 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device_syntax(cls, v: str) -> str:
-        if not _DEVICE.match(v):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+        parse_device(v)
         return v
 
     @model_validator(mode="after")
     def _check_host_resources(self) -> Settings:
         if self.model_repository is not None and not self.model_repository.is_dir():
             raise ValueError(f"model_repository {str(self.model_repository)!r} is not a folder")
-        if self.device.startswith("cuda"):
-            import torch  # only here: settings stay importable and cheap otherwise
-
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = int(self.device.split(":", 1)[1]) if ":" in self.device else 0
-            if index >= count:
+        kind, index = parse_device(self.device)
+        if kind == "cuda":
+            count = cuda_count()
+            if (index or 0) >= count:
                 raise ValueError(
                     f"device {self.device!r} requested but this host has {count} CUDA "
                     "device(s); use device='auto' or 'cpu'"

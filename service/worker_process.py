@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import logging.config
 import os
 import signal
 import socket
@@ -40,7 +39,6 @@ class WorkerSpec:
     interop_threads: int
     run_dir: str
     secret: str
-    log_config: dict[str, Any]
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -65,8 +63,9 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
     torch.set_num_interop_threads(spec.interop_threads)
-    log_config = _tagged(spec.log_config, f"w{spec.index}")
-    logging.config.dictConfig(log_config)
+    from service.observability import configure_logging
+
+    log_config = configure_logging(spec.settings.log_level, worker=spec.index)
     code = _serve_worker(spec, log_config)
     # Drained, models freed, sockets closed: what is left is the interpreter's teardown of
     # torch, seconds (per worker, on shared cores) that would only delay the server's exit.
@@ -112,15 +111,6 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # worker no connections, and its peers no repository changes.
     sockets = [bind_port(settings.host, spec.port), cluster.private_socket()]
     return run_server(server, sockets)
-
-
-def _tagged(log_config: dict[str, Any], tag: str) -> dict[str, Any]:
-    """``log_config`` with ``tag`` (the worker) after the logger name on every line."""
-    formatters = {
-        name: {**f, "format": f["format"].replace("%(name)s", f"%(name)s {tag}")}
-        for name, f in log_config.get("formatters", {}).items()
-    }
-    return {**log_config, "formatters": formatters}
 
 
 class _WorkerServer(uvicorn.Server):

@@ -55,7 +55,7 @@ __all__ = [
     "worker_device",
 ]
 
-log = logging.getLogger("bitserve.workers")
+log = logging.getLogger(__name__)
 
 CPU_WORKERS_CAP = 8
 """``auto`` on a host without a GPU: one worker per core, at most this many (each worker holds
@@ -193,22 +193,19 @@ def gpu_count(device: str = "auto") -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def supervise(settings: Settings, log_config: dict[str, Any], plan: WorkerPlan, gpus: int) -> int:
+def supervise(settings: Settings, plan: WorkerPlan, gpus: int) -> int:
     """Run ``plan.workers`` workers on ``settings.host:port`` until SIGTERM/SIGINT.
 
     Returns:
         the exit status: 0 after SIGTERM, 130 after SIGINT, 1 if the port cannot be bound or
         a worker fails to start before the server was ever ready.
     """
-    return _Supervisor(settings, log_config, plan, gpus).run()
+    return _Supervisor(settings, plan, gpus).run()
 
 
 class _Supervisor:
-    def __init__(
-        self, settings: Settings, log_config: dict[str, Any], plan: WorkerPlan, gpus: int
-    ) -> None:
+    def __init__(self, settings: Settings, plan: WorkerPlan, gpus: int) -> None:
         self.settings = settings
-        self.log_config = log_config
         self.plan = plan
         self.gpus = gpus
         self.secret = secrets.token_urlsafe(32)
@@ -281,7 +278,6 @@ class _Supervisor:
             interop_threads=self.plan.interop_threads,
             run_dir=str(self.run_dir),
             secret=self.secret,
-            log_config=self.log_config,
         )
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(target=run_worker, args=(spec,), name=f"bitserve-w{index}")

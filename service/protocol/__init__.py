@@ -13,17 +13,19 @@ from service.protocol.compression import (
 )
 from service.protocol.request import (
     HEADER_LENGTH,
+    InputChecker,
     RawInputSpec,
     decode_infer_request,
     parse_header_length,
-    raw_input_spec,
 )
 from service.protocol.response import EncodedResponse, dumps, encode_infer_response
 from service.protocol.types import (
     BF16,
     BYTES,
     DATATYPES,
+    REGISTRY,
     WIRE_DTYPES,
+    Datatype,
     InferRequest,
     InferResponse,
     RequestInput,
@@ -36,11 +38,14 @@ __all__ = [
     "BYTES",
     "DATATYPES",
     "HEADER_LENGTH",
+    "REGISTRY",
     "WIRE_DTYPES",
     "CompressionMode",
+    "Datatype",
     "EncodedResponse",
     "InferRequest",
     "InferResponse",
+    "InputChecker",
     "RawInputSpec",
     "RequestInput",
     "RequestOutput",
@@ -52,6 +57,5 @@ __all__ = [
     "dumps",
     "encode_infer_response",
     "parse_header_length",
-    "raw_input_spec",
     "worth_compressing",
 ]

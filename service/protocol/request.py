@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import orjson
 
 from service.errors import InvalidInput
 from service.protocol.tensors import (
@@ -40,11 +43,19 @@ from service.protocol.types import (
 )
 
 HEADER_LENGTH = "inference-header-content-length"
-# ``(name, datatype, shape)`` -> None, raising InvalidInput for a tensor the model refuses.
-InputCheck = Callable[[str, str, tuple[int, ...]], object]
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 # Request-level parameters this server understands; others are passed through, except the
 # ``triton_`` prefix which Triton reserves and we refuse rather than silently ignore.
 _RESERVED_PREFIX = "triton_"
+MAX_TIMEOUT_US = 2**63 - 1
+"""Largest ``parameters.timeout`` (µs) accepted: gRPC carries it as an int64; larger is a 400."""
+MAX_NAME_CHARS = 256
+"""Longest input or output name accepted (a model's names are at most 128 characters)."""
+MAX_ID_CHARS = 1024
+"""Longest request ``id`` accepted (it is echoed in the response)."""
+# C0 and C1 controls, DEL, and lone surrogates (JSON's "\ud800" escapes make them): echoed
+# in a message or a response they would garble logs and terminals, or fail to encode as UTF-8.
+_BAD_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -62,44 +73,34 @@ class RawInputSpec:
     shape: tuple[int, ...]
 
 
-def raw_input_spec(metadata: Mapping[str, Any]) -> RawInputSpec:
-    """Build the raw-form input spec from a model's V2 metadata (``ModelHandle.metadata()``).
+class InputChecker(Protocol):
+    """What the decoder asks of the model a request is for (``service.signature.Signature``)."""
 
-    Raises:
-        InvalidInput: the model does not have exactly one input, or it cannot be sized from a
-            byte count (BYTES, or several unknown dimensions).
-    """
-    name = metadata.get("name", "?")
-    inputs = metadata.get("inputs") or []
-    if len(inputs) != 1:
-        raise InvalidInput(
-            f"model {name!r} has {len(inputs)} inputs; the raw binary form "
-            "(Inference-Header-Content-Length: 0) needs a model with exactly one input"
-        )
-    inp = inputs[0]
-    datatype = str(inp["datatype"])
-    shape = tuple(int(d) for d in inp["shape"])
-    if datatype == BYTES or datatype not in DATATYPES:
-        raise InvalidInput(f"the raw binary form does not support {datatype} inputs")
-    if sum(d < 0 for d in shape) > 1:
-        raise InvalidInput(
-            f"input {inp['name']!r} of shape {list(shape)} has several variable dimensions; "
-            "the raw binary form cannot size it"
-        )
-    return RawInputSpec(str(inp["name"]), datatype, shape)
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        """Check one input's name, datatype and shape before its data are converted; returns
+        its batch size. Raises InvalidInput for a tensor the model refuses."""
+        ...
+
+    def raw_spec(self) -> RawInputSpec:
+        """The model's only input, for the raw binary form (InvalidInput if it has several)."""
+        ...
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
-    """Parse ``Inference-Header-Content-Length``; None when the header is absent."""
+    """Parse ``Inference-Header-Content-Length``; None when the header is absent.
+
+    Only ASCII digits, as HTTP's own Content-Length: no sign, spaces, underscores or other
+    scripts' digits (all of which Python's ``int`` would take).
+    """
     if value is None:
         return None
-    try:
-        n = int(value.strip())
-    except ValueError:
+    if not (value.isascii() and value.isdigit()) or len(value) > 20:
         raise InvalidInput(
-            f"Inference-Header-Content-Length must be an integer, got {value!r}"
-        ) from None
-    if n < 0 or n > body_length:
+            "Inference-Header-Content-Length must be an integer in ASCII digits (no sign, "
+            f"spaces or separators), got {value[:32]!r}"
+        )
+    n = int(value)
+    if n > body_length:
         raise InvalidInput(
             f"Inference-Header-Content-Length {n} is outside the body of {body_length} bytes"
         )
@@ -107,10 +108,9 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
 
 
 def decode_infer_request(
-    body: bytes | bytearray,
+    body: bytes | bytearray | memoryview,
     header_length: int | None,
-    raw_spec: Callable[[], RawInputSpec] | None = None,
-    check_input: InputCheck | None = None,
+    model: InputChecker | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -118,11 +118,10 @@ def decode_infer_request(
         body: the whole (decompressed) request body.
         header_length: the parsed ``Inference-Header-Content-Length`` (see
             :func:`parse_header_length`), or None when the header was absent.
-        raw_spec: called only for the raw binary form, returns the model's single input (the
-            app passes ``lambda: raw_input_spec(handle.metadata())``).
-        check_input: called with each input's ``(name, datatype, shape)`` before its data are
-            converted (the app passes ``handle.check_input``): a tensor the model refuses is
-            refused before any element is parsed.
+        model: the model the request is for: each input's name, datatype and shape go to its
+            ``check_input`` before the input's data are converted, so a tensor the model
+            refuses costs no element parsing; the raw binary form takes its input from
+            ``raw_spec``. None decodes without model checks (the raw form is then refused).
 
     Returns:
         the request; binary input data are read-only views over ``body``.
@@ -132,25 +131,39 @@ def decode_infer_request(
     """
     view = memoryview(body)
     if header_length == 0:
-        if raw_spec is None:
+        if model is None:
             raise InvalidInput("the raw binary form needs a model with a single input")
-        return _decode_raw(view, raw_spec())
-    n = len(body) if header_length is None else header_length
+        return _decode_raw(view, model)
+    n = len(view) if header_length is None else header_length
     header = _load_json(view[:n])
-    return _decode_header(header, view[n:], binary=header_length is not None, check=check_input)
+    return _decode_header(header, view[n:], binary=header_length is not None, model=model)
 
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
     try:
-        obj = json.loads(bytes(buf))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise InvalidInput(f"request JSON is malformed: {e}") from None
+        # orjson is several times faster than json on the small headers of V2 requests, but
+        # it reads an integer outside [-2**63, 2**64) as a float: such numbers (19 digits or
+        # more) go to json, which keeps them integers for the range checks' messages.
+        if _LONG_NUMBER.search(buf):
+            raise orjson.JSONDecodeError("a long number", "", 0)
+        obj = orjson.loads(buf)
+    except orjson.JSONDecodeError:
+        # And what orjson refuses and json reads: NaN and Infinity (which V2 clients such
+        # as tritonclient write for such floats), nesting past 1024 levels. Malformed JSON
+        # is refused here with json's message.
+        try:
+            obj = json.loads(bytes(buf))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise InvalidInput(f"request JSON is malformed: {e}") from None
     if not isinstance(obj, dict):
         raise InvalidInput("request JSON must be an object")
     return obj
 
 
-def _decode_raw(view: memoryview, spec: RawInputSpec) -> InferRequest:
+def _decode_raw(view: memoryview, model: InputChecker) -> InferRequest:
+    spec = model.raw_spec()
+    if spec.datatype == BYTES or spec.datatype not in DATATYPES:
+        raise InvalidInput(f"the raw binary form does not support {spec.datatype} inputs")
     itemsize = DATATYPES[spec.datatype].itemsize
     fixed = math.prod(d for d in spec.shape if d >= 0)
     item_bytes = fixed * itemsize
@@ -164,6 +177,7 @@ def _decode_raw(view: memoryview, spec: RawInputSpec) -> InferRequest:
             )
         batch = view.nbytes // item_bytes
         shape = tuple(batch if d < 0 else d for d in shape)
+    model.check_input(spec.name, spec.datatype, shape)
     what = f"input {spec.name!r}"
     data = from_binary(view, spec.datatype, shape, what)
     inp = RequestInput(spec.name, spec.datatype, shape, data, {})
@@ -183,6 +197,22 @@ def _check_parameters(params: object, what: str) -> dict[str, Any]:
     return params
 
 
+def check_text(value: object, what: str, limit: int) -> str:
+    """``value`` if it is a non-empty string of at most ``limit`` characters, without control
+    characters or lone surrogates, else InvalidInput naming ``what`` (never echoing it raw)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{what} must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidInput(f"{what} is {len(value)} characters long; at most {limit} allowed")
+    bad = _BAD_TEXT.search(value)
+    if bad is not None:
+        kind = "a lone surrogate" if "\ud800" <= bad.group() <= "\udfff" else "a control character"
+        raise InvalidInput(
+            f"{what} contains {kind} (U+{ord(bad.group()):04X}) at position {bad.start()}"
+        )
+    return value
+
+
 def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
     v = params.get(key)
     if v is None:
@@ -193,18 +223,26 @@ def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
 
 
 def _decode_header(
-    header: dict[str, Any], rest: memoryview, *, binary: bool, check: InputCheck | None
+    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
 ) -> InferRequest:
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput("request 'id' must be a string")
+    if rid:  # "" is echoed as it came
+        check_text(rid, "request 'id'", MAX_ID_CHARS)
     params = _check_parameters(header.get("parameters"), "request")
     binary_out = _bool_param(params, "binary_data_output", "request") or False
     timeout = params.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
-        raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {timeout!r}")
-    if timeout is not None and timeout < 0:
-        raise InvalidInput(f"request: parameter 'timeout' must be >= 0 µs, got {timeout}")
+        shown = repr(timeout)[:40]
+        raise InvalidInput(f"request: parameter 'timeout' must be an integer (µs), got {shown}")
+    if timeout is not None and not 0 <= timeout <= MAX_TIMEOUT_US:
+        shown = (
+            str(timeout) if abs(timeout) < 10**30 else f"a {len(str(abs(timeout)))}-digit number"
+        )
+        raise InvalidInput(
+            f"request: parameter 'timeout' must be between 0 and {MAX_TIMEOUT_US} µs, got {shown}"
+        )
 
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -213,7 +251,7 @@ def _decode_header(
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, binary=binary, check=check)
+        inp, size = _decode_input(item, i, rest, offset, binary=binary, model=model)
         if inp.name in seen:
             raise InvalidInput(f"input {inp.name!r} appears more than once")
         seen.add(inp.name)
@@ -242,19 +280,17 @@ def _decode_input(
     offset: int,
     *,
     binary: bool,
-    check: InputCheck | None,
+    model: InputChecker | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
-    name = item.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
+    name = check_text(item.get("name"), f"inputs[{index}]: 'name'", MAX_NAME_CHARS)
     what = f"input {name!r}"
     datatype = check_datatype(item.get("datatype"), what)
     shape = check_shape(item.get("shape"), what)
     params = _check_parameters(item.get("parameters"), what)
-    if check is not None:
-        check(name, datatype, shape)
+    if model is not None:
+        model.check_input(name, datatype, shape)
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in item:
@@ -296,9 +332,7 @@ def _decode_outputs(raw: object) -> list[RequestOutput] | None:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidInput(f"outputs[{i}] must be an object")
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"outputs[{i}]: 'name' must be a non-empty string")
+        name = check_text(item.get("name"), f"outputs[{i}]: 'name'", MAX_NAME_CHARS)
         what = f"output {name!r}"
         if name in seen:
             raise InvalidInput(f"{what} is requested more than once")

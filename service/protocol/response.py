@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from service.protocol.compression import compress
 from service.protocol.tensors import as_bf16_bits, to_binary_bytes, to_json_data
@@ -38,6 +39,18 @@ def dumps(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def error_body(message: str) -> bytes:
+    """The body of every non-200 answer, ``{"error": message}``, escaped to ASCII: any
+    message makes valid JSON bytes (a lone surrogate an attacker put in a name included)."""
+    return json.dumps({"error": message}).encode()
+
+
+def dumps_plain(obj: object) -> bytes:
+    """:func:`dumps` for objects without floats (orjson, many times faster; it would write
+    a NaN as ``null``): the headers of binary responses, error bodies, descriptions."""
+    return orjson.dumps(obj)
+
+
 def _binary_payload(out: ResponseOutput) -> bytes | memoryview:
     if out.datatype == BYTES:
         return to_binary_bytes(out.data)
@@ -58,19 +71,16 @@ def wants_binary(request: InferRequest | None, name: str) -> bool:
     return request.binary_data_output
 
 
-def encode_infer_response(
-    response: InferResponse, request: InferRequest | None, *, encoding: str | None = None
-) -> EncodedResponse:
+def encode_infer_response(response: InferResponse, request: InferRequest | None) -> EncodedResponse:
     """Frame ``response`` for the client that sent ``request``.
 
     Args:
         response: the data plane's result.
         request: the decoded request (its output and binary preferences), or None for JSON.
-        encoding: ``"gzip"``/``"deflate"`` to compress the body (see ``choose_encoding``).
 
     Returns:
         the body and its headers (``Inference-Header-Content-Length`` when any output is
-        binary, ``Content-Encoding`` when compressed).
+        binary); :func:`compress_response` compresses it.
     """
     outs: list[dict[str, Any]] = []
     payloads: list[bytes | memoryview] = []
@@ -99,7 +109,8 @@ def encode_infer_response(
     if response.parameters:
         head["parameters"] = response.parameters
     head["outputs"] = outs
-    header = dumps(head)
+    # Without JSON tensor data the header holds names, shapes and sizes: no floats.
+    header = dumps_plain(head) if len(payloads) == len(outs) else dumps(head)
     headers: dict[str, str] = {}
     media_type = JSON_TYPE
     if payloads:
@@ -108,7 +119,12 @@ def encode_infer_response(
         body = b"".join([header, *payloads])  # the one copy of the output data
     else:
         body = header
-    if encoding:
-        body = compress(body, encoding)
-        headers["Content-Encoding"] = encoding
     return EncodedResponse(body, headers, media_type, len(header) if payloads else None)
+
+
+def compress_response(enc: EncodedResponse, encoding: str) -> EncodedResponse:
+    """``enc`` with its body compressed with ``gzip`` or ``deflate`` (see ``choose_encoding``);
+    ``Inference-Header-Content-Length`` keeps describing the uncompressed body, as Triton's
+    does."""
+    headers = {**enc.headers, "Content-Encoding": encoding}
+    return EncodedResponse(compress(enc.body, encoding), headers, enc.media_type, enc.binary_from)

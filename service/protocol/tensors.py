@@ -253,7 +253,13 @@ def from_json(
         for i, v in enumerate(strings):
             if not isinstance(v, str):
                 raise InvalidInput(f"{what}: BYTES data must be strings, got {type(v).__name__}")
-            out[i] = v.encode()
+            try:
+                out[i] = v.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate, from a "\ud800" escape
+                raise InvalidInput(
+                    f"{what}: BYTES element {i} contains a lone surrogate "
+                    f"(U+{ord(v[e.start]):04X}) at position {e.start}; it has no UTF-8 form"
+                ) from None
         return out.reshape(shape)
     if datatype == BF16:
         f32 = _fixed_from_json(data, datatype, np.dtype("<f4"), shape, what)

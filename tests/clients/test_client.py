@@ -1,25 +1,20 @@
 """Client and AsyncClient over httpx.MockTransport: framing, errors, retries, caching.
 
-Each behaviour runs for both clients through the ``call`` fixture, which hides the
-difference between ``client.x(...)`` and ``await client.x(...)``.
+Each behaviour runs for both clients through the ``make`` fixture (conftest.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import httpx
 import numpy as np
 import pytest
 from bitserve_client import (
-    AsyncClient,
     BitserveError,
-    Client,
     ConnectError,
     DeadlineExceeded,
     InvalidInputError,
@@ -31,63 +26,8 @@ from bitserve_client import (
     Unavailable,
 )
 
-from .fake_v2 import FakeV2, async_handler, reference_bits
-
-
-class Harness:
-    """One client (sync or async) on a FakeV2, with recorded backoff sleeps."""
-
-    def __init__(self, kind: str, fake: FakeV2, **kwargs: Any) -> None:
-        self.kind, self.fake = kind, fake
-        self.sleeps: list[float] = []
-        kwargs.setdefault("retries", Retry(retries=3, backoff=0.01))
-        if kind == "sync":
-            self.client: Client | AsyncClient = Client(
-                "http://fake:1", transport=httpx.MockTransport(fake.handler), **kwargs
-            )
-            self.client.sleep = self.sleeps.append
-        else:
-
-            async def handler(request: httpx.Request) -> httpx.Response:
-                return await async_handler(fake, request)
-
-            async def sleep(s: float) -> None:
-                self.sleeps.append(s)
-
-            self.client = AsyncClient(
-                "http://fake:1", transport=httpx.MockTransport(handler), **kwargs
-            )
-            self.client.sleep = sleep
-
-    def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        fn = getattr(self.client, method)
-        if self.kind == "sync":
-            return fn(*args, **kwargs)
-
-        async def run() -> Any:
-            return await fn(*args, **kwargs)
-
-        return asyncio.run(run())
-
-    def close(self) -> None:
-        if isinstance(self.client, Client):
-            self.client.close()
-        else:
-            asyncio.run(self.client.aclose())
-
-
-@pytest.fixture(params=["sync", "async"])
-def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def factory(fake: FakeV2 | None = None, **kwargs: Any) -> Harness:
-        h = Harness(request.param, fake or FakeV2(), **kwargs)
-        made.append(h)
-        return h
-
-    yield factory
-    for h in made:
-        h.close()
+from .conftest import Harness
+from .fake_v2 import FakeV2, reference_bits
 
 
 def error(status: int, message: str, **headers: str) -> httpx.Response:
@@ -328,7 +268,7 @@ def test_read_timeout_is_not_retried(make: Callable[..., Harness]) -> None:
 
 def test_server_deadline_is_sent_in_microseconds(make: Callable[..., Harness]) -> None:
     h = make()
-    h("infer", "bits", np.zeros((1, 3, 13), bool), timeout=0.5)
+    h("infer", "bits", np.zeros((1, 3, 13), bool), deadline=0.5)
     req = h.fake.requests[-1]
     head = json.loads(req.content[: int(req.headers["Inference-Header-Content-Length"])])
     assert head["parameters"]["timeout"] == 500000

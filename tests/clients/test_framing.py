@@ -22,7 +22,7 @@ def test_binary_request_body_is_header_then_raw_bytes() -> None:
         [WireTensor("x", "UINT8", x), WireTensor("y", "FP32", y)],
         ["out"],
         request_id="r1",
-        timeout_s=0.25,
+        deadline_s=0.25,
     )
     head = json.dumps(
         {

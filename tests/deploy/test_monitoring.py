@@ -44,9 +44,9 @@ def exported_series() -> dict[str, set[str]]:
     """Sample name -> label names, from a real Metrics after one call of every observer."""
     m = Metrics()
     m.observe_request("demo", "success", 0.01)
-    m.observe_queue("demo", 0.001)
+    m.observe_queue("demo", [0.001])
     m.observe_batch("demo", items=4, requests=2, compute_seconds=0.005)
-    m.set_queue_depth("demo", 3)
+    m.add_queue_depth("demo", 3)
     m.set_device_memory("demo", "cuda:0", 1 << 20)
     m.in_flight.inc()
     series: dict[str, set[str]] = {}
@@ -328,7 +328,14 @@ def test_prometheus_scrapes_a_real_server_and_the_dashboard_shows_it(
         assert value("Requests / s", "requests/s") > 0
         assert len(results[("Request rate by replica", "{{instance}}")]) == 1
         assert 0 < value("Latency percentiles", "p50") <= value("Latency percentiles", "p99")
-        assert value("Queue time", "p99") >= 0
+        # Each request above is sent alone, so it waits out the demo model's whole batching
+        # window before its batch starts: the queue-time panel must show at least that (it
+        # fails on a panel without data, or on a queue time that misses the wait).
+        config = httpx.get(f"{server.url}/v2/models/demo/config", timeout=30).json()
+        window_s = config["dynamic_batching"]["max_queue_delay_microseconds"] / 1e6
+        assert window_s > 0
+        assert window_s <= value("Queue time", "p99")
+        assert value("Queue time", "p50") <= value("Queue time", "p99")
         assert value("Compute time per batch", "p50") > 0
         assert value("Batch size", "mean items / batch") >= 1
         assert value("Batch size", "mean requests / batch") >= 1

@@ -76,8 +76,8 @@ class BitserveServer:
         """Everything the server has written so far."""
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Poll ``/v2/health/ready`` until 200; fail with the log tail if it dies or times out."""
+    def wait_ready(self, timeout: float = 120.0, path: str = "/v2/health/ready") -> None:
+        """Poll ``path`` until 200; fail with the log tail if it dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -86,7 +86,7 @@ class BitserveServer:
                     + self.log()[-4000:]
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/v2/health/ready", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"bitserve not ready after {timeout}s:\n" + self.log()[-4000:])
@@ -111,6 +111,7 @@ def start_server(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     log_dir: Path | None = None,
+    ready: bool = True,
 ) -> Iterator[BitserveServer]:
     """Start ``bitserve serve`` on a free loopback port, wait until ready, stop it afterwards.
 
@@ -120,6 +121,8 @@ def start_server(
         env: extra environment variables (e.g. ``{"BITSERVE_MAX_BODY_BYTES": "1024"}``).
         timeout: seconds to wait for readiness.
         log_dir: where the log file goes (a temporary folder by default).
+        ready: wait for ``/v2/health/ready``; False waits for ``/v2/health/live`` only (a
+            repository with a model that fails to load is never ready).
 
     Yields:
         the running server; it is stopped with SIGTERM (then SIGKILL) on exit.
@@ -144,7 +147,7 @@ def start_server(
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
         server = BitserveServer(proc, port, log_path, cmd)
         try:
-            server.wait_ready(timeout)
+            server.wait_ready(timeout, "/v2/health/ready" if ready else "/v2/health/live")
         except RuntimeError:
             server.terminate(10)
             # Another process may have taken the port between free_port() and bind().

@@ -191,7 +191,7 @@ def test_client_timeout_raises_timeout_exception(url: str) -> None:
 
 def test_server_deadline_raises_deadline_exceeded(url: str) -> None:
     with Client(url, timeout=30) as client, pytest.raises(DeadlineExceeded) as info:
-        client.infer("slow", random_bits(1)[0], timeout=0.05)
+        client.infer("slow", random_bits(1)[0], deadline=0.05)
     assert info.value.status == 504
     assert isinstance(info.value, TimeoutError)
 

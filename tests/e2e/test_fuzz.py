@@ -4,14 +4,16 @@ Every malformed request must get a 4xx with ``{"error": "<message>"}``; the serv
 and its memory bounded. The V2 body cases cover: the binary header length negative, beyond
 the body or not a number; truncated and over-long tensors; size/shape mismatches; negative,
 zero and huge dimensions; every wrong datatype; invalid JSON, non-UTF-8, deep nesting;
-duplicate input names; gzip and deflate bombs; unsupported encodings. Each test prints how
-many cases it tried.
+duplicate input names; gzip and deflate bombs; unsupported encodings; lone surrogates and
+control characters in ids and names (in bodies and URLs); absurd timeouts. Each test prints
+how many cases it tried; ``FUZZ_EXAMPLES`` sets the number of V2 bodies (default 250).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -71,6 +73,10 @@ def _binary(head: bytes, data: bytes, hlen: str | None = None) -> tuple[dict[str
     }, head + data
 
 
+# a lone surrogate or a control character (C0, DEL, C1)
+BAD_TEXT = ["\ud800", "\udfff", "\udbff\udbff", "\x00", "\x1b[2J", "\n", "\x7f", "\x9b"]
+
+
 @st.composite
 def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
     """(what, headers, body) of a malformed V2 request to the demo model."""
@@ -80,17 +86,39 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
             [
                 "hlen", "truncated", "overlong", "shape", "dims", "datatype", "json",
                 "utf8", "nesting", "duplicate", "json-data", "names", "encoding", "garbage",
+                "text", "timeout",
             ]
         )
     )  # fmt: skip
     head = _header([_spec()])
     if kind == "hlen":
+        n = str(len(head))
         hlen = draw(
             st.sampled_from(["-1", "-100", "abc", "", "1e3", "0x10", "+5", "9" * 30])
+            # what Python's int() would take for the right length (spaces around a header
+            # value are HTTP's optional whitespace, stripped before the server sees it)
+            | st.sampled_from([f"+{n}", f"{n[0]}_{n[1:]}", f"{n}.0", f"{n}\t{n}", "-0"])
             | st.integers(len(head) + len(data) + 1, 10**9).map(str)
             | st.integers(1, len(head) - 1).map(str)
         )
         return kind, *_binary(head, data, hlen)
+    if kind == "text":
+        # a lone surrogate or a control character in a text field the server echoes
+        any_text = st.text(st.characters(exclude_categories=()), max_size=4)
+        bad = draw(any_text) + draw(st.sampled_from(BAD_TEXT)) + draw(any_text)
+        where = draw(st.sampled_from(["id", "input", "output"]))
+        spec = _spec()
+        extra: dict[str, Any] = {"id": f"r{bad}"} if where == "id" else {}
+        if where == "input":
+            spec["name"] = f"spikes{bad}"
+        if where == "output":
+            extra["outputs"] = [{"name": f"resampled{bad}"}]
+        return kind, *_binary(_header([spec], **extra), data)
+    if kind == "timeout":
+        timeout = draw(
+            st.sampled_from([10**400, 10**309, 2**63, -1, -(2**70), 1e309, 1.5, "10", True, [1]])
+        )
+        return kind, *_binary(_header([_spec()], parameters={"timeout": timeout}), data)
     if kind == "truncated":
         cut = draw(st.integers(1, ITEM))
         return kind, *_binary(head, data[: ITEM - cut])
@@ -187,7 +215,7 @@ def test_fuzzed_v2_bodies_get_4xx_errors(server: BitserveServer, pool: Pool) -> 
     rss0 = tree_rss_bytes(server.process.pid)
 
     @settings(
-        max_examples=250,
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "250")),
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -208,6 +236,27 @@ def test_fuzzed_v2_bodies_get_4xx_errors(server: BitserveServer, pool: Pool) -> 
     rss1 = tree_rss_bytes(server.process.pid)
     print(f"RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB")
     assert rss1 < rss0 * 1.25
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2/models/%ED%A0%80/infer",  # a UTF-8-encoded lone surrogate
+        "/v2/models/%FF%FE/ready",  # not UTF-8
+        "/v2/models/a%1B%5B2Jb",  # an escape sequence
+        "/v2/models/a%00b/config",
+        "/v2/models/demo/versions/%ED%B0%80/infer",
+        "/v2/models/demo/versions/1%0A2/ready",
+        "/v2/models/" + "n" * 5000,
+    ],
+)
+def test_hostile_model_names_in_urls(server: BitserveServer, path: str) -> None:
+    method = "POST" if path.endswith("infer") else "GET"
+    r = httpx.request(method, server.url + path, content=b"{}", timeout=30)
+    _assert_4xx_error(r, path)
+    error = r.json()["error"]
+    assert error.isprintable(), ascii(error)  # echoed names are escaped
+    assert len(error) < 1000
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])

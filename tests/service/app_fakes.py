@@ -1,7 +1,8 @@
 """A tiny in-memory repository for transport tests of the app (not for end-to-end tests).
 
-It implements the repository contract (``service.endpoints.Repository``) with trivial models
-so the HTTP layer can be tested on its own: framing, errors, auth, limits, compression.
+Its handles are real :class:`service.handle.ModelHandle` objects with a real signature and a
+real batcher; only the device pipeline is replaced by NumPy maths, so the HTTP layer and the
+data plane can be tested on their own: framing, errors, auth, limits, compression.
 
 * ``echo``: input ``x`` UINT8 ``[-1, 4]``; outputs ``y`` FP32 = 2·x and ``n`` INT64 = row sums.
 * ``boom``: same input, its compute raises an unexpected exception (the app must answer 500).
@@ -10,80 +11,94 @@ so the HTTP layer can be tested on its own: framing, errors, auth, limits, compr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded
-from service.protocol.types import InferRequest, InferResponse, ResponseOutput
+from service.batcher import Batcher
+from service.config import ModelConfig
+from service.errors import ModelNotFound, ModelNotReady, Overloaded
+from service.handle import ModelHandle, Result
+from service.protocol.types import InferRequest
+from service.signature import Bound, Signature
+
+ECHO_CONFIG = ModelConfig.model_validate(
+    {
+        "max_batch_size": 65536,
+        "inputs": [{"name": "x", "datatype": "UINT8", "shape": [4]}],
+        "model": {"file": "never-loaded.pt"},
+        "outputs": [
+            {"name": "y", "datatype": "FP32", "shape": [4]},
+            {"name": "n", "datatype": "INT64", "shape": []},
+        ],
+    }
+)
 
 
-class FakeHandle:
-    """One fake model version."""
+class _RecordingSignature(Signature):
+    """The real signature, recording what the decoder checked and what was bound."""
 
-    def __init__(self, name: str, version: str = "1") -> None:
-        self.name = name
-        self.version = version
+    def __init__(self, handle: FakeHandle, cfg: ModelConfig, shapes: list[list[int]]) -> None:
+        super().__init__(handle.name, cfg, shapes)
+        self.handle = handle
+
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        self.handle.checked.append((name, datatype, shape))
+        return super().check_input(name, datatype, shape)
+
+    def bind(self, request: InferRequest) -> Bound:
+        self.handle.requests.append(request)
+        return super().bind(request)
+
+
+class _AlwaysFull(Batcher[Bound, Result]):
+    def check_capacity(self) -> None:
+        raise Overloaded(f"model {self.name!r} queue is full", retry_after=2)
+
+
+class FakeHandle(ModelHandle):
+    """One fake model version: the echo maths, or its variants by name (see the module)."""
+
+    def __init__(self, name: str, version: str = "1", cfg: ModelConfig = ECHO_CONFIG) -> None:
+        shapes = [list(o.shape or []) for o in cfg.outputs]
+        pipeline = SimpleNamespace(
+            output_shapes=shapes, device=SimpleNamespace(type="cpu"), device_memory_bytes=0
+        )
+        kind = _AlwaysFull if name == "busy" else Batcher
+        batcher = kind(
+            name,
+            self._run,
+            max_batch_size=cfg.max_batch_size,
+            max_queue_delay_us=0,
+            max_queue_size=16,
+        )
+        super().__init__(name, version, cfg, pipeline, batcher, [version])  # type: ignore[arg-type]
+        self.signature = _RecordingSignature(self, cfg, shapes)
         self.requests: list[InferRequest] = []
         self.checked: list[tuple[str, str, tuple[int, ...]]] = []
 
-    def is_ready(self) -> bool:
-        return True
+    async def submit(self, bound: Bound, timeout_us: int | None = None) -> tuple[Result, Any]:
+        self.batcher.start()  # a no-op once started; tests swap handles in at any time
+        return await super().submit(bound, timeout_us)
 
-    def metadata(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": [self.version],
-            "platform": "bitserve",
-            "inputs": [{"name": "x", "datatype": "UINT8", "shape": [-1, 4]}],
-            "outputs": [
-                {"name": "y", "datatype": "FP32", "shape": [-1, 4]},
-                {"name": "n", "datatype": "INT64", "shape": [-1]},
-            ],
-        }
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "platform": "bitserve", "max_batch_size": 8}
-
-    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
-        """The decoder's early check: only the datatype (names are checked by ``infer``)."""
-        self.checked.append((name, datatype, shape))
-        if datatype != "UINT8":
-            raise InvalidInput(f"model {self.name!r}: input {name!r} must be UINT8, not {datatype}")
-        return shape[0] if shape else 1
-
-    async def infer(self, request: InferRequest) -> InferResponse:
-        self.requests.append(request)
+    def compute(self, bound: Bound) -> Result:
+        """One request's outputs, in config order."""
         if self.name == "boom":
             raise RuntimeError("secret internal detail")
-        if self.name == "busy":
-            raise Overloaded(f"model {self.name!r} queue is full", retry_after=2)
-        by_name = {i.name: i for i in request.inputs}
-        if set(by_name) != {"x"}:
-            raise InvalidInput(f"model {self.name!r} takes exactly the input 'x'")
-        x = by_name["x"].data.astype(np.float64)
-        outs = {
-            "y": ResponseOutput("y", "FP32", x.shape, (2 * x).astype(np.float32)),
-            "n": ResponseOutput("n", "INT64", x.shape[:1], x.sum(axis=1).astype(np.int64)),
-        }
-        names = [o.name for o in request.outputs] if request.outputs else list(outs)
-        for n in names:
-            if n not in outs:
-                raise InvalidInput(f"model {self.name!r} has no output {n!r}")
-        return InferResponse(
-            self.name,
-            self.version,
-            request.id,
-            [outs[n] for n in names],
-            parameters={"batch_size": x.shape[0], "batch_requests": 1},
-        )
+        x = bound.inputs[0].data.astype(np.float64)
+        return [(2 * x).astype(np.float32), x.sum(axis=1).astype(np.int64)]
+
+    def _run(self, requests: Sequence[Bound]) -> list[Result]:
+        return [self.compute(b) for b in requests]
 
 
 class FakeRepository:
     """Models ``echo``, ``boom`` and ``busy``; ``ready`` can be switched off by a test."""
 
     def __init__(self) -> None:
-        self.models = {n: FakeHandle(n) for n in ("echo", "boom", "busy")}
+        self.models: dict[str, FakeHandle] = {n: FakeHandle(n) for n in ("echo", "boom", "busy")}
         self.started = False
         self.stopped = False
         self.is_ready = True
@@ -98,6 +113,8 @@ class FakeRepository:
         self.started = True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
+        for h in self.models.values():
+            await h.batcher.stop(timeout_s)
         self.stopped = True
 
     def index(self) -> list[dict[str, Any]]:

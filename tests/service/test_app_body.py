@@ -17,15 +17,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from starlette.requests import Request
 
-import service.endpoints as endpoints
+import service.dataplane as dataplane
 import service.protocol.tensors as tensors
 from service.app import create_app
-from service.endpoints import read_body
-from service.errors import InvalidInput, ModelNotReady, RequestTimeout
-from service.protocol.types import InferRequest, InferResponse
+from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
+from service.fastpath import Receive, parse_content_length, read_body
 from service.settings import Settings
+from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
 
 pytestmark = pytest.mark.anyio
@@ -83,15 +82,15 @@ def binary_body(
 
 
 def on_thread_recorder(monkeypatch: pytest.MonkeyPatch, attr: str) -> list[bool]:
-    """Wrap ``service.endpoints.<attr>`` to record whether each call ran off the main thread."""
+    """Wrap ``service.dataplane.<attr>`` to record whether each call ran off the main thread."""
     calls: list[bool] = []
-    real: Callable[..., Any] = getattr(endpoints, attr)
+    real: Callable[..., Any] = getattr(dataplane, attr)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.current_thread() is not threading.main_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(endpoints, attr, wrapped)
+    monkeypatch.setattr(dataplane, attr, wrapped)
     return calls
 
 
@@ -108,7 +107,7 @@ async def test_bytes_for_a_model_without_bytes_is_refused_before_parsing_element
     n = 20_000  # 80 KB of empty strings behind a small JSON header
     body, headers = binary_body("x", "BYTES", [n, 4 // 4], struct.pack("<I", 0) * n)
     resp = await client.post("/v2/models/echo/infer", content=body, headers=headers)
-    assert_error(resp, 400, "input 'x' must be UINT8, not BYTES")
+    assert_error(resp, 400, "input 'x' has datatype BYTES; expected UINT8 [-1, 4]")
     assert repo.models["echo"].checked == [("x", "BYTES", (n, 1))]
     assert repo.models["echo"].requests == []
 
@@ -171,7 +170,7 @@ async def test_json_body_over_max_json_bytes_is_413_naming_the_binary_extension(
 
 
 class _Retired(FakeHandle):
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def compute(self, bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
         raise ModelNotReady(f"model '{self.name}' version {self.version} is not ready")
 
 
@@ -197,7 +196,7 @@ async def test_reload_during_upload_serves_the_new_version(
 # ---- read_body ---------------------------------------------------------------------------------
 
 
-def _request(headers: dict[str, str], chunks: list[bytes], then_wait: bool = False) -> Request:
+def _receive(chunks: list[bytes], then_wait: bool = False) -> Receive:
     pending = list(chunks)
 
     async def receive() -> dict[str, Any]:
@@ -211,42 +210,44 @@ def _request(headers: dict[str, str], chunks: list[bytes], then_wait: bool = Fal
             await asyncio.sleep(3600)
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-    }
-    return Request(scope, receive)
+    return receive
 
 
 @pytest.mark.parametrize("declared", ["-1", "+5", "1_0", " 5", "5 ", "0x5", "five", "\u0665"])
 async def test_malformed_content_length_is_refused(declared: str) -> None:
     with pytest.raises(InvalidInput, match="malformed Content-Length"):
-        await read_body(_request({"content-length": declared}, [b"12345"]), 100)
+        parse_content_length(declared.encode())
+    assert parse_content_length(b"0123") == 123
 
 
 async def test_read_body_reads_declared_and_chunked_bodies() -> None:
     data = os.urandom(3 << 20)
     parts = [data[i : i + 65536] for i in range(0, len(data), 65536)]
-    got = await read_body(_request({"content-length": str(len(data))}, parts), 4 << 20)
-    assert bytes(got) == data
-    assert bytes(await read_body(_request({}, parts), 4 << 20)) == data
-    assert (
-        bytes(await read_body(_request({"content-length": "5"}, [b"12", b"345"]), 10)) == b"12345"
-    )
+
+    async def read(chunks: list[bytes], declared: int | None, limit: int) -> bytes:
+        return bytes(
+            await read_body(_receive(chunks), declared=declared, limit=limit, timeout_s=None)
+        )
+
+    assert await read(parts, len(data), 4 << 20) == data
+    assert await read(parts, None, 4 << 20) == data
+    assert await read([b"12", b"345"], 5, 10) == b"12345"
     with pytest.raises(InvalidInput, match="ended after 3 of 5 bytes"):
-        await read_body(_request({"content-length": "5"}, [b"123"]), 10)
+        await read([b"123"], 5, 10)
     with pytest.raises(InvalidInput, match="ended after 2000000 of 2000001 bytes"):
-        await read_body(_request({"content-length": "2000001"}, [bytes(2_000_000)]), 4 << 20)
+        await read([bytes(2_000_000)], 2_000_001, 4 << 20)
+    with pytest.raises(InvalidInput, match="longer than its Content-Length"):
+        await read([b"12", b"3456"], 5, 10)
+    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 10 bytes"):
+        await read([b"123456", b"78901"], None, 10)
 
 
 async def test_slow_body_times_out_holding_only_what_arrived() -> None:
     tracemalloc.start()
     try:
-        request = _request({"content-length": str(60 << 20)}, [b"x"], then_wait=True)
+        receive = _receive([b"x"], then_wait=True)
         with pytest.raises(RequestTimeout, match=r"did not arrive within 0.2 s"):
-            await read_body(request, 64 << 20, timeout_s=0.2)
+            await read_body(receive, declared=60 << 20, limit=64 << 20, timeout_s=0.2)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from service.app import create_app
-from service.protocol import InferRequest, InferResponse, ResponseOutput, worth_compressing
+from service.protocol import worth_compressing
 from service.protocol.compression import MIN_BYTES, TRIAL_BYTES
 from service.settings import Settings
+from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
 
 pytestmark = pytest.mark.anyio
@@ -40,15 +41,14 @@ class NoiseHandle(FakeHandle):
         self.rows = rows
         self.smooth = smooth
 
-    async def infer(self, request: InferRequest) -> InferResponse:
-        rng = np.random.default_rng(len(self.requests))
-        self.requests.append(request)
+    def compute(self, bound: Bound) -> list[np.ndarray]:  # type: ignore[type-arg]
+        rng = np.random.default_rng(len(self.requests) - 1)  # this request is recorded
         y = (
             np.full((self.rows, 100), 0.5, np.float32)
             if self.smooth
             else rng.normal(size=(self.rows, 100)).astype(np.float32)
         )
-        return InferResponse("noise", "1", request.id, [ResponseOutput("y", "FP32", y.shape, y)])
+        return [y, np.zeros(1, np.int64)]
 
 
 @asynccontextmanager

@@ -175,6 +175,27 @@ def test_deadline_expired_in_queue_is_never_computed() -> None:
     run(main)
 
 
+def test_huge_timeouts_do_not_overflow() -> None:
+    # timeout_us / 1e6 overflows a float past about 1.8e308 µs; callers other than the V2
+    # decoder (which refuses past 2**63 - 1) reach the batcher too. Past a day: no deadline.
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1)
+        try:
+            running = asyncio.ensure_future(b.submit("running"))
+            await wait_entered(rec)
+            huge = [asyncio.ensure_future(b.submit(t, timeout_us=t)) for t in (10**400, 2**63)]
+            await asyncio.sleep(0.01)
+            assert b.depth == 2  # queued, without a deadline
+        finally:
+            rec.gate.set()
+        await asyncio.gather(running, *huge)
+        assert flat(rec.batches) == ["running", 10**400, 2**63]
+        await b.stop()
+
+    run(main)
+
+
 def test_exception_fails_only_its_batch() -> None:
     async def main() -> None:
         rec = Recorder()
@@ -351,10 +372,10 @@ class _BrokenMetrics(Metrics):
         super().__init__()
         self.where = where
 
-    def observe_queue(self, model: str, seconds: float) -> None:
+    def observe_queue(self, model: str, waits: list[float]) -> None:
         if self.where == "queue":
             raise RuntimeError("metrics broke")
-        super().observe_queue(model, seconds)
+        super().observe_queue(model, waits)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         if self.where == "batch":

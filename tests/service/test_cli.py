@@ -65,3 +65,49 @@ def test_check_repo_reports_problems(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "max_batch_size" in err
     assert main(["check-repo", str(tmp_path / "missing")]) == 1
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_check_repo_never_prints_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, raw in [
+        ("latin1", b"max_batch_size = 16 # caf\xe9\n"),
+        ("deep", b"x = " + b"[" * 2000 + b"]" * 2000 + b"\n"),
+        ("deeptable", b"x = " + b"{a = " * 2000 + b"1" + b"}" * 2000 + b"\n"),
+        ("escape", b'"\\u001b[31mred" = 1\n'),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.toml").write_bytes(raw)
+    assert main(["check-repo", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "\x1b" not in err  # a key's escape sequence is shown, not sent to the terminal
+    root = tmp_path.name
+    assert f"{root}/latin1/config.toml: not UTF-8: byte 0xe9 on line 1" in err
+    assert f"{root}/deep/config.toml: invalid TOML: nested too deeply" in err
+    assert f"{root}/deeptable/config.toml: invalid TOML: nested too deeply" in err
+    assert f"{root}/escape/config.toml: \\x1b[31mred: Extra inputs are not permitted" in err
+    assert "6 problem(s)" in err  # escape also lacks inputs and outputs
+
+
+def test_check_repo_operator_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["demo-repo", str(tmp_path)]) == 0
+    capsys.readouterr()
+    demo_bytes = 20 * 500 * (1001 * 4 + 4)  # N x A x (W float32 weights + an int32 start)
+    assert main(["check-repo", str(tmp_path)]) == 0
+    assert main(["check-repo", str(tmp_path), "--max-operator-bytes", str(demo_bytes)]) == 0
+    assert main(["check-repo", str(tmp_path), "--max-operator-bytes", str(demo_bytes - 1)]) == 1
+    assert f"demo/1/config.toml: operator: would take {demo_bytes} bytes (38.2 MiB): a band of" in (
+        capsys.readouterr().err
+    )
+    # Without the flag, the environment's limit applies, as it would to `serve`.
+    monkeypatch.setenv("BITSERVE_MAX_OPERATOR_BYTES", "1000000")
+    assert main(["check-repo", str(tmp_path)]) == 1
+    assert "max_operator_bytes = 1000000 bytes" in capsys.readouterr().err
+    assert main(["check-repo", str(tmp_path), "--max-operator-bytes", "1073741824"]) == 0
+    for bad in ("0", "-5", "lots", "1.5"):
+        assert main(["check-repo", str(tmp_path), "--max-operator-bytes", bad]) == 2
+        assert "bitserve check-repo: max_operator_bytes: " in capsys.readouterr().err
+    assert Settings().max_operator_bytes == 1000000

@@ -11,14 +11,20 @@ import pytest
 from safetensors.numpy import save_file
 
 from service.config import (
+    DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
-    check_repository,
     load_config,
     model_versions,
     parse_config,
     valid_model_name,
 )
 from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
+from service.model_files import check_repository as _check_repository
+
+
+def check_repository(root: Path) -> list[str]:
+    return _check_repository(root, max_operator_bytes=DEFAULT_MAX_OPERATOR_BYTES)
+
 
 GOOD = """
 max_batch_size = 4
@@ -145,10 +151,15 @@ def test_structural_errors() -> None:
     two_in = GOOD.replace(
         "[operator]", '[[inputs]]\nname = "b"\ndatatype = "FP32"\nshape = [1]\n\n[operator]'
     )
-    assert any(
-        p.endswith("inputs: List should have at most 1 item after validation, not 2")
-        for p in problems_of(two_in)
-    )
+    # Several inputs need a model to take them (the operator applies to one).
+    assert any("without a [model] there is exactly one input" in p for p in problems_of(two_in))
+    two_in_model = two_in.replace("[[outputs]]", '[model]\nfile = "m.pt"\n\n[[outputs]]', 1)
+    assert parse_config(tomllib.loads(two_in_model), "m").operator_input == 0
+    named = two_in_model.replace("response = ", 'input = "nope"\nresponse = ', 1)
+    wrong = "operator.input 'nope' is not one of ['spikes', 'b']"
+    assert any(wrong in p for p in problems_of(named))
+    rank1 = named.replace('input = "nope"', 'input = "b"')
+    assert any("inputs[1].shape is [1]" in p for p in problems_of(rank1))
 
 
 def test_load_config_reports_toml_and_io_errors(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from service.config import ConfigError, ModelConfig, parse_config
-from service.pipeline import Artifacts, Pipeline, WireInput, load_artifacts
+from service.model_files import load_version
+from service.pipeline import Artifacts, Pipeline
+from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
@@ -70,14 +72,19 @@ def random_bits(m: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).random((m, N, B)) < 0.3
 
 
-def packed(bits: np.ndarray, bitorder: str = "big") -> WireInput:
+def request(*wires: WireInput) -> Bound:
+    """One request of these inputs (config order), answering every output."""
+    return Bound(wires, (0,), wires[0].data.shape[0])
+
+
+def packed(bits: np.ndarray, bitorder: str = "big") -> Bound:
     data = np.packbits(bits, axis=-1, bitorder=bitorder)  # type: ignore[arg-type]
     data.flags.writeable = False  # like a view over a request body
-    return WireInput(data, packed=True, size=bits.shape[0])
+    return request(WireInput(data, packed=True))
 
 
-def logical(bits: np.ndarray) -> WireInput:
-    return WireInput(np.ascontiguousarray(bits), packed=False, size=bits.shape[0])
+def logical(bits: np.ndarray) -> Bound:
+    return request(WireInput(np.ascontiguousarray(bits), packed=False))
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -119,7 +126,7 @@ def test_bool_bytes_other_than_one_count_as_one() -> None:
     scale = np.random.default_rng(9).choice(np.array([1, 2, 7, 255], np.uint8), bits.shape)
     raw = bits.view(np.uint8) * scale
     assert {2, 255} <= set(np.unique(raw).tolist())
-    odd = WireInput(raw.view(np.bool_), packed=False, size=2)
+    odd = request(WireInput(raw.view(np.bool_), packed=False))
     np.testing.assert_array_equal(pipe.run([odd])[0][0], pipe.run([packed(bits)])[0][0])
 
 
@@ -255,14 +262,13 @@ def save_torchscript(path: Path) -> None:
     ("file", "save"), [("head.pt2", save_export), ("head.pt", save_torchscript)]
 )
 def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     t = tensors()
     write_version(tmp_path / "m", model_config_text(file), t)
     save(tmp_path / "m" / file)
-    src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
-    pipe = Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=True)
+    cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
+    pipe = Pipeline("m", cfg, artifacts, "cpu", warmup=True)
     assert pipe.output_shapes == [[N, 2], []]
     bits = random_bits(3, seed=5)
     out = pipe.run([packed(bits[:2]), packed(bits[2:])])
@@ -277,28 +283,26 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
 
 
 def test_model_output_count_must_match(tmp_path: Path) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     text = model_config_text("head.pt2").replace(
         '[[outputs]]\nname = "total"\ndatatype = "FP64"\n', ""
     )
     write_version(tmp_path / "m", text, tensors())
     save_export(tmp_path / "m" / "head.pt2")
-    src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
+    cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
     with pytest.raises(ConfigError, match="outputs: 1 declared, the model returns 2"):
-        Pipeline("m", cfg, load_artifacts(src, cfg), "cpu", warmup=False)
+        Pipeline("m", cfg, artifacts, "cpu", warmup=False)
 
 
 def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
-    from service.config import load_config, model_versions
+    from service.config import model_versions
 
     write_version(tmp_path / "m", model_config_text("head.pt2"), tensors())
     (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")
     src = model_versions(tmp_path, "m")["1"]
-    cfg = load_config(src.config_path, src.source)
     with pytest.raises(ConfigError, match=r"m/config\.toml: model\.file: cannot load") as info:
-        load_artifacts(src, cfg)
+        load_version(src, max_operator_bytes=1 << 30)
     # The operator sees where and the exception class; torch's own text (server paths,
     # TorchScript tracebacks) stays in the server log.
     (problem,) = info.value.problems
@@ -306,3 +310,138 @@ def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
     assert str(tmp_path) not in problem
     assert "not a zip" not in problem.lower()
     assert "PytorchStreamReader" not in problem
+
+
+# --- several inputs -----------------------------------------------------------------------
+
+
+class Mix(torch.nn.Module):
+    """Two inputs: the operator's output (M, N, A) and a per-item scale and flag set.
+
+    Returns a dict keyed by output name, in the opposite order of the config's outputs.
+    """
+
+    def forward(
+        self, y: torch.Tensor, scale: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        kept = (mask.to(y.dtype) * y.sum(dim=2)).sum(dim=1)  # (M,)
+        return {"total": kept, "scaled": y * scale[:, :, None]}
+
+
+def script(module: torch.nn.Module) -> Any:
+    """TorchScript of ``module`` (deprecated in favour of torch.export, still served)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(module)  # type: ignore[no-untyped-call]
+
+
+MIX_INPUTS = f"""
+[[inputs]]
+name = "scale"
+datatype = "FP32"
+shape = [{N}]
+[[inputs]]
+name = "mask"
+datatype = "BOOL"
+shape = [{N}]
+packing = "bits"
+[model]
+file = "mix.pt"
+[[outputs]]
+name = "scaled"
+datatype = "FP32"
+[[outputs]]
+name = "total"
+datatype = "FP64"
+"""
+
+
+def test_several_inputs_reach_the_model_in_config_order() -> None:
+    t = tensors()
+    cfg = config(outputs=MIX_INPUTS)
+    assert [s.name for s in cfg.inputs] == ["bits", "scale", "mask"]
+    model = script(Mix())
+    pipe = Pipeline("m", cfg, Artifacts(t, model), "cpu", warmup=False)
+    rng = np.random.default_rng(5)
+    bits = random_bits(3, seed=5)
+    scale = rng.uniform(-2, 2, (3, N)).astype(np.float32)
+    mask = rng.random((3, N)) < 0.5
+    # Two requests, the second with its mask as one BOOL byte per element (not packed).
+    first = Bound(
+        (
+            WireInput(np.packbits(bits[:2], axis=-1), packed=True),
+            WireInput(scale[:2], packed=False),
+            WireInput(np.packbits(mask[:2], axis=-1), packed=True),
+        ),
+        (0, 1),
+        2,
+    )
+    second = Bound(
+        (
+            WireInput(np.packbits(bits[2:], axis=-1), packed=True),
+            WireInput(scale[2:], packed=False),
+            WireInput(mask[2:], packed=False),
+        ),
+        (0, 1),
+        1,
+    )
+    out = pipe.run([first, second])
+    y = dense_reference(t, bits, gaussian(2.5, 4))  # (3, N, A) float64
+    scaled = np.concatenate([out[0][0], out[1][0]])
+    total = np.concatenate([out[0][1], out[1][1]])
+    np.testing.assert_allclose(scaled, y * scale[:, :, None], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(total, (mask * y.sum(axis=2)).sum(axis=1), rtol=1e-5, atol=1e-4)
+    assert total.dtype == np.float64
+    assert pipe.output_shapes == [[N, A], []]
+
+
+def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
+    t = tensors()
+    # The operator applies to the second input here; the first goes to the model as is.
+    text = f"""
+max_batch_size = 2
+[[inputs]]
+name = "scale"
+datatype = "FP32"
+shape = [{N}]
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {B}]
+packing = "bits"
+[operator]
+input = "bits"
+file = "op.safetensors"
+response = "gaussian"
+sigma = 2.5
+support = 4
+[model]
+file = "m.pt"
+[[outputs]]
+name = "scaled"
+datatype = "FP32"
+"""
+
+    class Scale(torch.nn.Module):
+        def forward(self, scale: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return y * scale[:, :, None]
+
+    cfg = parse_config(tomllib.loads(text), "t/config.toml")
+    pipe = Pipeline("m", cfg, Artifacts(t, script(Scale())), "cpu", warmup=False)
+    bits = random_bits(2, seed=8)
+    scale = np.array([[1.0, -1.0, 2.0], [0.5, 0.0, 3.0]], np.float32)
+    req = Bound(
+        (WireInput(scale, packed=False), WireInput(np.packbits(bits, axis=-1), packed=True)),
+        (0,),
+        2,
+    )
+    got = pipe.run([req])[0][0]
+    ref = dense_reference(t, bits, gaussian(2.5, 4)) * scale[:, :, None]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+    class Wrong(torch.nn.Module):
+        def forward(self, scale: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"other": y}
+
+    with pytest.raises(ConfigError, match=r"model.file: the model's outputs \['other'\] lack"):
+        Pipeline("m", cfg, Artifacts(t, script(Wrong())), "cpu", warmup=False)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.config import ModelConfig
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.protocol import (
     DATATYPES,
@@ -24,8 +25,9 @@ from service.protocol import (
     decompress,
     encode_infer_response,
     parse_header_length,
-    raw_input_spec,
 )
+from service.protocol.response import compress_response
+from service.signature import Signature
 
 
 def binary_body(header: dict[str, Any], *payloads: bytes) -> tuple[bytes, int]:
@@ -145,7 +147,25 @@ X = {"name": "x", "datatype": "UINT8", "shape": [2], "data": [1, 2]}
         (bad_json(X, parameters={"triton_enable_empty_final_response": True}), "triton_ prefix"),
         (bad_json({**X, "parameters": {"triton_x": 1}}), "unknown parameter 'triton_x'"),
         (bad_json(X, parameters={"timeout": "soon"}), "'timeout' must be an integer"),
-        (bad_json(X, parameters={"timeout": -5}), "'timeout' must be >= 0"),
+        (bad_json(X, parameters={"timeout": -5}), "'timeout' must be between 0 and"),
+        (bad_json(X, parameters={"timeout": 2**63}), "between 0 and 9223372036854775807 µs, got"),
+        (bad_json(X, parameters={"timeout": 10**400}), "got a 401-digit number"),
+        (bad_json(X, parameters={"timeout": 1e309}), "'timeout' must be an integer (µs), got inf"),
+        (bad_json(X, id="\ud800"), "request 'id' contains a lone surrogate (U+D800) at position 0"),
+        (bad_json(X, id="ok\udfffok"), "request 'id' contains a lone surrogate (U+DFFF) at pos"),
+        (bad_json(X, id="a\x1b[2J"), "request 'id' contains a control character (U+001B) at "),
+        (bad_json(X, id="a\nb"), "request 'id' contains a control character (U+000A)"),
+        (bad_json(X, id="a\x85"), "request 'id' contains a control character (U+0085)"),
+        (bad_json(X, id="i" * 1025), "request 'id' is 1025 characters long; at most 1024"),
+        (bad_json({**X, "name": "\ud800"}), "inputs[0]: 'name' contains a lone surrogate"),
+        (bad_json({**X, "name": "x\x00"}), "inputs[0]: 'name' contains a control character"),
+        (bad_json({**X, "name": "n" * 257}), "inputs[0]: 'name' is 257 characters long"),
+        (bad_json(X, outputs=[{"name": "\udbff"}]), "outputs[0]: 'name' contains a lone surr"),
+        (bad_json(X, outputs=[{"name": "y\x7f"}]), "outputs[0]: 'name' contains a control char"),
+        (
+            bad_json({**X, "datatype": "BYTES", "data": ["ok", "a\ud800"]}),
+            "input 'x': BYTES element 1 contains a lone surrogate (U+D800) at position 1",
+        ),
         (bad_json(X, parameters={"binary_data_output": "yes"}), "must be a boolean"),
         (bad_json(X, outputs={"name": "y"}), "'outputs' must be a list"),
         (
@@ -177,6 +197,25 @@ def test_malformed_json_requests(body: bytes, message: str) -> None:
     assert message in info.value.message
 
 
+def test_text_fields_may_be_any_printable_unicode() -> None:
+    # Refused are only control characters and lone surrogates: other scripts, emoji (a
+    # surrogate *pair* in JSON) and the longest allowed lengths pass, and encode as UTF-8.
+    name = "entrée-名前-\U0001f600"
+    body = json.dumps(
+        {"id": "r\u00e9q " + "i" * 1020, "inputs": [{**X, "name": name}],
+         "outputs": [{"name": "o" * 256}], "parameters": {"timeout": 2**63 - 1}}
+    ).encode()  # fmt: skip
+    assert b"\\ud83d\\ude00" in body
+    req = decode_infer_request(body, None)
+    assert req.inputs[0].name == name
+    assert req.id is not None
+    assert len(req.id) == 1024
+    assert req.timeout_us == 2**63 - 1
+    assert req.outputs is not None
+    for text in (req.id, name, req.outputs[0].name):
+        text.encode()
+
+
 def test_duplicate_input_names() -> None:
     body = json.dumps({"inputs": [X, X]}).encode()
     with pytest.raises(InvalidInput, match="input 'x' appears more than once"):
@@ -197,13 +236,24 @@ def test_zero_element_shape_with_a_huge_dimension_is_refused(shape: list[int]) -
         decode_infer_request(body, n)
 
 
-def test_check_input_runs_before_any_data_conversion() -> None:
-    seen: list[tuple[str, str, tuple[int, ...]]] = []
+class _Checks:
+    """An ``InputChecker`` that records the checks and refuses BYTES."""
 
-    def check(name: str, datatype: str, shape: tuple[int, ...]) -> None:
-        seen.append((name, datatype, shape))
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        self.seen.append((name, datatype, shape))
         if datatype == "BYTES":
             raise InvalidInput(f"model 'm': input '{name}' cannot be BYTES")
+        return shape[0]
+
+    def raw_spec(self) -> RawInputSpec:
+        raise AssertionError("not the raw form")
+
+
+def test_check_input_runs_before_any_data_conversion() -> None:
+    check = _Checks()
 
     # The BYTES data are malformed (a length past the end): the check must answer first.
     body, n = binary_body(
@@ -220,14 +270,12 @@ def test_check_input_runs_before_any_data_conversion() -> None:
         struct.pack("<I", 99) + b"abcd",
     )
     with pytest.raises(InvalidInput, match="input 's' cannot be BYTES"):
-        decode_infer_request(body, n, check_input=check)
+        decode_infer_request(body, n, check)
     ok = json.dumps(
         {"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 2], "data": [1, 2]}]}
     )
-    assert decode_infer_request(ok.encode(), None, check_input=check).inputs[0].data.tolist() == [
-        [1, 2]
-    ]
-    assert seen == [("s", "BYTES", (2,)), ("x", "INT32", (1, 2))]
+    assert decode_infer_request(ok.encode(), None, check).inputs[0].data.tolist() == [[1, 2]]
+    assert check.seen == [("s", "BYTES", (2,)), ("x", "INT32", (1, 2))]
 
 
 # ---- requests: binary tensors ---------------------------------------------------------------
@@ -325,28 +373,51 @@ def test_malformed_binary_requests(inp: dict[str, Any], payload: bytes, message:
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
-    [("abc", "must be an integer"), ("-1", "outside the body"), ("999", "outside the body")],
-)
-def test_header_length_header(value: str, message: str) -> None:
-    with pytest.raises(InvalidInput, match=message):
-        parse_header_length(value, 10)
+    "value",
+    # Python's int() takes all but the first two; HTTP's Content-Length grammar takes none.
+    ["abc", "", "+7", "-0", "-1", " 7 ", "7 ", "1_0", "\u0667", "\uff17", "7.0", "0x7", "7\x00",
+     "1" * 21],
+)  # fmt: skip
+def test_header_length_is_strict_ascii_digits(value: str) -> None:
+    with pytest.raises(InvalidInput, match="must be an integer in ASCII digits") as err:
+        parse_header_length(value, 10**30)
+    assert value[:32] in err.value.message or not value.isprintable()
+
+
+def test_header_length_header() -> None:
     assert parse_header_length(None, 10) is None
-    assert parse_header_length(" 7 ", 10) == 7
+    assert parse_header_length("7", 10) == 7
+    assert parse_header_length("007", 10) == 7
+    assert parse_header_length("0", 0) == 0
+    assert parse_header_length("10", 10) == 10
+    with pytest.raises(InvalidInput, match="outside the body of 10 bytes"):
+        parse_header_length("11", 10)
 
 
 # ---- requests: the raw binary form ---------------------------------------------------------
 
-METADATA = {
-    "name": "demo",
-    "inputs": [{"name": "spikes", "datatype": "UINT8", "shape": [-1, 2, 3]}],
-    "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
-}
+
+def signature(
+    inputs: list[dict[str, Any]], max_batch_size: int = 8, name: str = "demo"
+) -> Signature:
+    """The real signature of a model with these inputs (and one output)."""
+    cfg = ModelConfig.model_validate(
+        {
+            "max_batch_size": max_batch_size,
+            "inputs": inputs,
+            "model": {"file": "m.pt"},
+            "outputs": [{"name": "y", "datatype": "FP32"}],
+        }
+    )
+    return Signature(name, cfg, [[2]])
+
+
+SPIKES = signature([{"name": "spikes", "datatype": "UINT8", "shape": [2, 3]}])
 
 
 def test_raw_binary_form_derives_the_batch_size() -> None:
     x = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
-    req = decode_infer_request(x.tobytes(), 0, lambda: raw_input_spec(METADATA))
+    req = decode_infer_request(x.tobytes(), 0, SPIKES)
     (inp,) = req.inputs
     assert (inp.name, inp.datatype, inp.shape) == ("spikes", "UINT8", (2, 2, 3))
     np.testing.assert_array_equal(inp.data, x)
@@ -355,17 +426,23 @@ def test_raw_binary_form_derives_the_batch_size() -> None:
 
 
 def test_raw_binary_form_errors() -> None:
-    spec = raw_input_spec(METADATA)
     with pytest.raises(InvalidInput, match="not a whole number of UINT8 items of shape"):
-        decode_infer_request(b"\0" * 7, 0, lambda: spec)
+        decode_infer_request(b"\0" * 7, 0, SPIKES)
     with pytest.raises(InvalidInput, match="needs a model with a single input"):
         decode_infer_request(b"\0" * 6, 0, None)
-    two = {**METADATA, "inputs": METADATA["inputs"] * 2}
-    with pytest.raises(InvalidInput, match="has 2 inputs"):
-        raw_input_spec(two)
-    fixed = RawInputSpec("x", "FP32", (2,))
+    with pytest.raises(InvalidInput, match="more than the model's max_batch_size 8"):
+        decode_infer_request(b"\0" * 6 * 9, 0, SPIKES)
+    two = signature(
+        [
+            {"name": "a", "datatype": "UINT8", "shape": [2, 3]},
+            {"name": "b", "datatype": "UINT8", "shape": [2, 3]},
+        ]
+    )
+    with pytest.raises(InvalidInput, match="has 2 inputs; the raw binary form"):
+        decode_infer_request(b"\0" * 6, 0, two)
+    fixed = signature([{"name": "x", "datatype": "FP32", "shape": [2]}], max_batch_size=0)
     with pytest.raises(InvalidInput, match="needs 8 bytes, got 4"):
-        decode_infer_request(b"\0" * 4, 0, lambda: fixed)
+        decode_infer_request(b"\0" * 4, 0, fixed)
 
 
 # ---- compression ----------------------------------------------------------------------------
@@ -474,7 +551,7 @@ def test_compressed_response() -> None:
     req = InferRequest(id=None, inputs=[], binary_data_output=True)
     plain = encode_infer_response(response(), req)
     for enc_name, inflate in (("gzip", gzip.decompress), ("deflate", zlib.decompress)):
-        enc = encode_infer_response(response(), req, encoding=enc_name)
+        enc = compress_response(encode_infer_response(response(), req), enc_name)
         assert enc.headers["Content-Encoding"] == enc_name
         # The header length describes the uncompressed body, as Triton does.
         assert (

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from service import dataplane
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, ServiceError
+from service.handle import ModelHandle
 from service.metrics import Metrics
-from service.protocol.types import InferRequest, RequestInput, RequestOutput
+from service.protocol.types import InferRequest, InferResponse, RequestInput, RequestOutput
 from service.repository import ModelRepository
 
 N, B, A = 2, 21, 4
@@ -64,6 +66,14 @@ def request(bits: np.ndarray, *, form: str = "UINT8", **kw: Any) -> InferRequest
     return InferRequest(id="r1", inputs=[RequestInput("bits", form, data.shape, data)], **kw)
 
 
+async def infer(handle: ModelHandle, req: InferRequest) -> InferResponse:
+    """What a transport does: each input checked by the model's signature (as the decoders
+    do), then the data plane."""
+    for t in req.inputs:
+        handle.signature.check_input(t.name, t.datatype, t.shape)
+    return await dataplane.infer(handle, req)
+
+
 def run(fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(fn())  # type: ignore[arg-type]
 
@@ -82,13 +92,13 @@ def test_infer_and_response_shape(tmp_path: Path) -> None:
         assert repo.ready
         h = repo.get("m")
         bits = bits_of(3)
-        resp = await h.infer(request(bits))
+        resp = await infer(h, request(bits))
         assert (resp.model_name, resp.model_version, resp.id) == ("m", "1", "r1")
         assert resp.parameters == {"batch_size": 3, "batch_requests": 1}
         (out,) = resp.outputs
         assert (out.name, out.datatype, out.shape) == ("out", "FP32", (3, N, A))
         np.testing.assert_allclose(out.data, boxcar_reference(bits), rtol=1e-6)
-        same = await h.infer(request(bits, form="BOOL"))
+        same = await infer(h, request(bits, form="BOOL"))
         np.testing.assert_array_equal(same.outputs[0].data, out.data)
         await repo.stop()
         assert not repo.ready
@@ -103,7 +113,7 @@ def test_concurrent_requests_are_merged_and_equal_one_by_one(tmp_path: Path) -> 
         repo = await started(tmp_path)
         h = repo.get("m")
         parts = [bits_of(k, seed=k) for k in (1, 3, 2, 2)]  # 8 items: closes the batch
-        resps = await asyncio.gather(*(h.infer(request(p)) for p in parts))
+        resps = await asyncio.gather(*(infer(h, request(p)) for p in parts))
         assert all(r.parameters == {"batch_size": 8, "batch_requests": 4} for r in resps)
         for p, r in zip(parts, resps, strict=True):
             np.testing.assert_allclose(r.outputs[0].data, boxcar_reference(p), rtol=1e-6)
@@ -142,7 +152,7 @@ def test_demo_builtin_and_written_repository_agree(tmp_path: Path) -> None:
         outs = []
         for repo in (builtin, on_disk):
             req = InferRequest(id=None, inputs=[RequestInput("spikes", "UINT8", data.shape, data)])
-            outs.append((await repo.get("demo").infer(req)).outputs[0].data)
+            outs.append((await infer(repo.get("demo"), req)).outputs[0].data)
             assert repo.index() == [
                 {"name": "demo", "version": "1", "state": "READY", "reason": ""}
             ]
@@ -247,7 +257,7 @@ def test_validation_errors_never_queue(tmp_path: Path, mutate: Any, message: str
         mutate(req)
         before = h.batcher.depth
         with pytest.raises(InvalidInput) as err:
-            await h.infer(req)
+            await infer(h, req)
         assert message in err.value.message
         assert err.value.message.startswith("model 'm': ")
         assert h.batcher.depth == before == 0
@@ -264,13 +274,13 @@ def test_unbatched_model_has_no_batch_dimension(tmp_path: Path) -> None:
         h = repo.get("m")
         bits = bits_of(1)[0]
         data = np.packbits(bits, axis=-1)
-        resp = await h.infer(
-            InferRequest(id=None, inputs=[RequestInput("bits", "UINT8", data.shape, data)])
+        resp = await infer(
+            h, InferRequest(id=None, inputs=[RequestInput("bits", "UINT8", data.shape, data)])
         )
         assert resp.outputs[0].shape == (N, A)
         np.testing.assert_allclose(resp.outputs[0].data, boxcar_reference(bits[None])[0], rtol=1e-6)
         with pytest.raises(InvalidInput, match="max_batch_size 0: no batch dimension"):
-            await h.infer(request(bits[None]))
+            await infer(h, request(bits[None]))
         assert h.metadata()["inputs"][0]["shape"] == [N, 3]
         assert "dynamic_batching" not in h.config()
         await repo.stop()
@@ -288,8 +298,8 @@ def test_versions(tmp_path: Path) -> None:
         latest = repo.get("m")
         assert latest.version == "2"
         assert latest.metadata()["versions"] == ["1", "2"]
-        r2 = await latest.infer(request(bits))
-        r1 = await repo.get("m", "1").infer(request(bits))
+        r2 = await infer(latest, request(bits))
+        r1 = await infer(repo.get("m", "1"), request(bits))
         assert r1.model_version == "1"
         np.testing.assert_allclose(r1.outputs[0].data, boxcar_reference(bits), rtol=1e-6)
         np.testing.assert_allclose(r2.outputs[0].data, boxcar_reference(bits, 2.0), rtol=1e-6)
@@ -363,11 +373,10 @@ def test_load_unload_index_and_readiness(tmp_path: Path) -> None:
         h = repo.get("m")
         await repo.unload("m")
         assert depth("bitserve_queue_depth", {"model": "m"}) is None
-        assert not h.is_ready()
         with pytest.raises(ModelNotReady, match="version 1 is UNAVAILABLE: unloaded"):
             repo.get("m")
         with pytest.raises(ModelNotReady):
-            await h.infer(request(bits_of(1)))
+            await infer(h, request(bits_of(1)))
         assert {
             "name": "m",
             "version": "1",
@@ -387,7 +396,7 @@ def test_load_unload_index_and_readiness(tmp_path: Path) -> None:
         } in repo.index()
         await repo.load("later")
         await repo.load("m")
-        assert (await repo.get("m").infer(request(bits_of(1)))).outputs[0].shape == (1, N, A)
+        assert (await infer(repo.get("m"), request(bits_of(1)))).outputs[0].shape == (1, N, A)
         await repo.stop()
 
     run(main)
@@ -402,13 +411,15 @@ def test_reload_keeps_serving_and_a_failed_reload_keeps_the_old_version(tmp_path
         old = repo.get("m")
         write(tmp_path / "m", cfg_text(), shift=2.0)
         await repo.load("m")
-        assert not old.is_ready()
-        r = await repo.get("m").infer(request(bits))
+        assert repo.get("m") is not old
+        with pytest.raises(ModelNotReady, match="unloading"):  # the retired version refuses
+            await infer(old, request(bits))
+        r = await infer(repo.get("m"), request(bits))
         np.testing.assert_allclose(r.outputs[0].data, boxcar_reference(bits, 2.0), rtol=1e-6)
         (tmp_path / "m" / "config.toml").write_text("max_batch_size = 'x'\n")
         with pytest.raises(InvalidInput, match="failed to load"):
             await repo.load("m")
-        r = await repo.get("m").infer(request(bits))  # the previous one still serves
+        r = await infer(repo.get("m"), request(bits))  # the previous one still serves
         np.testing.assert_allclose(r.outputs[0].data, boxcar_reference(bits, 2.0), rtol=1e-6)
         assert repo.index() == [{"name": "m", "version": "1", "state": "READY", "reason": ""}]
         await repo.unload("m")
@@ -439,7 +450,7 @@ def test_exception_in_compute_fails_only_that_batch(tmp_path: Path) -> None:
 
         h.batcher._run_batch = flaky
         results = await asyncio.gather(
-            *(h.infer(request(bits_of(1))) for _ in range(3)), return_exceptions=True
+            *(infer(h, request(bits_of(1))) for _ in range(3)), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         assert len(errors) == 1
@@ -447,7 +458,7 @@ def test_exception_in_compute_fails_only_that_batch(tmp_path: Path) -> None:
         assert errors[0].status_code == 500
         assert "inference failed (RuntimeError); request id" in errors[0].message
         assert "device fell over" not in errors[0].message
-        assert (await h.infer(request(bits_of(1)))).outputs[0].shape == (1, N, A)
+        assert (await infer(h, request(bits_of(1)))).outputs[0].shape == (1, N, A)
         await repo.stop()
 
     run(main)
@@ -459,12 +470,12 @@ def test_stop_drains_in_flight_requests(tmp_path: Path) -> None:
     async def main() -> None:
         repo = await started(tmp_path)
         h = repo.get("m")
-        pending = asyncio.ensure_future(h.infer(request(bits_of(1))))
+        pending = asyncio.ensure_future(infer(h, request(bits_of(1))))
         await asyncio.sleep(0.01)
         assert not pending.done()  # waiting for a second request that will not come
         await repo.stop()  # stopping closes the partial batch and computes it
         assert (await pending).outputs[0].shape == (1, N, A)
         with pytest.raises(ModelNotReady):
-            await h.infer(request(bits_of(1)))
+            await infer(h, request(bits_of(1)))
 
     run(main)

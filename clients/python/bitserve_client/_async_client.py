@@ -1,63 +1,59 @@
-"""The asynchronous client: the same API as :class:`~._client.Client`, awaited."""
+"""The asynchronous client: the API of :class:`~._client.Client`, awaited."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import (
-    AsyncIterable,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Mapping,
-    Sequence,
-)
-from pathlib import Path
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import httpx
-import numpy as np
 
-from ._base import DEFAULT_LIMITS, DEFAULT_TIMEOUT, BaseClient, Compression, TimeoutTypes
+from ._base import (
+    DEFAULT_LIMITS,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    CertTypes,
+    Compression,
+    ProxyTypes,
+    TimeoutTypes,
+    VerifyTypes,
+    _Request,
+)
+from ._bulk import Options, infer_many_async, iter_async
+from ._client import BulkData, BulkOut, Headers
 from ._exceptions import BitserveError, ServerError
 from ._retry import Retry
 from ._spec import ModelSpec
-from ._types import ArrayLike, InferResult, Inputs
+from ._types import BulkResult, InferResult, Inputs
 
 
 class AsyncClient(BaseClient):
     """An asyncio client for bitserve and any Open Inference Protocol (V2) server.
 
-    One client keeps a pool of kept-alive connections; share it between tasks of one event
-    loop. Use it as an async context manager (or await :meth:`aclose`)::
+    It takes the arguments of :class:`~bitserve_client.Client` (``transport`` is an
+    ``httpx.AsyncBaseTransport``) and has its methods as coroutines, except that it is closed
+    with ``await client.aclose()`` (there is no ``close()``), as httpx's ``AsyncClient``.
+    ``infer_iter`` is an async iterator. One client keeps a pool of kept-alive connections;
+    share it between the tasks of one event loop::
 
         async with AsyncClient("http://127.0.0.1:8000") as client:
             result = await client.infer("demo", {"spikes": bits})
-
-    Args:
-        url: the server's base URL.
-        token: a bearer token (``Authorization: Bearer ...``).
-        timeout: the HTTP timeout in seconds or an ``httpx.Timeout`` (default 60 s, 10 s to
-            connect); raises :class:`~bitserve_client.TimeoutException`.
-        retries: retries after the first attempt (int) or a :class:`Retry` policy; retried
-            are connection failures, connections dropped mid-call, and 503s; never other
-            statuses, nor read timeouts.
-        compression: ``"gzip"``, ``"deflate"`` or None: compress request bodies.
-        headers: extra headers for every request.
-        limits: connection pool limits (default 64 connections, all kept alive).
-        transport: an httpx transport to send through (tests use ``httpx.MockTransport``).
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
         token: str | None = None,
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
         headers: Mapping[str, str] | None = None,
+        verify: VerifyTypes = True,
+        cert: CertTypes | None = None,
+        proxy: ProxyTypes | None = None,
+        http2: bool = False,
         limits: httpx.Limits = DEFAULT_LIMITS,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -68,16 +64,20 @@ class AsyncClient(BaseClient):
             retries=retries,
             compression=compression,
             headers=headers,
-        )
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=self.headers,
-            timeout=self.timeout,
+            verify=verify,
+            cert=cert,
+            proxy=proxy,
+            http2=http2,
             limits=limits,
-            transport=transport,
         )
+        self._http = httpx.AsyncClient(**self._http_options, transport=transport)
         self._spec_lock = asyncio.Lock()
-        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`aclose` was called; a closed client raises ``BitserveError``."""
+        return self._http.is_closed
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -96,90 +96,153 @@ class AsyncClient(BaseClient):
 
     # -- sending ---------------------------------------------------------------------------
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        chunks: Callable[[], list[bytes]] | None = None,
-        headers: Mapping[str, str] | None = None,
-        retry: bool = True,
-    ) -> httpx.Response:
+    async def _send(self, request: _Request) -> httpx.Response:
         """Send with retries; return a 200 response or raise."""
         attempt = 0
         error: BitserveError
         while True:
+            if self._http.is_closed:
+                raise self._closed_error(request)
+            content = request.content()
             try:
                 response = await self._http.request(
-                    method,
-                    path,
-                    content=None if chunks is None else _aiter(chunks()),
-                    headers=headers,
+                    request.method,
+                    request.path,
+                    content=_aiter(content) if isinstance(content, list) else content,
+                    headers=request.headers,
+                    timeout=httpx.USE_CLIENT_DEFAULT
+                    if request.timeout is None
+                    else request.timeout,
                 )
             except httpx.TransportError as exc:
-                error = self.transport_error(exc, method, self.url + path)
-                delay = self.retry_delay(attempt, error, exc) if retry else None
+                error = self._transport_error(exc, request.method, self._url + request.path)
+                delay = self._retry_delay(request, attempt, error, exc)
                 if delay is None:
                     raise error from exc
+            except RuntimeError as exc:  # httpx: closed by another task meanwhile
+                if self._http.is_closed:
+                    raise self._closed_error(request) from exc
+                raise
             else:
                 if response.status_code == 200:
                     return response
-                error = self.server_error(response)
-                delay = self.retry_delay(attempt, error) if retry else None
+                error = self._server_error(response)
+                delay = self._retry_delay(request, attempt, error)
                 if delay is None:
                     raise error
-            self.log_retry(method, path, error, delay, attempt)
-            await self.sleep(delay)
+            self._log_retry(request, error, delay, attempt)
+            await self._sleep(delay)
             attempt += 1
 
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        return self.decode_json(await self._send("GET", path))
-
-    async def _get_ok(self, path: str) -> bool:
+    async def _probe(self, request: _Request, model: str | None = None) -> bool:
         try:
-            await self._send("GET", path, retry=False)
-        except ServerError:
-            return False
+            await self._send(request)
+        except ServerError as exc:
+            return self._probe_answer(exc, model)
         return True
 
-    # -- API -------------------------------------------------------------------------------
+    # -- health and metadata ---------------------------------------------------------------
 
-    async def is_live(self) -> bool:
-        """Whether the server answers ``/v2/health/live`` with 200 (transport errors raise)."""
-        return await self._get_ok("/v2/health/live")
+    async def is_live(self, *, headers: Headers = None, timeout: TimeoutTypes = None) -> bool:
+        """``GET /v2/health/live``: True on 200, False on 503; see ``Client.is_live``."""
+        return await self._probe(self._get("/v2/health/live", headers, timeout, retry=False))
 
-    async def is_ready(self, model: str | None = None, version: str | None = None) -> bool:
-        """Whether the server (or one model) is ready to serve."""
-        path = "/v2/health/ready" if model is None else self.model_path(model, version, "/ready")
-        return await self._get_ok(path)
+    async def is_ready(
+        self,
+        model: str | None = None,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> bool:
+        """Whether the server (or one model) is ready; see ``Client.is_ready``."""
+        path = "/v2/health/ready" if model is None else self._model_path(model, version, "/ready")
+        return await self._probe(self._get(path, headers, timeout, retry=False), model)
 
-    async def server_metadata(self) -> dict[str, Any]:
-        """``GET /v2``: name, version, extensions."""
-        return await self._get_json("/v2")
+    async def server_metadata(
+        self, *, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> dict[str, Any]:
+        """``GET /v2``: the server's name, version and extensions."""
+        return self._decode_object(await self._send(self._get("/v2", headers, timeout)))
 
-    async def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
+    async def model_metadata(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> dict[str, Any]:
         """``GET /v2/models/{model}``: inputs and outputs (packed inputs in wire form)."""
-        return await self._get_json(self.model_path(model, version))
+        path = self._model_path(model, version)
+        return self._decode_object(await self._send(self._get(path, headers, timeout)))
 
-    async def model_config(self, model: str, version: str | None = None) -> dict[str, Any]:
+    async def model_config(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> dict[str, Any]:
         """``GET /v2/models/{model}/config``: the Triton-style configuration."""
-        return await self._get_json(self.model_path(model, version, "/config"))
+        path = self._model_path(model, version, "/config")
+        return self._decode_object(await self._send(self._get(path, headers, timeout)))
 
-    async def model_spec(self, model: str, version: str | None = None) -> ModelSpec:
+    async def model_spec(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> ModelSpec:
         """The model's inputs, outputs and packing, fetched once and cached."""
-        spec = self.cached_spec(model, version)
+        spec = self._cached_spec(model, version)
         if spec is not None:
             return spec
         async with self._spec_lock:
-            spec = self.cached_spec(model, version)
+            spec = self._cached_spec(model, version)
             if spec is not None:
                 return spec
-            metadata = await self.model_metadata(model, version)
+            metadata = await self.model_metadata(model, version, headers=headers, timeout=timeout)
             try:
-                config: dict[str, Any] | None = await self.model_config(model, version)
-            except ServerError:  # a plain V2 server (KServe) has no /config
+                config: dict[str, Any] | None = await self.model_config(
+                    model, version, headers=headers, timeout=timeout
+                )
+            except ServerError as exc:  # a plain V2 server (KServe) has no /config
+                if exc.status in (401, 403):
+                    raise
                 config = None
-            return self.store_spec(model, version, metadata, config)
+            return self._store_spec(model, version, metadata, config)
+
+    # -- model repository ------------------------------------------------------------------
+
+    async def repository_index(
+        self, *, ready: bool = False, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> list[dict[str, Any]]:
+        """``POST /v2/repository/index``; see ``Client.repository_index``."""
+        request = self._index_request(ready, headers, timeout)
+        return self._decode_index(await self._send(request))
+
+    async def load_model(
+        self,
+        model: str,
+        config: Mapping[str, Any] | str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> None:
+        """``POST /v2/repository/models/{model}/load``; see ``Client.load_model``."""
+        await self._send(self._load_request(model, config, headers, timeout))
+
+    async def unload_model(
+        self, model: str, *, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> None:
+        """``POST /v2/repository/models/{model}/unload``: stop serving a model."""
+        await self._send(self._unload_request(model, headers, timeout))
+
+    # -- inference -------------------------------------------------------------------------
 
     async def infer(
         self,
@@ -189,88 +252,87 @@ class AsyncClient(BaseClient):
         *,
         version: str | None = None,
         request_id: str | None = None,
-        timeout: float | None = None,
+        deadline: float | None = None,
         binary: bool = True,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
     ) -> InferResult:
-        """Run one inference.
-
-        Args:
-            model: the model's name.
-            inputs: input name -> array, or one array for a one-input model. Arrays have the
-                batch dimension first, or are one item without it (outputs then come back
-                without it). A bit-packed input takes bool / 0-1 arrays of the logical shape
-                (packed here with ``np.packbits`` along the last axis) or already packed
-                uint8 arrays. NumPy arrays, anything ``np.asarray`` takes, or torch tensors.
-            outputs: output names to return (None: all).
-            version: the model version (None: the server's default).
-            request_id: sent as the request ``id`` and echoed in the result.
-            timeout: the server-side deadline in seconds (V2 ``parameters.timeout``): a
-                request whose batch has not started by then fails with
-                :class:`~bitserve_client.DeadlineExceeded`. The HTTP timeout is the
-                client's ``timeout``.
-            binary: binary tensors both ways (default) or JSON.
-
-        Returns:
-            The outputs by name (read-only NumPy arrays) with model name, version and id.
-
-        Raises:
-            InvalidInputError: an input fails the local checks (nothing is sent).
-            ServerError: the server refused the request (after retries for 503).
-            TransportError: the connection failed or timed out.
-        """
-        spec = await self.model_spec(model, version)
-        call = self.prepare_infer(
+        """Run one inference; the arguments, result and errors of ``Client.infer``."""
+        spec = await self.model_spec(model, version, headers=headers, timeout=timeout)
+        request = self._infer_request(
             spec,
             model,
             inputs,
             outputs,
             version=version,
             request_id=request_id,
-            timeout=timeout,
+            deadline=deadline,
             binary=binary,
+            headers=headers,
+            timeout=timeout,
         )
         try:
-            response = await self._send("POST", call.path, chunks=call.chunks, headers=call.headers)
+            response = await self._send(request)
         except ServerError as exc:
             if exc.status in (400, 404):  # the model may have been reloaded: refetch its spec
-                self.forget_spec(model, version)
+                self._forget_spec(model)
             raise
-        return self.decode_infer(response, call.single)
+        return self._decode_infer(response, request.single)
+
+    async def infer_iter(
+        self,
+        model: str,
+        data: BulkData | AsyncIterable[Any],
+        outputs: Sequence[str] | None = None,
+        *,
+        batch_size: int | None = None,
+        concurrency: int = 4,
+        version: str | None = None,
+        deadline: float | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> AsyncIterator[InferResult]:
+        """Yield each batch's result in input order; see ``Client.infer_iter``.
+
+        ``data`` may also be an async iterable of batches. Close the iterator when you stop
+        early (``contextlib.aclosing``), so that what is pending is cancelled at once.
+        """
+        results = iter_async(
+            self,
+            model,
+            data,
+            outputs,
+            batch_size=batch_size,
+            concurrency=concurrency,
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        )
+        try:
+            async for result, _ in results:
+                yield result
+        finally:
+            await results.aclose()
 
     async def infer_many(
         self,
         model: str,
-        data: ArrayLike | Mapping[str, ArrayLike] | str | Path | Iterable[Any] | AsyncIterable[Any],
+        data: BulkData | AsyncIterable[Any],
         outputs: Sequence[str] | None = None,
         *,
         batch_size: int | None = None,
         concurrency: int = 4,
         progress: bool = True,
-        out: str | Path | Mapping[str, str | Path] | None = None,
+        out: BulkOut = None,
+        resume: bool = False,
         version: str | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray[Any, Any]]:
-        """Stream many rows through the model; like ``Client.infer_many``.
+        deadline: float | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> BulkResult:
+        """Stream many rows through the model; see ``Client.infer_many``.
 
-        Args:
-            model: the model's name.
-            data: an array (or ``np.memmap``) with rows first, a path to a ``.npy`` file
-                (opened as a memmap), a dict of such per input, or an iterable of batches
-                (each an array or a dict of arrays), sync or async.
-            outputs: output names to return (None: all).
-            batch_size: rows per request (default: the model's max_batch_size, else 64).
-            concurrency: requests in flight at once.
-            progress: show a tqdm progress bar when tqdm is installed.
-            out: write the results to ``.npy`` files instead of memory: a path when there is
-                one output, or a dict output name -> path.
-            version: the model version.
-            timeout: the per-request server-side deadline in seconds.
-
-        Returns:
-            Output name -> all rows, in input order (memmaps of the files when ``out``).
+        ``data`` may also be an async iterable of batches; ``concurrency`` requests are in
+        flight at once on this event loop.
         """
-        from ._bulk import infer_many_async
-
         return await infer_many_async(
             self,
             model,
@@ -280,8 +342,8 @@ class AsyncClient(BaseClient):
             concurrency=concurrency,
             progress=progress,
             out=out,
-            version=version,
-            timeout=timeout,
+            resume=resume,
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
         )
 
 

@@ -1,9 +1,10 @@
 """Everything the sync and async clients share that is not I/O.
 
-:class:`BaseClient` builds URLs and headers, frames requests (packing inputs via
-:mod:`._spec`), compresses bodies, decodes responses, maps HTTP and transport failures to the
-exception tree in :mod:`._exceptions` and decides on retries. :class:`~._client.Client` and
-:class:`~._async_client.AsyncClient` only send.
+:class:`BaseClient` reads the defaults (``$BITSERVE_URL``, ``$BITSERVE_TOKEN``), builds URLs,
+headers and request bodies (packing inputs via :mod:`._spec`), compresses bodies, decodes
+responses, maps HTTP and transport failures to the exception tree in :mod:`._exceptions` and
+decides on retries. :class:`~._client.Client` and :class:`~._async_client.AsyncClient` only
+send. Every helper here is private: the public surface is the methods of those two classes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import email.utils
 import gzip
 import json
 import logging
+import os
+import ssl
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -42,7 +45,11 @@ logger = logging.getLogger("bitserve_client")
 
 Compression = Literal["gzip", "deflate"] | None
 TimeoutTypes = float | None | httpx.Timeout
+VerifyTypes = ssl.SSLContext | str | bool
+CertTypes = str | tuple[str, str] | tuple[str, str, str]
+ProxyTypes = str | httpx.URL | httpx.Proxy
 
+DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 # Idle connections are dropped after 4 s, under the server's 5 s keep-alive timeout: with
 # equal timeouts a request can go out on a connection the server is closing at that moment.
@@ -50,13 +57,15 @@ DEFAULT_LIMITS = httpx.Limits(
     max_connections=64, max_keepalive_connections=64, keepalive_expiry=4.0
 )
 USER_AGENT = f"bitserve-client/{__version__}"
+REQUEST_ID = "X-Request-ID"
 
 # Transport failures retried for every call, inference included: the connection was never
 # made, or it broke while the request or its answer was on the wire (typically a kept-alive
 # connection the server closed: RemoteProtocolError, ReadError, WriteError). The request may
 # then have reached the server, but V2 inference and the metadata calls have no side effects
-# (an inference only computes its answer), so sending it again is safe. Timeouts other than
-# the connect timeout are not retried: the server may still be computing.
+# (an inference only computes its answer), and loading or unloading a model twice leaves the
+# same state, so sending it again is safe. Timeouts other than the connect timeout are not
+# retried: the server may still be computing.
 _RETRYABLE_TRANSPORT = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -67,22 +76,36 @@ _RETRYABLE_TRANSPORT = (
 
 
 @dataclass(frozen=True)
-class PreparedCall:
-    """One framed inference call, ready to send (possibly several times)."""
+class _Request:
+    """One call, ready to send (possibly several times).
 
+    Attributes:
+        method: the HTTP method.
+        path: the path under the client's URL, names escaped.
+        body: the body (framed tensors, or bytes), or None.
+        headers: the call's own headers, on top of the client's.
+        timeout: the call's HTTP timeout; None for the client's.
+        retry: whether 503s and broken connections are retried.
+        single: for an inference, whether the outputs drop the batch dimension.
+    """
+
+    method: str
     path: str
-    body: EncodedBody | bytes
-    headers: dict[str, str]
-    single: bool
+    body: EncodedBody | bytes | None = None
+    headers: Mapping[str, str] | None = None
+    timeout: httpx.Timeout | None = None
+    retry: bool = True
+    single: bool = False
 
-    def chunks(self) -> list[bytes]:
-        """The body as bytes-like chunks; a fresh list for every attempt.
+    def content(self) -> bytes | list[bytes] | None:
+        """The body: bytes, or framed tensors as chunks (a fresh list for every attempt).
 
         Tensor chunks are memoryviews over the caller's arrays (typed as bytes for httpx):
         httpx and h11 take any bytes-like object, so the payload is never joined into one copy.
+        A chunked body is sent with the Content-Length the framing computed.
         """
-        if isinstance(self.body, bytes):
-            return [self.body]
+        if self.body is None or isinstance(self.body, bytes):
+            return self.body
         return cast("list[bytes]", list(self.body.chunks))
 
 
@@ -102,56 +125,101 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-class BaseClient:
-    """The non-I/O half of a bitserve / V2 client.
+def _ssl_verify(verify: VerifyTypes, cert: CertTypes | None) -> VerifyTypes:
+    """What to give httpx as ``verify``: an SSL context when a client certificate is used.
 
-    Args:
-        url: the server's base URL, e.g. ``"http://127.0.0.1:8000"`` (a path prefix such as
-            an ingress route is kept).
-        token: a bearer token sent as ``Authorization: Bearer <token>``.
-        timeout: the HTTP timeout in seconds (or an ``httpx.Timeout``); default 60 s,
-            10 s to connect. A timeout raises :class:`TimeoutException`.
-        retries: how many retries (an int) or a :class:`Retry` policy.
-        compression: ``"gzip"`` or ``"deflate"`` to compress request bodies and accept
-            responses compressed the same way, or None (the default: neither; responses are
-            asked for with ``Accept-Encoding: identity``).
-        headers: extra headers sent with every request.
+    httpx deprecates ``cert=`` and ``verify=<path>`` in favour of an ``ssl.SSLContext``; the
+    client still takes both (like tritonclient and requests) and builds the context here.
     """
+    if cert is None and not isinstance(verify, str):
+        return verify
+    if isinstance(verify, ssl.SSLContext):
+        ctx = verify
+    elif verify is False:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif isinstance(verify, str):  # a CA bundle file or a folder of CA certificates
+        is_dir = os.path.isdir(verify)
+        ctx = ssl.create_default_context(
+            cafile=None if is_dir else verify, capath=verify if is_dir else None
+        )
+    elif os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR"):  # as httpx does
+        ctx = ssl.create_default_context(
+            cafile=os.environ.get("SSL_CERT_FILE") or None,
+            capath=os.environ.get("SSL_CERT_DIR") or None,
+        )
+    else:
+        import certifi  # an httpx dependency; the CA bundle httpx itself uses
+
+        ctx = ssl.create_default_context(cafile=certifi.where())
+    if cert is not None:
+        if isinstance(cert, str):
+            ctx.load_cert_chain(cert)
+        else:
+            ctx.load_cert_chain(*cert)
+    return ctx
+
+
+class BaseClient:
+    """The non-I/O half of a bitserve / V2 client (see ``Client`` for the arguments)."""
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
         token: str | None = None,
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
         headers: Mapping[str, str] | None = None,
+        verify: VerifyTypes = True,
+        cert: CertTypes | None = None,
+        proxy: ProxyTypes | None = None,
+        http2: bool = False,
+        limits: httpx.Limits = DEFAULT_LIMITS,
     ) -> None:
         if compression not in (None, "gzip", "deflate"):
             raise ValueError(f"compression must be 'gzip', 'deflate' or None, not {compression!r}")
+        url = url or os.environ.get("BITSERVE_URL") or DEFAULT_URL
         if "://" not in url:
             url = "http://" + url
-        self.url = url.rstrip("/")
-        self.compression: Compression = compression
-        self.retry = retries if isinstance(retries, Retry) else Retry(retries=int(retries))
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        if token is None:
+            token = os.environ.get("BITSERVE_TOKEN") or None
+        self._url = url.rstrip("/")
+        self._compression: Compression = compression
+        self._retry = retries if isinstance(retries, Retry) else Retry(retries=int(retries))
         # httpx asks for gzip/deflate responses by default, but bit-packed inputs give float
         # outputs that barely compress: the server's CPU and the latency are spent for ~10%.
         # So the responses come uncompressed unless compression was asked for.
-        self.headers: dict[str, str] = {
+        base_headers: dict[str, str] = {
             "User-Agent": USER_AGENT,
             "Accept-Encoding": compression or "identity",
         }
-        if token is not None:
-            self.headers["Authorization"] = f"Bearer {token}"
-        self.headers.update(headers or {})
+        if token:
+            base_headers["Authorization"] = f"Bearer {token}"
+        base_headers.update(headers or {})
+        # Everything the httpx client is built with; Client / AsyncClient add the transport.
+        self._http_options: dict[str, Any] = {
+            "base_url": self._url,
+            "headers": base_headers,
+            "timeout": timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
+            "limits": limits,
+            "verify": _ssl_verify(verify, cert),
+            "proxy": proxy,
+            "http2": http2,
+        }
         self._specs: dict[tuple[str, str | None], ModelSpec] = {}
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (``$BITSERVE_URL`` or ``http://127.0.0.1:8000`` by default)."""
+        return self._url
 
     # -- URLs ------------------------------------------------------------------------------
 
     @staticmethod
-    def model_path(model: str, version: str | None = None, suffix: str = "") -> str:
+    def _model_path(model: str, version: str | None = None, suffix: str = "") -> str:
         """``/v2/models/{model}[/versions/{version}]{suffix}`` with the names escaped."""
         if not model:
             raise InvalidInputError("model name is empty")
@@ -160,13 +228,74 @@ class BaseClient:
             path += "/versions/" + quote(str(version), safe="")
         return path + suffix
 
+    @staticmethod
+    def _repository_path(model: str, action: str) -> str:
+        if not model:
+            raise InvalidInputError("model name is empty")
+        return f"/v2/repository/models/{quote(model, safe='')}/{action}"
+
     # -- requests --------------------------------------------------------------------------
 
-    def cached_spec(self, model: str, version: str | None) -> ModelSpec | None:
+    @staticmethod
+    def _timeout(timeout: TimeoutTypes) -> httpx.Timeout | None:
+        """A call's own HTTP timeout, or None for the client's."""
+        if timeout is None or isinstance(timeout, httpx.Timeout):
+            return timeout
+        return httpx.Timeout(timeout)
+
+    def _get(
+        self,
+        path: str,
+        headers: Mapping[str, str] | None,
+        timeout: TimeoutTypes,
+        *,
+        retry: bool = True,
+    ) -> _Request:
+        return _Request("GET", path, None, headers, self._timeout(timeout), retry)
+
+    def _post_json(
+        self,
+        path: str,
+        doc: Mapping[str, Any],
+        headers: Mapping[str, str] | None,
+        timeout: TimeoutTypes,
+    ) -> _Request:
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        return _Request("POST", path, body, all_headers, self._timeout(timeout))
+
+    def _index_request(
+        self, ready: bool, headers: Mapping[str, str] | None, timeout: TimeoutTypes
+    ) -> _Request:
+        doc = {"ready": True} if ready else {}
+        return self._post_json("/v2/repository/index", doc, headers, timeout)
+
+    def _load_request(
+        self,
+        model: str,
+        config: Mapping[str, Any] | str | None,
+        headers: Mapping[str, str] | None,
+        timeout: TimeoutTypes,
+    ) -> _Request:
+        """``POST .../load``; a config override goes in ``parameters.config`` as a JSON string."""
+        doc: dict[str, Any] = {}
+        if config is not None:
+            text = config if isinstance(config, str) else json.dumps(dict(config))
+            doc["parameters"] = {"config": text}
+        self._forget_spec(model)
+        return self._post_json(self._repository_path(model, "load"), doc, headers, timeout)
+
+    def _unload_request(
+        self, model: str, headers: Mapping[str, str] | None, timeout: TimeoutTypes
+    ) -> _Request:
+        self._forget_spec(model)
+        return self._post_json(self._repository_path(model, "unload"), {}, headers, timeout)
+
+    def _cached_spec(self, model: str, version: str | None) -> ModelSpec | None:
         """The model's spec if it was fetched already."""
         return self._specs.get((model, version))
 
-    def store_spec(
+    def _store_spec(
         self,
         model: str,
         version: str | None,
@@ -178,11 +307,12 @@ class BaseClient:
         self._specs[(model, version)] = spec
         return spec
 
-    def forget_spec(self, model: str, version: str | None) -> None:
-        """Drop a cached spec (the model may have been reloaded with another config)."""
-        self._specs.pop((model, version), None)
+    def _forget_spec(self, model: str) -> None:
+        """Drop a model's cached specs (it may have been reloaded with another config)."""
+        for key in [k for k in list(self._specs) if k[0] == model]:  # list(): other threads
+            self._specs.pop(key, None)
 
-    def prepare_infer(
+    def _infer_request(
         self,
         spec: ModelSpec | None,
         model: str,
@@ -191,9 +321,11 @@ class BaseClient:
         *,
         version: str | None = None,
         request_id: str | None = None,
-        timeout: float | None = None,
+        deadline: float | None = None,
         binary: bool = True,
-    ) -> PreparedCall:
+        headers: Mapping[str, str] | None = None,
+        timeout: TimeoutTypes = None,
+    ) -> _Request:
         """Check, pack and frame one inference call (see ``Client.infer``)."""
         if not isinstance(inputs, Mapping):
             if spec is None or len(spec.inputs) != 1:
@@ -210,67 +342,99 @@ class BaseClient:
                 raise InvalidInputError(
                     f"model {model!r} has no outputs {unknown}; outputs: {list(spec.outputs)}"
                 )
-        if timeout is not None and timeout <= 0:
-            raise InvalidInputError(f"timeout must be > 0 seconds, got {timeout}")
+        if deadline is not None and not deadline > 0:
+            raise InvalidInputError(f"deadline must be > 0 seconds, got {deadline}")
         prepared = prepare_inputs(spec, inputs)
         body = encode_request(
             prepared.tensors,
             outputs,
             request_id=request_id,
-            timeout_s=timeout,
+            deadline_s=deadline,
             binary=binary,
         )
-        headers = dict(body.headers)
+        all_headers = dict(body.headers)
         content: EncodedBody | bytes = body
-        if self.compression is not None:
+        if self._compression is not None:
             raw = body.to_bytes()
             # gzip for "gzip"; RFC 9110's "deflate" is the zlib format (what zlib.compress makes).
-            content = gzip.compress(raw) if self.compression == "gzip" else zlib.compress(raw)
-            headers["Content-Encoding"] = self.compression
+            content = gzip.compress(raw) if self._compression == "gzip" else zlib.compress(raw)
+            all_headers["Content-Encoding"] = self._compression
             length = len(content)
         else:
             length = body.length
-        headers["Content-Length"] = str(length)
-        return PreparedCall(
-            self.model_path(model, version, "/infer"), content, headers, prepared.single
+        all_headers["Content-Length"] = str(length)
+        all_headers.update(headers or {})
+        return _Request(
+            "POST",
+            self._model_path(model, version, "/infer"),
+            content,
+            all_headers,
+            self._timeout(timeout),
+            single=prepared.single,
         )
 
     # -- responses -------------------------------------------------------------------------
 
     @staticmethod
-    def server_error(response: httpx.Response) -> ServerError:
+    def _server_error(response: httpx.Response) -> ServerError:
         """The exception for a non-200 response, carrying the server's error text."""
         return error_for_status(
             response.status_code,
             error_message(response.content),
             parse_retry_after(response.headers.get("Retry-After")),
+            response.headers.get(REQUEST_ID),
         )
 
     @staticmethod
-    def decode_json(response: httpx.Response) -> dict[str, Any]:
-        """The JSON object of a 200 response."""
+    def _decode_json(response: httpx.Response) -> Any:
+        """The JSON document of a 200 response."""
         try:
-            value = json.loads(response.content)
+            return json.loads(response.content)
         except ValueError as exc:
             raise DecodeError(f"{response.request.url}: response is not JSON: {exc}") from None
+
+    @classmethod
+    def _decode_object(cls, response: httpx.Response) -> dict[str, Any]:
+        value = cls._decode_json(response)
         if not isinstance(value, dict):
             raise DecodeError(f"{response.request.url}: expected a JSON object")
         return value
 
+    @classmethod
+    def _decode_index(cls, response: httpx.Response) -> list[dict[str, Any]]:
+        value = cls._decode_json(response)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise DecodeError(f"{response.request.url}: expected a JSON list of objects")
+        return value
+
     @staticmethod
-    def decode_infer(response: httpx.Response, single: bool) -> InferResult:
+    def _decode_infer(response: httpx.Response, single: bool) -> InferResult:
         """Decode a 200 inference response (binary or JSON)."""
         raw = response.headers.get(HEADER_LENGTH)
         try:
             header_length = None if raw is None else int(raw)
         except ValueError:
             raise DecodeError(f"bad {HEADER_LENGTH} header {raw!r}") from None
-        return decode_response(response.content, header_length, single=single)
+        return decode_response(
+            response.content, header_length, single=single, headers=response.headers
+        )
+
+    @staticmethod
+    def _probe_answer(error: ServerError, model: str | None) -> bool:
+        """A health probe's non-200 answer: False for "not ready", else raise ``error``.
+
+        503 is the server's "not live / not ready"; for a model, 404 (unknown, or unloaded)
+        is "not ready" too, as in tritonclient. Anything else (401 without a token, 404 from
+        a wrong URL prefix) is a failed call, not an answer, and raises.
+        """
+        if error.status == 503 or (model is not None and error.status == 404):
+            return False
+        raise error
 
     # -- failures and retries --------------------------------------------------------------
 
     @staticmethod
-    def transport_error(exc: httpx.TransportError, method: str, url: str) -> TransportError:
+    def _transport_error(exc: httpx.TransportError, method: str, url: str) -> TransportError:
         """Map an httpx transport failure to the client's exception tree."""
         text = f"{method} {url}: {type(exc).__name__}: {exc}".rstrip(": ")
         if isinstance(exc, httpx.TimeoutException):
@@ -279,18 +443,35 @@ class BaseClient:
             return ConnectError(text)
         return TransportError(text)
 
-    def retry_delay(
-        self, attempt: int, error: BitserveError, cause: BaseException | None = None
+    @staticmethod
+    def _closed_error(request: _Request) -> BitserveError:
+        return BitserveError(f"{request.method} {request.path}: the client is closed")
+
+    def _retry_delay(
+        self,
+        request: _Request,
+        attempt: int,
+        error: BitserveError,
+        cause: BaseException | None = None,
     ) -> float | None:
         """Seconds to wait before retrying after ``error``, or None to raise it."""
+        if not request.retry:
+            return None
         if isinstance(error, ServerError):
             if error.status != 503:
                 return None
-            return self.retry.delay(attempt, error.retry_after)
+            return self._retry.delay(attempt, error.retry_after)
         if isinstance(cause, _RETRYABLE_TRANSPORT):
-            return self.retry.delay(attempt)
+            return self._retry.delay(attempt)
         return None
 
     @staticmethod
-    def log_retry(method: str, url: str, error: BitserveError, delay: float, attempt: int) -> None:
-        logger.info("retry %d of %s %s in %.3fs after: %s", attempt + 1, method, url, delay, error)
+    def _log_retry(request: _Request, error: BitserveError, delay: float, attempt: int) -> None:
+        logger.info(
+            "retry %d of %s %s in %.3fs after: %s",
+            attempt + 1,
+            request.method,
+            request.path,
+            delay,
+            error,
+        )

@@ -3,9 +3,9 @@
 The input is cut into batches lazily (slices of an array or ``np.memmap`` are only read when
 their request is packed), at most ``2 * concurrency`` batches are pending at once (the extra
 ``concurrency`` are finished results waiting for an earlier one, so order is kept without a
-head-of-line stall), and each result is written into its rows of the output as soon as it is
-next in order. Memory therefore stays bounded by the window, whatever the number of rows: a
-million rows written to ``.npy`` files never exist in memory at once.
+head-of-line stall), and each result is handed on (``infer_iter``) or written into its rows
+of the output (``infer_many``, see :mod:`._sink`) as soon as it is next in order. Memory
+therefore stays bounded by the window, whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -13,48 +13,44 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
-from ._exceptions import DecodeError, InvalidInputError
-from ._spec import DATATYPES, ModelSpec, to_numpy
-from ._types import InferResult
+from ._exceptions import BulkInferenceError, InvalidInputError
+from ._progress import progress as make_progress
+from ._sink import Out, _Sink
+from ._spec import ModelSpec, to_numpy
+from ._types import BulkResult, InferResult
 
 if TYPE_CHECKING:
     from ._async_client import AsyncClient
+    from ._base import TimeoutTypes
     from ._client import Client
 
 Batch = dict[str, Any]
-Out = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None
 
 
-class _Bar(Protocol):
-    def update(self, n: int) -> Any: ...
-    def close(self) -> None: ...
+class Options(TypedDict):
+    """The per-request options every batch is sent with (see ``Client.infer``)."""
+
+    version: str | None
+    deadline: float | None
+    headers: Mapping[str, str] | None
+    timeout: TimeoutTypes
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(enabled: bool, total: int | None, desc: str, unit: str = "row") -> _Bar:
-    """A tqdm bar when asked for and tqdm is installed; otherwise a no-op."""
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is an optional extra ("bitserve-client[progress]")
-        return _NoBar()
-    bar: _Bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
-    return bar
+# -- cutting the input into batches -----------------------------------------------------------
 
 
 def _is_array(value: Any) -> bool:
@@ -100,151 +96,58 @@ def _as_batch(spec: ModelSpec, item: Any) -> Batch:
     return {next(iter(spec.inputs)): to_numpy(item, "batch")}
 
 
-def _split(batch: Batch, batch_size: int) -> Iterator[tuple[Batch, int]]:
+def _split(batch: Batch, batch_size: int, skip: int = 0) -> Iterator[tuple[Batch, int]]:
+    """Batches of at most ``batch_size`` rows, after the first ``skip`` rows."""
     n = _rows(batch)
-    for start in range(0, n, batch_size):
+    for start in range(skip, n, batch_size):
         stop = min(n, start + batch_size)
         yield {k: v[start:stop] for k, v in batch.items()}, stop - start
 
 
-def _sync_batches(
-    spec: ModelSpec, data: Any, batch_size: int
-) -> tuple[Iterator[tuple[Batch, int]], int | None]:
+class _Skipper:
+    """Cuts source items into batches, dropping the first ``skip`` rows of the stream."""
+
+    def __init__(self, spec: ModelSpec, batch_size: int, skip: int) -> None:
+        self.spec, self.batch_size, self.left = spec, batch_size, skip
+
+    def pieces(self, item: Any) -> Iterator[tuple[Batch, int]]:
+        batch = _as_batch(self.spec, item)
+        n = _rows(batch)
+        drop = min(self.left, n)
+        self.left -= drop
+        return _split(batch, self.batch_size, drop)
+
+
+def _source(spec: ModelSpec, data: Any) -> Batch | None:
+    """The input's columns, or None for an iterable of batches; anything else is refused."""
     cols = _columns(spec, data)
-    if cols is not None:
-        return _split(cols, batch_size), _rows(cols)
-    if not isinstance(data, Iterable):
+    if cols is None and not isinstance(data, (Iterable, AsyncIterable)):
         raise InvalidInputError(f"cannot stream {type(data).__name__}: give an array or batches")
-
-    def gen() -> Iterator[tuple[Batch, int]]:
-        for item in data:
-            yield from _split(_as_batch(spec, item), batch_size)
-
-    return gen(), None
+    return cols
 
 
-class _NpyAppender:
-    """Writes a ``.npy`` file row block by row block when the row count is not known ahead.
-
-    The header is written with room for any row count and rewritten, same length, at the
-    end, so the data is never copied or held in memory.
-    """
-
-    _RESERVED_ROWS = 10**18  # the final shape's repr is never longer than this one's
-
-    def __init__(self, path: Path, dtype: np.dtype[Any], item: tuple[int, ...]) -> None:
-        self.path, self.dtype, self.item, self.rows = path, dtype, item, 0
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in finish()/abort()
-        head = self._header(self._RESERVED_ROWS)
-        self._size = len(head)
-        self._file.write(head)
-
-    def _header(self, rows: int, size: int | None = None) -> bytes:
-        text = repr(
-            {
-                "descr": np.lib.format.dtype_to_descr(self.dtype),
-                "fortran_order": False,
-                "shape": (rows, *self.item),
-            }
-        )
-        # magic (6) + version (2) + length (2) + text + "\n", padded to 64 bytes with spaces.
-        total = size if size is not None else -(-(10 + len(text) + 1) // 64) * 64
-        text = text.ljust(total - 10 - 1) + "\n"
-        return b"\x93NUMPY\x01\x00" + (total - 10).to_bytes(2, "little") + text.encode("latin1")
-
-    def write(self, block: np.ndarray[Any, Any]) -> None:
-        self._file.write(np.ascontiguousarray(block, dtype=self.dtype).data)
-        self.rows += block.shape[0]
-
-    def finish(self) -> np.ndarray[Any, Any]:
-        self._file.seek(0)
-        self._file.write(self._header(self.rows, self._size))
-        self._file.close()
-        return np.load(self.path, mmap_mode="r")  # type: ignore[no-any-return]
-
-    def abort(self) -> None:
-        self._file.close()
+def _sync_batches(
+    spec: ModelSpec, data: Any, cols: Batch | None, batch_size: int, skip: int
+) -> Iterator[tuple[Batch, int]]:
+    if cols is not None:
+        return _split(cols, batch_size, skip)
+    if not isinstance(data, Iterable):
+        raise InvalidInputError("an async iterable of batches needs the AsyncClient")
+    skipper = _Skipper(spec, batch_size, skip)
+    return (piece for item in data for piece in skipper.pieces(item))
 
 
-class _Sink:
-    """Collects results in order: into memory or ``.npy`` files, sized ahead when possible."""
-
-    def __init__(self, spec: ModelSpec, outputs: Sequence[str] | None, total: int | None, out: Out):
-        self.total, self.done = total, 0
-        names = list(outputs) if outputs is not None else list(spec.outputs) or None
-        self.paths: dict[str, Path] | None = None
-        if isinstance(out, Mapping):
-            self.paths = {str(k): Path(v) for k, v in out.items()}
-            if names is not None and sorted(self.paths) != sorted(names):
-                raise InvalidInputError(
-                    f"out names {sorted(self.paths)} != outputs {sorted(names)}"
-                )
-        elif out is not None:
-            if names is not None and len(names) != 1:
-                raise InvalidInputError(
-                    f"model {spec.name!r} has outputs {names}: give out as a dict name -> path, "
-                    "or select one output"
-                )
-            self.paths = {names[0] if names else "": Path(out)}
-        self.arrays: dict[str, np.ndarray[Any, Any]] = {}
-        self.parts: dict[str, list[np.ndarray[Any, Any]]] = {}
-        self.appenders: dict[str, _NpyAppender] = {}
-
-    def _open(self, result: InferResult) -> None:
-        if self.paths is not None and "" in self.paths:  # one path, output name learnt now
-            if len(result) != 1:
-                raise InvalidInputError(f"results have outputs {list(result)}: give out as a dict")
-            self.paths = {next(iter(result)): self.paths[""]}
-        for name, arr in result.items():
-            item = tuple(arr.shape[1:])
-            path = None if self.paths is None else self.paths.get(name)
-            if self.paths is not None and path is None:
-                continue  # an output without a path is not kept
-            if self.total is None:
-                if path is None:
-                    self.parts[name] = []
-                else:
-                    self.appenders[name] = _NpyAppender(path, arr.dtype, item)
-            elif path is None:
-                self.arrays[name] = np.empty((self.total, *item), dtype=arr.dtype)
-            else:
-                self.arrays[name] = np.lib.format.open_memmap(
-                    path, mode="w+", dtype=arr.dtype, shape=(self.total, *item)
-                )
-
-    def write(self, result: InferResult, rows: int) -> None:
-        if self.done == 0 and not (self.arrays or self.parts or self.appenders):
-            self._open(result)
-        for name, arr in result.items():
-            if arr.ndim == 0 or arr.shape[0] != rows:
-                raise DecodeError(f"output {name!r}: {arr.shape} for a batch of {rows} rows")
-            if name in self.arrays:
-                self.arrays[name][self.done : self.done + rows] = arr
-            elif name in self.parts:
-                self.parts[name].append(arr)
-            elif name in self.appenders:
-                self.appenders[name].write(arr)
-        self.done += rows
-
-    def finish(self, spec: ModelSpec) -> dict[str, np.ndarray[Any, Any]]:
-        result: dict[str, np.ndarray[Any, Any]] = {}
-        for name, arr in self.arrays.items():
-            if isinstance(arr, np.memmap):
-                arr.flush()
-            result[name] = arr
-        for name, parts in self.parts.items():
-            result[name] = np.concatenate(parts) if parts else np.empty(0)
-        for name, appender in self.appenders.items():
-            result[name] = appender.finish()
-        if self.done == 0:  # no rows at all: empty outputs shaped from the spec
-            for name, t in spec.outputs.items():
-                shape = (0, *(max(d, 0) for d in t.shape))
-                result[name] = np.empty(shape, dtype=DATATYPES.get(t.datatype, np.dtype(object)))
-        return result
-
-    def abort(self) -> None:
-        for appender in self.appenders.values():
-            appender.abort()
+async def _async_batches(
+    spec: ModelSpec, data: Any, cols: Batch | None, batch_size: int, skip: int
+) -> AsyncGenerator[tuple[Batch, int]]:
+    if isinstance(data, AsyncIterable) and cols is None:
+        skipper = _Skipper(spec, batch_size, skip)
+        async for item in data:
+            for piece in skipper.pieces(item):
+                yield piece
+        return
+    for piece in _sync_batches(spec, data, cols, batch_size, skip):
+        yield piece
 
 
 def _check(spec: ModelSpec, batch_size: int | None, concurrency: int) -> int:
@@ -262,6 +165,115 @@ def _check(spec: ModelSpec, batch_size: int | None, concurrency: int) -> int:
     return batch_size
 
 
+class _Run:
+    """One ``infer_many`` call: its input, where results go, and its progress display.
+
+    Args:
+        spec: the model's spec.
+        data: the input, as given.
+        outputs: the outputs asked for.
+        batch_size: rows per request, or None for the model's default.
+        concurrency: requests in flight.
+        progress: show progress.
+        out: where the results go (see ``_Sink``).
+        resume: keep the rows ``out`` already holds.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        data: Any,
+        outputs: Sequence[str] | None,
+        batch_size: int | None,
+        concurrency: int,
+        progress: bool,
+        out: Out,
+        resume: bool,
+    ) -> None:
+        self.spec = spec
+        self.size = _check(spec, batch_size, concurrency)
+        self.cols = _source(spec, data)
+        total = None if self.cols is None else _rows(self.cols)
+        self.sink = _Sink(spec, outputs, total, out, resume)
+        self.bar = make_progress(progress, total, spec.name, initial=self.sink.done)
+
+    def record(self, result: InferResult, rows: int) -> None:
+        """The next batch's result, in order."""
+        self.sink.write(result, rows)
+        self.bar.update(rows)
+
+    def stopped(self, exc: Exception) -> BulkInferenceError:
+        """The error that says how far the run got and how to continue it."""
+        sink = self.sink
+        of = f" of {sink.total}" if sink.total is not None else ""
+        result = sink.result()
+        if result.paths:
+            files = ", ".join(str(p) for p in result.paths.values())
+            where = f"; they are in {files}: run again with resume=True to send only the rest"
+        else:
+            where = "; their results are in this error's .result"
+        return BulkInferenceError(
+            f"infer_many of model {self.spec.name!r} stopped after {sink.done}{of} rows{where} "
+            f"({type(exc).__name__}: {exc})",
+            rows_done=sink.done,
+            total=sink.total,
+            result=result,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+        self.sink.close()
+
+
+def _spec_options(options: Options) -> dict[str, Any]:
+    """The ``model_spec`` arguments among a call's options."""
+    return {"headers": options["headers"], "timeout": options["timeout"]}
+
+
+# -- sync ---------------------------------------------------------------------------------------
+
+
+def _ordered_sync(
+    client: Client,
+    model: str,
+    batches: Iterator[tuple[Batch, int]],
+    outputs: Sequence[str] | None,
+    concurrency: int,
+    options: Options,
+) -> Iterator[tuple[InferResult, int]]:
+    """(result, rows) per batch in input order, from a pool of ``concurrency`` threads."""
+    pending: deque[tuple[Future[InferResult], int]] = deque()
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bitserve-bulk")
+    try:
+        for batch, rows in batches:
+            pending.append((pool.submit(client.infer, model, batch, outputs, **options), rows))
+            while len(pending) >= 2 * concurrency or (pending and pending[0][0].done()):
+                head, n = pending.popleft()
+                yield head.result(), n
+        while pending:
+            head, n = pending.popleft()
+            yield head.result(), n
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def iter_sync(
+    client: Client,
+    model: str,
+    data: Any,
+    outputs: Sequence[str] | None,
+    *,
+    batch_size: int | None,
+    concurrency: int,
+    options: Options,
+) -> Iterator[tuple[InferResult, int]]:
+    """``Client.infer_iter``: (result, rows) per batch in input order."""
+    spec = client.model_spec(model, options["version"], **_spec_options(options))
+    size = _check(spec, batch_size, concurrency)
+    batches = _sync_batches(spec, data, _source(spec, data), size, 0)
+    return _ordered_sync(client, model, batches, outputs, concurrency, options)
+
+
 def infer_many_sync(
     client: Client,
     model: str,
@@ -272,56 +284,85 @@ def infer_many_sync(
     concurrency: int,
     progress: bool,
     out: Out,
-    version: str | None,
-    timeout: float | None,
-) -> dict[str, np.ndarray[Any, Any]]:
+    resume: bool,
+    options: Options,
+) -> BulkResult:
     """``Client.infer_many``: a thread pool of ``concurrency`` workers sharing the client."""
-    spec = client.model_spec(model, version)
-    size = _check(spec, batch_size, concurrency)
-    batches, total = _sync_batches(spec, data, size)
-    sink = _Sink(spec, outputs, total, out)
-    bar = _progress(progress, total, model)
-    pending: deque[tuple[Future[InferResult], int]] = deque()
-    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bitserve-bulk")
+    spec = client.model_spec(model, options["version"], **_spec_options(options))
+    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
+    batches = _sync_batches(spec, data, run.cols, run.size, run.sink.done)
     try:
-        for batch, rows in batches:
-            fut = pool.submit(client.infer, model, batch, outputs, version=version, timeout=timeout)
-            pending.append((fut, rows))
-            while len(pending) >= 2 * concurrency or (pending and pending[0][0].done()):
-                head, n = pending.popleft()
-                sink.write(head.result(), n)
-                bar.update(n)
-        while pending:
-            head, n = pending.popleft()
-            sink.write(head.result(), n)
-            bar.update(n)
-    except BaseException:
-        sink.abort()
-        raise
+        for result, rows in _ordered_sync(client, model, batches, outputs, concurrency, options):
+            run.record(result, rows)
+    except Exception as exc:
+        raise run.stopped(exc) from exc
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
-    return sink.finish(spec)
+        run.close()
+    return run.sink.result()
 
 
-async def _async_batches(
-    spec: ModelSpec, data: Any, batch_size: int
-) -> tuple[AsyncIterator[tuple[Batch, int]], int | None]:
-    if isinstance(data, AsyncIterable):
+# -- async --------------------------------------------------------------------------------------
 
-        async def agen() -> AsyncIterator[tuple[Batch, int]]:
-            async for item in data:
-                for piece in _split(_as_batch(spec, item), batch_size):
-                    yield piece
 
-        return agen(), None
-    batches, total = _sync_batches(spec, data, batch_size)
+async def _next_in_order(
+    pending: deque[tuple[asyncio.Task[InferResult], int]],
+) -> tuple[InferResult, int]:
+    # The head leaves `pending` only once done, so a cancelled wait still cancels it.
+    head, n = pending[0]
+    result = await head
+    pending.popleft()
+    return result, n
 
-    async def wrap() -> AsyncIterator[tuple[Batch, int]]:
-        for piece in batches:
-            yield piece
 
-    return wrap(), total
+async def _ordered_async(
+    client: AsyncClient,
+    model: str,
+    batches: AsyncIterator[tuple[Batch, int]],
+    outputs: Sequence[str] | None,
+    concurrency: int,
+    options: Options,
+) -> AsyncGenerator[tuple[InferResult, int]]:
+    """(result, rows) per batch in input order, at most ``concurrency`` requests in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(batch: Batch) -> InferResult:
+        async with gate:
+            return await client.infer(model, batch, outputs, **options)
+
+    pending: deque[tuple[asyncio.Task[InferResult], int]] = deque()
+    try:
+        async for batch, rows in batches:
+            pending.append((asyncio.ensure_future(one(batch)), rows))
+            while len(pending) >= 2 * concurrency or (pending and pending[0][0].done()):
+                yield await _next_in_order(pending)
+        while pending:
+            yield await _next_in_order(pending)
+    finally:
+        for task, _ in pending:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
+
+
+async def iter_async(
+    client: AsyncClient,
+    model: str,
+    data: Any,
+    outputs: Sequence[str] | None,
+    *,
+    batch_size: int | None,
+    concurrency: int,
+    options: Options,
+) -> AsyncGenerator[tuple[InferResult, int]]:
+    """``AsyncClient.infer_iter``: (result, rows) per batch in input order."""
+    spec = await client.model_spec(model, options["version"], **_spec_options(options))
+    size = _check(spec, batch_size, concurrency)
+    batches = _async_batches(spec, data, _source(spec, data), size, 0)
+    ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
+    try:
+        async for item in ordered:
+            yield item
+    finally:
+        await ordered.aclose()
 
 
 async def infer_many_async(
@@ -334,39 +375,20 @@ async def infer_many_async(
     concurrency: int,
     progress: bool,
     out: Out,
-    version: str | None,
-    timeout: float | None,
-) -> dict[str, np.ndarray[Any, Any]]:
+    resume: bool,
+    options: Options,
+) -> BulkResult:
     """``AsyncClient.infer_many``: at most ``concurrency`` requests in flight on one loop."""
-    spec = await client.model_spec(model, version)
-    size = _check(spec, batch_size, concurrency)
-    batches, total = await _async_batches(spec, data, size)
-    sink = _Sink(spec, outputs, total, out)
-    bar = _progress(progress, total, model)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(batch: Batch) -> InferResult:
-        async with gate:
-            return await client.infer(model, batch, outputs, version=version, timeout=timeout)
-
-    pending: deque[tuple[asyncio.Task[InferResult], int]] = deque()
+    spec = await client.model_spec(model, options["version"], **_spec_options(options))
+    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
+    batches = _async_batches(spec, data, run.cols, run.size, run.sink.done)
+    ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
     try:
-        async for batch, rows in batches:
-            pending.append((asyncio.ensure_future(one(batch)), rows))
-            while len(pending) >= 2 * concurrency or (pending and pending[0][0].done()):
-                head, n = pending.popleft()
-                sink.write(await head, n)
-                bar.update(n)
-        while pending:
-            head, n = pending.popleft()
-            sink.write(await head, n)
-            bar.update(n)
-    except BaseException:
-        for task, _ in pending:
-            task.cancel()
-        await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
-        sink.abort()
-        raise
+        async for result, rows in ordered:
+            run.record(result, rows)
+    except Exception as exc:
+        raise run.stopped(exc) from exc
     finally:
-        bar.close()
-    return sink.finish(spec)
+        await ordered.aclose()
+        run.close()
+    return run.sink.result()

@@ -1,13 +1,21 @@
-"""``bitserve-client``: health, metadata, one inference and a load test from the shell.
+"""``bitserve-client``: health, metadata, the model repository, inference and a load test.
 
-    bitserve-client [--url URL] [--token T] [--timeout S] health [--model M]
+    bitserve-client [--url URL] [--token T] [--timeout S] [--retries N] COMMAND ...
+    bitserve-client health [--model M]
     bitserve-client metadata MODEL [--config]
-    bitserve-client infer MODEL --input NAME=file.npy [...] [--output out.npz]
+    bitserve-client index [--ready]
+    bitserve-client load MODEL [--config JSON]
+    bitserve-client unload MODEL
+    bitserve-client infer MODEL --input NAME=FILE.npy | --input FILE.npz [...] [--output OUT.npz]
+    bitserve-client infer-many MODEL --input [NAME=]FILE.npy [...] --output [NAME=]OUT.npy [...]
+        [--batch-size B] [--concurrency C] [--resume] [--no-progress]
     bitserve-client bench MODEL [--concurrency C] [--requests N] [--duration S] [--batch-size B]
 
 The URL and token default to ``$BITSERVE_URL`` (else ``http://127.0.0.1:8000``) and
-``$BITSERVE_TOKEN``. Exit status: 0 on success, 1 when the server says no (not ready, an
-error answer), 2 for bad usage.
+``$BITSERVE_TOKEN``. Exit status: 0 on success, 1 when the call fails (not ready, an error
+answer, no connection, an unreadable file), 2 for bad usage, 141 (128 + SIGPIPE, what a
+shell reports for a tool stopped by a closed pipe) without a word when stdout is closed
+early, e.g. by ``| head``.
 """
 
 from __future__ import annotations
@@ -16,29 +24,25 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
-from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import numpy as np
 
-from ._bulk import _progress
+from ._bench import run_bench
 from ._client import Client
 from ._exceptions import BitserveError
-from ._spec import BYTES, DATATYPES, ModelSpec
+
+_SIGPIPE_STATUS = 128 + 13
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bitserve-client", description="Talk to a bitserve (or any V2) server."
     )
-    p.add_argument("--url", default=os.environ.get("BITSERVE_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token", default=os.environ.get("BITSERVE_TOKEN"))
+    p.add_argument("--url", help="the server (default $BITSERVE_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--token", help="a bearer token (default $BITSERVE_TOKEN)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout in seconds")
     p.add_argument("--retries", type=int, default=3, help="retries on connect errors and 503")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,13 +54,37 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("model")
     m.add_argument("--config", action="store_true", help="print its config as well")
 
-    i = sub.add_parser("infer", help="run one inference on arrays from .npy files")
-    i.add_argument("model")
-    i.add_argument(
-        "--input", action="append", required=True, metavar="NAME=FILE.npy", help="repeatable"
+    x = sub.add_parser("index", help="list the repository's models and their states (JSON)")
+    x.add_argument("--ready", action="store_true", help="only the ready ones")
+    lo = sub.add_parser("load", help="(re)load a model from the repository")
+    lo.add_argument("model")
+    lo.add_argument(
+        "--config", metavar="JSON", help="a config override, e.g. '{\"max_batch_size\": 4}'"
     )
-    i.add_argument("--output", metavar="OUT.npz", help="save the outputs here (else print)")
+    un = sub.add_parser("unload", help="stop serving a model")
+    un.add_argument("model")
+
+    inputs_help = "NAME=FILE.npy, NAME=FILE.npz (its array NAME) or FILE.npz (every array by name)"
+    i = sub.add_parser("infer", help="run one inference on arrays from .npy / .npz files")
+    i.add_argument("model")
+    i.add_argument("--input", action="append", required=True, metavar="INPUT", help=inputs_help)
+    i.add_argument("--output", metavar="OUT.npz", help="save the outputs to exactly this path")
     i.add_argument("--json", action="store_true", help="JSON tensors instead of binary")
+
+    n = sub.add_parser("infer-many", help="bulk inference over rows of .npy files (memory-mapped)")
+    n.add_argument("model")
+    n.add_argument(
+        "--input", action="append", required=True, metavar="[NAME=]FILE.npy",
+        help="rows of one input (NAME= for a model with several); repeatable",
+    )  # fmt: skip
+    n.add_argument(
+        "--output", action="append", required=True, metavar="[NAME=]OUT.npy",
+        help="where an output's rows go (NAME= for several outputs); repeatable",
+    )  # fmt: skip
+    n.add_argument("--batch-size", type=int, help="rows per request (default: max_batch_size)")
+    n.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    n.add_argument("--resume", action="store_true", help="keep the rows the outputs hold")
+    n.add_argument("--no-progress", action="store_true")
 
     b = sub.add_parser("bench", help="load test with random valid inputs")
     b.add_argument("model")
@@ -69,121 +97,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def random_inputs(
-    spec: ModelSpec, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray[Any, Any]]:
-    """Random valid inputs for ``batch_size`` items (variable dims get size 1).
+def _split_name(parser: argparse.ArgumentParser, item: str, what: str) -> tuple[str | None, str]:
+    """``NAME=PATH`` -> (NAME, PATH); ``PATH`` -> (None, PATH)."""
+    name, sep, path = item.partition("=")
+    if not sep:
+        return None, item
+    if not name or not path:
+        parser.error(f"{what} wants [NAME=]PATH, got {item!r}")
+    return name, path
 
-    Packed inputs are generated as bits and packed once here, so a benchmark measures the
-    server and the transport, not repeated packing.
-    """
-    rng = np.random.default_rng(seed)
-    lead = (batch_size,) if spec.batched else ()
+
+def _read_inputs(
+    parser: argparse.ArgumentParser, items: Sequence[str]
+) -> dict[str, np.ndarray[Any, Any]]:
+    """The arrays of ``infer --input``: ``.npy`` files, or ``.npz`` arrays read by name."""
     arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for name, t in spec.inputs.items():
-        if t.packing is not None:
-            shape = lead + tuple(max(d, 1) for d in t.packing.logical_shape)
-            bits = rng.random(shape) < 0.5
-            arrays[name] = np.packbits(bits, axis=-1, bitorder=t.packing.bitorder)
+    for item in items:
+        name, path = _split_name(parser, item, "--input")
+        if not path.endswith(".npz"):
+            if name is None:
+                parser.error(f"--input wants NAME=FILE.npy or FILE.npz, got {item!r}")
+            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
             continue
-        shape = lead + tuple(max(d, 1) for d in t.shape)
-        dtype = DATATYPES.get(t.datatype)
-        if dtype is None:
-            what = "BYTES" if t.datatype == BYTES else repr(t.datatype)
-            raise BitserveError(f"input {name!r}: cannot generate {what} data")
-        if dtype.kind == "f":
-            arrays[name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "b":
-            arrays[name] = rng.random(shape) < 0.5
-        else:
-            arrays[name] = rng.integers(0, 2, size=shape).astype(dtype)
+        with np.load(path, allow_pickle=False) as npz:
+            if name is None:
+                arrays.update({key: npz[key] for key in npz.files})
+            elif name in npz.files:
+                arrays[name] = npz[name]
+            elif len(npz.files) == 1:
+                arrays[name] = npz[npz.files[0]]
+            else:
+                raise ValueError(f"{path} has no array {name!r}; it has {npz.files}")
     return arrays
 
 
-@dataclass
-class BenchStats:
-    """Latencies (seconds) of successful requests and a count of errors by type."""
-
-    latencies: list[float] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-    first_error: str | None = None
-
-    def summary(self, wall_s: float, batch_size: int) -> str:
-        ok = len(self.latencies)
-        lines = [
-            f"requests: {ok} ok, {sum(self.errors.values())} failed in {wall_s:.2f} s",
-            f"throughput: {ok / wall_s:.1f} req/s, {ok * batch_size / wall_s:.1f} items/s",
-        ]
-        if ok:
-            ms = np.percentile(np.asarray(self.latencies) * 1e3, [50, 90, 99, 100])
-            lines.append("latency ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}  max {:.2f}".format(*ms))
-        for kind, n in self.errors.most_common():
-            lines.append(f"errors: {n} x {kind}")
-        if self.first_error:
-            lines.append(f"first error: {self.first_error}")
-        return "\n".join(lines)
-
-
-def _bench(client: Client, args: argparse.Namespace) -> int:
-    spec = client.model_spec(args.model)
-    inputs = random_inputs(spec, args.batch_size, args.seed)
-    limit = args.requests if args.requests is not None else (None if args.duration else 200)
-    deadline = None if args.duration is None else time.perf_counter() + args.duration
-    stats = BenchStats()
-    lock = threading.Lock()
-    issued = 0
-    bar = _progress(not args.no_progress, limit, f"bench {args.model}", unit="req")
-
-    def worker() -> None:
-        nonlocal issued
-        while True:
-            with lock:
-                if (limit is not None and issued >= limit) or (
-                    deadline is not None and time.perf_counter() >= deadline
-                ):
-                    return
-                issued += 1
-            start = time.perf_counter()
-            try:
-                client.infer(args.model, inputs)
-            except BitserveError as exc:
-                with lock:
-                    stats.errors[type(exc).__name__] += 1
-                    stats.first_error = stats.first_error or str(exc)
-            else:
-                with lock:
-                    stats.latencies.append(time.perf_counter() - start)
-            with lock:
-                bar.update(1)
-
-    client.infer(args.model, inputs)  # warm-up: connection, caches, server-side lazy work
-    t0 = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-            for f in [pool.submit(worker) for _ in range(args.concurrency)]:
-                f.result()
-    finally:
-        bar.close()
-    wall = time.perf_counter() - t0
-    print(
-        f"model {args.model}  batch {args.batch_size}  concurrency {args.concurrency}  "
-        f"url {client.url}"
-    )
-    print(stats.summary(wall, args.batch_size))
-    return 0 if not stats.errors else 1
-
-
-def _infer(client: Client, args: argparse.Namespace) -> int:
-    inputs: dict[str, np.ndarray[Any, Any]] = {}
-    for item in args.input:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"bitserve-client: --input wants NAME=FILE.npy, got {item!r}")
-        inputs[name] = np.load(path, allow_pickle=False)
+def _infer(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    inputs = _read_inputs(parser, args.input)
     result = client.infer(args.model, inputs, binary=not args.json)
     if args.output:
-        arrays: dict[str, Any] = dict(result.items())
-        np.savez(args.output, **arrays)
+        with open(args.output, "wb") as f:  # np.savez(path) would append ".npz" to the name
+            arrays: dict[str, Any] = dict(result.items())
+            np.savez(f, **arrays)
         print(f"wrote {', '.join(result)} to {args.output}")
         return 0
     print(f"model {result.model_name} version {result.model_version}")
@@ -193,7 +147,45 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(client: Client, args: argparse.Namespace) -> int:
+def _named(
+    parser: argparse.ArgumentParser, items: Sequence[str], what: str
+) -> str | dict[str, str]:
+    """One unnamed path, or NAME=PATH pairs as a dict."""
+    pairs = [_split_name(parser, item, what) for item in items]
+    if len(pairs) == 1 and pairs[0][0] is None:
+        return pairs[0][1]
+    if any(name is None for name, _ in pairs):
+        parser.error(f"several {what} need a NAME= each")
+    return {str(name): path for name, path in pairs}
+
+
+def _infer_many(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    data: Any = _named(parser, args.input, "--input")
+    out = _named(parser, args.output, "--output")
+    # .npy files are memory-mapped by infer_many; .npz arrays are read by name.
+    if isinstance(data, str) and data.endswith(".npz"):
+        data = _read_inputs(parser, [data])
+    elif isinstance(data, dict):
+        data = {
+            k: _read_inputs(parser, [f"{k}={v}"])[k] if v.endswith(".npz") else v
+            for k, v in data.items()
+        }
+    result = client.infer_many(
+        args.model,
+        data,
+        outputs=None if isinstance(out, str) else list(out),
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        progress=not args.no_progress,
+        out=out,
+        resume=args.resume,
+    )
+    for name, path in result.paths.items():
+        print(f"wrote {result.rows} rows of {name} to {path}")
+    return 0
+
+
+def _run(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "health":
         checks = {"live": client.is_live(), "ready": client.is_ready()}
         if args.model:
@@ -207,9 +199,37 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             doc["config"] = client.model_config(args.model)
         print(json.dumps(doc if args.config else doc["metadata"], indent=2))
         return 0
+    if args.command == "index":
+        print(json.dumps(client.repository_index(ready=args.ready), indent=2))
+        return 0
+    if args.command == "load":
+        try:
+            config = None if args.config is None else json.loads(args.config)
+        except ValueError as exc:
+            parser.error(f"--config is not JSON: {exc}")
+        if config is not None and not isinstance(config, dict):
+            parser.error("--config must be a JSON object")
+        client.load_model(args.model, config)
+        print(f"loaded {args.model}")
+        return 0
+    if args.command == "unload":
+        client.unload_model(args.model)
+        print(f"unloaded {args.model}")
+        return 0
     if args.command == "infer":
-        return _infer(client, args)
-    return _bench(client, args)
+        return _infer(client, parser, args)
+    if args.command == "infer-many":
+        return _infer_many(client, parser, args)
+    return run_bench(client, args)
+
+
+def _quiet_broken_pipe() -> int:
+    # Python would report the closed stdout again when it flushes at exit: point the file
+    # descriptor at /dev/null first.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return _SIGPIPE_STATUS
 
 
 def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | None = None) -> int:
@@ -219,8 +239,9 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
         argv: the arguments (default ``sys.argv[1:]``).
         transport: an httpx transport for the client (tests).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
     try:
+        args = parser.parse_args(argv)
         with Client(
             args.url,
             token=args.token,
@@ -228,7 +249,13 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
             retries=args.retries,
             transport=transport,
         ) as client:
-            return _run(client, args)
+            status = _run(client, parser, args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None) * 2
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except BitserveError as exc:
         print(f"bitserve-client: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

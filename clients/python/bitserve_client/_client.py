@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import httpx
-import numpy as np
 
-from ._base import DEFAULT_LIMITS, DEFAULT_TIMEOUT, BaseClient, Compression, TimeoutTypes
+from ._base import (
+    DEFAULT_LIMITS,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    CertTypes,
+    Compression,
+    ProxyTypes,
+    TimeoutTypes,
+    VerifyTypes,
+    _Request,
+)
+from ._bulk import Options, infer_many_sync, iter_sync
 from ._exceptions import BitserveError, ServerError
 from ._retry import Retry
 from ._spec import ModelSpec
-from ._types import ArrayLike, InferResult, Inputs
+from ._types import ArrayLike, BulkResult, InferResult, Inputs
+
+Headers = Mapping[str, str] | None
+BulkData = ArrayLike | Mapping[str, ArrayLike] | str | Path | Iterable[Any]
+BulkOut = str | Path | Mapping[str, str | Path] | None
 
 
 class Client(BaseClient):
@@ -29,29 +43,48 @@ class Client(BaseClient):
             result = client.infer("demo", {"spikes": bits})   # bits: bool [batch, 20, 50000]
             result["resampled"]                               # float32 [batch, 20, 500]
 
+    Every method takes ``headers=`` (extra headers for that call) and ``timeout=`` (that
+    call's HTTP timeout; None: the client's).
+
     Args:
-        url: the server's base URL.
-        token: a bearer token (``Authorization: Bearer ...``).
+        url: the server's base URL (a path prefix such as an ingress route is kept); default
+            ``$BITSERVE_URL``, else ``http://127.0.0.1:8000``.
+        token: a bearer token sent as ``Authorization: Bearer <token>``; default
+            ``$BITSERVE_TOKEN``; ``""`` sends none.
         timeout: the HTTP timeout in seconds or an ``httpx.Timeout`` (default 60 s, 10 s to
-            connect); raises :class:`~bitserve_client.TimeoutException`.
+            connect; None: none); raises :class:`~bitserve_client.TimeoutException`.
         retries: retries after the first attempt (int) or a :class:`Retry` policy; retried
             are connection failures, connections dropped mid-call, and 503s; never other
             statuses, nor read timeouts.
-        compression: ``"gzip"``, ``"deflate"`` or None: compress request bodies.
+        compression: ``"gzip"`` or ``"deflate"`` to compress request bodies and accept
+            responses compressed the same way; None (the default) sends bodies as they are
+            and asks for uncompressed responses (``Accept-Encoding: identity``).
         headers: extra headers for every request.
+        verify: verify the server's TLS certificate (True, the default: against certifi's CA
+            bundle), not (False), against a CA bundle file or folder (a path), or with an
+            ``ssl.SSLContext``.
+        cert: a client certificate for TLS: a file with the certificate and key, or a tuple
+            (certificate file, key file[, key password]).
+        proxy: a proxy URL (or ``httpx.Proxy``); by default the ``HTTPS_PROXY`` / ``HTTP_PROXY``
+            environment applies.
+        http2: use HTTP/2 where the server offers it (needs ``bitserve-client[http2]``).
         limits: connection pool limits (default 64 connections, all kept alive).
         transport: an httpx transport to send through (tests use ``httpx.MockTransport``).
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
         token: str | None = None,
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
         headers: Mapping[str, str] | None = None,
+        verify: VerifyTypes = True,
+        cert: CertTypes | None = None,
+        proxy: ProxyTypes | None = None,
+        http2: bool = False,
         limits: httpx.Limits = DEFAULT_LIMITS,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
@@ -62,16 +95,20 @@ class Client(BaseClient):
             retries=retries,
             compression=compression,
             headers=headers,
-        )
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=self.headers,
-            timeout=self.timeout,
+            verify=verify,
+            cert=cert,
+            proxy=proxy,
+            http2=http2,
             limits=limits,
-            transport=transport,
         )
+        self._http = httpx.Client(**self._http_options, transport=transport)
         self._spec_lock = threading.Lock()
-        self.sleep: Callable[[float], None] = time.sleep
+        self._sleep: Callable[[float], None] = time.sleep
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` was called; a closed client raises ``BitserveError``."""
+        return self._http.is_closed
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -90,87 +127,186 @@ class Client(BaseClient):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        chunks: Callable[[], list[bytes]] | None = None,
-        headers: Mapping[str, str] | None = None,
-        retry: bool = True,
-    ) -> httpx.Response:
+    def _send(self, request: _Request) -> httpx.Response:
         """Send with retries; return a 200 response or raise."""
         attempt = 0
         error: BitserveError
         while True:
+            if self._http.is_closed:
+                raise self._closed_error(request)
             try:
                 response = self._http.request(
-                    method, path, content=None if chunks is None else chunks(), headers=headers
+                    request.method,
+                    request.path,
+                    content=request.content(),
+                    headers=request.headers,
+                    timeout=httpx.USE_CLIENT_DEFAULT
+                    if request.timeout is None
+                    else request.timeout,
                 )
             except httpx.TransportError as exc:
-                error = self.transport_error(exc, method, self.url + path)
-                delay = self.retry_delay(attempt, error, exc) if retry else None
+                error = self._transport_error(exc, request.method, self._url + request.path)
+                delay = self._retry_delay(request, attempt, error, exc)
                 if delay is None:
                     raise error from exc
+            except RuntimeError as exc:  # httpx: closed by another thread meanwhile
+                if self._http.is_closed:
+                    raise self._closed_error(request) from exc
+                raise
             else:
                 if response.status_code == 200:
                     return response
-                error = self.server_error(response)
-                delay = self.retry_delay(attempt, error) if retry else None
+                error = self._server_error(response)
+                delay = self._retry_delay(request, attempt, error)
                 if delay is None:
                     raise error
-            self.log_retry(method, path, error, delay, attempt)
-            self.sleep(delay)
+            self._log_retry(request, error, delay, attempt)
+            self._sleep(delay)
             attempt += 1
 
-    def _get_json(self, path: str) -> dict[str, Any]:
-        return self.decode_json(self._send("GET", path))
-
-    def _get_ok(self, path: str) -> bool:
+    def _probe(self, request: _Request, model: str | None = None) -> bool:
         try:
-            self._send("GET", path, retry=False)
-        except ServerError:
-            return False
+            self._send(request)
+        except ServerError as exc:
+            return self._probe_answer(exc, model)
         return True
 
-    # -- API -------------------------------------------------------------------------------
+    # -- health and metadata ---------------------------------------------------------------
 
-    def is_live(self) -> bool:
-        """Whether the server answers ``/v2/health/live`` with 200 (transport errors raise)."""
-        return self._get_ok("/v2/health/live")
+    def is_live(self, *, headers: Headers = None, timeout: TimeoutTypes = None) -> bool:
+        """``GET /v2/health/live``: True on 200, False on 503.
 
-    def is_ready(self, model: str | None = None, version: str | None = None) -> bool:
-        """Whether the server (or one model) is ready to serve."""
-        path = "/v2/health/ready" if model is None else self.model_path(model, version, "/ready")
-        return self._get_ok(path)
+        Raises:
+            ServerError: any other answer (e.g. 404 from a wrong URL prefix).
+            TransportError: no answer.
+        """
+        return self._probe(self._get("/v2/health/live", headers, timeout, retry=False))
 
-    def server_metadata(self) -> dict[str, Any]:
-        """``GET /v2``: name, version, extensions."""
-        return self._get_json("/v2")
+    def is_ready(
+        self,
+        model: str | None = None,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> bool:
+        """Whether the server (or one model) is ready: True on 200, False on 503.
 
-    def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
+        For a model, an unknown (or unloaded) one is not ready either (404: False).
+
+        Raises:
+            Unauthorized: the server wants a token (model readiness needs one where set).
+            ServerError: any other answer.
+            TransportError: no answer.
+        """
+        path = "/v2/health/ready" if model is None else self._model_path(model, version, "/ready")
+        return self._probe(self._get(path, headers, timeout, retry=False), model)
+
+    def server_metadata(
+        self, *, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> dict[str, Any]:
+        """``GET /v2``: the server's name, version and extensions."""
+        return self._decode_object(self._send(self._get("/v2", headers, timeout)))
+
+    def model_metadata(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> dict[str, Any]:
         """``GET /v2/models/{model}``: inputs and outputs (packed inputs in wire form)."""
-        return self._get_json(self.model_path(model, version))
+        path = self._model_path(model, version)
+        return self._decode_object(self._send(self._get(path, headers, timeout)))
 
-    def model_config(self, model: str, version: str | None = None) -> dict[str, Any]:
+    def model_config(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> dict[str, Any]:
         """``GET /v2/models/{model}/config``: the Triton-style configuration."""
-        return self._get_json(self.model_path(model, version, "/config"))
+        path = self._model_path(model, version, "/config")
+        return self._decode_object(self._send(self._get(path, headers, timeout)))
 
-    def model_spec(self, model: str, version: str | None = None) -> ModelSpec:
-        """The model's inputs, outputs and packing, fetched once and cached."""
-        spec = self.cached_spec(model, version)
+    def model_spec(
+        self,
+        model: str,
+        version: str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> ModelSpec:
+        """The model's inputs, outputs and packing, fetched once and cached.
+
+        The cache is dropped when an inference is refused with 400 or 404 and by
+        :meth:`load_model` / :meth:`unload_model`.
+        """
+        spec = self._cached_spec(model, version)
         if spec is not None:
             return spec
         with self._spec_lock:
-            spec = self.cached_spec(model, version)
+            spec = self._cached_spec(model, version)
             if spec is not None:
                 return spec
-            metadata = self.model_metadata(model, version)
+            metadata = self.model_metadata(model, version, headers=headers, timeout=timeout)
             try:
-                config: dict[str, Any] | None = self.model_config(model, version)
-            except ServerError:  # a plain V2 server (KServe) has no /config
+                config: dict[str, Any] | None = self.model_config(
+                    model, version, headers=headers, timeout=timeout
+                )
+            except ServerError as exc:  # a plain V2 server (KServe) has no /config
+                if exc.status in (401, 403):
+                    raise
                 config = None
-            return self.store_spec(model, version, metadata, config)
+            return self._store_spec(model, version, metadata, config)
+
+    # -- model repository ------------------------------------------------------------------
+
+    def repository_index(
+        self, *, ready: bool = False, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> list[dict[str, Any]]:
+        """``POST /v2/repository/index``: every model version with its state.
+
+        Args:
+            ready: list only the versions that are ready.
+
+        Returns:
+            ``[{"name", "version", "state", "reason"}, ...]``; ``state`` is ``"READY"``,
+            ``"UNAVAILABLE"``, ``"LOADING"``, ...
+        """
+        return self._decode_index(self._send(self._index_request(ready, headers, timeout)))
+
+    def load_model(
+        self,
+        model: str,
+        config: Mapping[str, Any] | str | None = None,
+        *,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> None:
+        """``POST /v2/repository/models/{model}/load``: (re)load a model from the repository.
+
+        Args:
+            model: the model's name.
+            config: a config override for this load: a dict (or its JSON text) with Triton's
+                field names where they mean the same (e.g. ``{"max_batch_size": 4}``), sent
+                as ``parameters.config``.
+
+        Raises:
+            ServerError: the model does not exist or failed to load (the message says why).
+        """
+        self._send(self._load_request(model, config, headers, timeout))
+
+    def unload_model(
+        self, model: str, *, headers: Headers = None, timeout: TimeoutTypes = None
+    ) -> None:
+        """``POST /v2/repository/models/{model}/unload``: stop serving a model."""
+        self._send(self._unload_request(model, headers, timeout))
+
+    # -- inference -------------------------------------------------------------------------
 
     def infer(
         self,
@@ -180,88 +316,139 @@ class Client(BaseClient):
         *,
         version: str | None = None,
         request_id: str | None = None,
-        timeout: float | None = None,
+        deadline: float | None = None,
         binary: bool = True,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
     ) -> InferResult:
         """Run one inference.
 
         Args:
             model: the model's name.
-            inputs: input name -> array, or one array for a one-input model. Arrays have the
-                batch dimension first, or are one item without it (outputs then come back
-                without it). A bit-packed input takes bool / 0-1 arrays of the logical shape
-                (packed here with ``np.packbits`` along the last axis) or already packed
-                uint8 arrays. NumPy arrays, anything ``np.asarray`` takes, or torch tensors.
+            inputs: input name -> array, for every input of the model, or one array for a
+                one-input model. Arrays have the batch dimension first, or are one item
+                without it (outputs then come back without it). A bit-packed input takes
+                bool / 0-1 arrays of the logical shape (packed here with ``np.packbits``
+                along the last axis in the model's bit order) or already packed uint8
+                arrays. NumPy arrays, anything ``np.asarray`` takes, or torch tensors.
             outputs: output names to return (None: all).
             version: the model version (None: the server's default).
-            request_id: sent as the request ``id`` and echoed in the result.
-            timeout: the server-side deadline in seconds (V2 ``parameters.timeout``): a
+            request_id: sent as the request ``id`` and echoed in ``result.id``.
+            deadline: the server-side deadline in seconds (V2 ``parameters.timeout``): a
                 request whose batch has not started by then fails with
-                :class:`~bitserve_client.DeadlineExceeded`. The HTTP timeout is the
-                client's ``timeout``.
+                :class:`~bitserve_client.DeadlineExceeded`.
             binary: binary tensors both ways (default) or JSON.
+            headers: extra headers for this call.
+            timeout: this call's HTTP timeout (None: the client's).
 
         Returns:
-            The outputs by name (read-only NumPy arrays) with model name, version and id.
+            Every output by name (read-only NumPy arrays), with model name, version, id and
+            the response headers.
 
         Raises:
             InvalidInputError: an input fails the local checks (nothing is sent).
             ServerError: the server refused the request (after retries for 503).
             TransportError: the connection failed or timed out.
         """
-        spec = self.model_spec(model, version)
-        call = self.prepare_infer(
+        spec = self.model_spec(model, version, headers=headers, timeout=timeout)
+        request = self._infer_request(
             spec,
             model,
             inputs,
             outputs,
             version=version,
             request_id=request_id,
-            timeout=timeout,
+            deadline=deadline,
             binary=binary,
+            headers=headers,
+            timeout=timeout,
         )
         try:
-            response = self._send("POST", call.path, chunks=call.chunks, headers=call.headers)
+            response = self._send(request)
         except ServerError as exc:
             if exc.status in (400, 404):  # the model may have been reloaded: refetch its spec
-                self.forget_spec(model, version)
+                self._forget_spec(model)
             raise
-        return self.decode_infer(response, call.single)
+        return self._decode_infer(response, request.single)
+
+    def infer_iter(
+        self,
+        model: str,
+        data: BulkData,
+        outputs: Sequence[str] | None = None,
+        *,
+        batch_size: int | None = None,
+        concurrency: int = 4,
+        version: str | None = None,
+        deadline: float | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> Iterator[InferResult]:
+        """Stream rows through the model, yielding each batch's result in input order.
+
+        Takes the arguments of :meth:`infer_many` (without ``out``, ``resume``, ``progress``).
+        At most ``2 * concurrency`` batches are pending; a result is yielded as soon as it
+        and every earlier one are in. Closing the iterator early cancels what is pending.
+        """
+        for result, _ in iter_sync(
+            self,
+            model,
+            data,
+            outputs,
+            batch_size=batch_size,
+            concurrency=concurrency,
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+        ):
+            yield result
 
     def infer_many(
         self,
         model: str,
-        data: ArrayLike | Mapping[str, ArrayLike] | str | Path | Iterable[Any],
+        data: BulkData,
         outputs: Sequence[str] | None = None,
         *,
         batch_size: int | None = None,
         concurrency: int = 4,
         progress: bool = True,
-        out: str | Path | Mapping[str, str | Path] | None = None,
+        out: BulkOut = None,
+        resume: bool = False,
         version: str | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray[Any, Any]]:
+        deadline: float | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> BulkResult:
         """Stream many rows through the model in order, with bounded concurrency and progress.
 
         Args:
             model: the model's name.
             data: an array (or ``np.memmap``) with rows first, a path to a ``.npy`` file
-                (opened as a memmap), a dict of such per input, or an iterable of batches
-                (each an array or a dict of arrays).
+                (opened as a memmap), a dict of such per input (for a model with several
+                inputs), or an iterable of batches (each an array or a dict of arrays).
             outputs: output names to return (None: all).
             batch_size: rows per request (default: the model's max_batch_size, else 64).
             concurrency: requests in flight at once (a thread pool of this size).
-            progress: show a tqdm progress bar when tqdm is installed.
+            progress: show progress: a tqdm bar when tqdm is installed, else a line on
+                stderr every few seconds.
             out: write the results to ``.npy`` files instead of memory: a path when there is
-                one output, or a dict output name -> path.
+                one output, or a dict output name -> path. The files' headers always state
+                the rows written so far.
+            resume: with ``out``, keep the rows the files already hold and send only the
+                rest (after a :class:`~bitserve_client.BulkInferenceError`, or an
+                interrupted run).
             version: the model version.
-            timeout: the per-request server-side deadline in seconds.
+            deadline: the per-request server-side deadline in seconds.
+            headers: extra headers for every request.
+            timeout: the per-request HTTP timeout (None: the client's).
 
         Returns:
-            Output name -> all rows, in input order (memmaps of the files when ``out``).
-        """
-        from ._bulk import infer_many_sync
+            Output name -> all rows, in input order (memmaps of the files with ``out``), and
+            ``.rows``, the number of rows.
 
+        Raises:
+            BulkInferenceError: a request failed (its error is the ``__cause__``): says how
+                many rows are done and holds their results.
+            InvalidInputError: bad arguments, found before anything is sent.
+        """
         return infer_many_sync(
             self,
             model,
@@ -271,6 +458,6 @@ class Client(BaseClient):
             concurrency=concurrency,
             progress=progress,
             out=out,
-            version=version,
-            timeout=timeout,
+            resume=resume,
+            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
         )

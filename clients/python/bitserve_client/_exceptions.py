@@ -6,7 +6,9 @@ Every error the client raises on purpose derives from :class:`BitserveError`::
      +-- TransportError           no usable HTTP answer came back
      |    +-- ConnectError        could not connect (refused, DNS, reset before a response)
      |    +-- TimeoutException    the HTTP timeout fired (also a builtins.TimeoutError)
-     +-- ServerError              the server answered non-200; .status, .message (its text)
+     +-- ServerError              the server answered non-200; .status, .message (its text),
+     |    |                       .request_id (its X-Request-ID)
+     |    +-- Unauthorized        401 / 403: a missing or wrong token
      |    +-- ModelNotFound       404
      |    +-- Unavailable         503 (queue full / model not ready); .retry_after
      |    +-- DeadlineExceeded    504: the request's deadline passed on the server
@@ -14,6 +16,10 @@ Every error the client raises on purpose derives from :class:`BitserveError`::
      +-- InvalidInputError        an input failed a local check; nothing was sent
      |                            (also a ValueError)
      +-- DecodeError              the answer is not a valid V2 response
+     +-- BulkInferenceError       infer_many stopped part way; .rows_done, .result; the
+                                  cause is the error above that stopped it
+
+A call on a closed client raises :class:`BitserveError` itself.
 
 ``except TimeoutError`` therefore catches both a client-side and a server-side timeout.
 """
@@ -21,9 +27,14 @@ Every error the client raises on purpose derives from :class:`BitserveError`::
 from __future__ import annotations
 
 import builtins
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._types import BulkResult
 
 __all__ = [
     "BitserveError",
+    "BulkInferenceError",
     "ConnectError",
     "DeadlineExceeded",
     "DecodeError",
@@ -32,6 +43,7 @@ __all__ = [
     "ServerError",
     "TimeoutException",
     "TransportError",
+    "Unauthorized",
     "Unavailable",
 ]
 
@@ -60,13 +72,27 @@ class ServerError(BitserveError):
         message: the server's error text (the ``"error"`` field of a V2 error body, or the
             raw body when it is not JSON).
         retry_after: seconds from the ``Retry-After`` header, or None.
+        request_id: the response's ``X-Request-ID`` (bitserve logs the details of a 500
+            under it), or None when the server sent none.
     """
 
-    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.request_id = request_id
+
+
+class Unauthorized(ServerError):
+    """401 or 403: the server wants a (different) bearer token (``token=``, ``$BITSERVE_TOKEN``)."""
 
 
 class ModelNotFound(ServerError):
@@ -89,10 +115,36 @@ class DecodeError(BitserveError):
     """The server's answer is not a valid V2 response (bad JSON, sizes that do not add up)."""
 
 
-def error_for_status(status: int, message: str, retry_after: float | None) -> ServerError:
+class BulkInferenceError(BitserveError):
+    """``infer_many`` stopped part way; the error that stopped it is ``__cause__``.
+
+    The first ``rows_done`` rows are complete: in ``result`` and, with ``out=``, in the
+    ``.npy`` files, whose headers state exactly those rows (``np.load`` reads them). Run the
+    same call again with ``resume=True`` to send only the remaining rows.
+
+    Attributes:
+        rows_done: how many rows, from the first, have their results.
+        total: the number of input rows, or None when the input was an iterator.
+        result: the results of the first ``rows_done`` rows.
+    """
+
+    def __init__(
+        self, message: str, *, rows_done: int, total: int | None, result: BulkResult
+    ) -> None:
+        super().__init__(message)
+        self.rows_done = rows_done
+        self.total = total
+        self.result = result
+
+
+def error_for_status(
+    status: int, message: str, retry_after: float | None, request_id: str | None = None
+) -> ServerError:
     """The most specific :class:`ServerError` subclass for an HTTP status."""
     cls: type[ServerError]
-    if status == 404:
+    if status in (401, 403):
+        cls = Unauthorized
+    elif status == 404:
         cls = ModelNotFound
     elif status == 503:
         cls = Unavailable
@@ -100,4 +152,4 @@ def error_for_status(status: int, message: str, retry_after: float | None) -> Se
         cls = DeadlineExceeded
     else:
         cls = ServerError
-    return cls(status, message, retry_after=retry_after)
+    return cls(status, message, retry_after=retry_after, request_id=request_id)

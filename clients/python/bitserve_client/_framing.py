@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ def encode_request(
     outputs: Sequence[str] | None = None,
     *,
     request_id: str | None = None,
-    timeout_s: float | None = None,
+    deadline_s: float | None = None,
     binary: bool = True,
 ) -> EncodedBody:
     """Frame one inference request.
@@ -74,7 +74,8 @@ def encode_request(
         tensors: the inputs, C-contiguous and little-endian.
         outputs: output names to return (None: all of them).
         request_id: the request's ``id``.
-        timeout_s: the server-side deadline, sent as ``parameters.timeout`` in microseconds.
+        deadline_s: the server-side deadline in seconds, sent as ``parameters.timeout`` in
+            microseconds.
         binary: binary tensors both ways (True) or plain JSON (False).
 
     Returns:
@@ -84,8 +85,8 @@ def encode_request(
     if request_id is not None:
         header["id"] = request_id
     params: dict[str, Any] = {}
-    if timeout_s is not None:
-        params["timeout"] = max(1, int(timeout_s * 1e6))
+    if deadline_s is not None:
+        params["timeout"] = max(1, int(deadline_s * 1e6))
     if binary:
         params["binary_data_output"] = True
     if params:
@@ -188,7 +189,13 @@ def _decode_output(
     return arr.reshape(shape), offset
 
 
-def decode_response(body: bytes, header_length: int | None, *, single: bool) -> InferResult:
+def decode_response(
+    body: bytes,
+    header_length: int | None,
+    *,
+    single: bool,
+    headers: Mapping[str, str] | None = None,
+) -> InferResult:
     """Decode a 200 inference response.
 
     Args:
@@ -196,6 +203,7 @@ def decode_response(body: bytes, header_length: int | None, *, single: bool) -> 
         header_length: ``Inference-Header-Content-Length`` or None for a JSON-only body.
         single: drop the leading batch dimension of every output (the request was one item
             given without it).
+        headers: the HTTP response headers, kept on the result.
 
     Returns:
         The outputs, binary ones as read-only views over ``body``.
@@ -214,13 +222,16 @@ def decode_response(body: bytes, header_length: int | None, *, single: bool) -> 
         raise DecodeError("response header is not a V2 inference response")
     offset = end
     outputs: dict[str, np.ndarray[Any, Any]] = {}
+    entries: dict[str, dict[str, Any]] = {}
     for entry in header.get("outputs", []):
         arr, offset = _decode_output(entry, body, offset)
         if single:
             if arr.ndim == 0 or arr.shape[0] != 1:
                 raise DecodeError(f"output {entry.get('name')!r}: expected a batch of 1")
             arr = arr[0]
-        outputs[str(entry.get("name"))] = arr
+        name = str(entry.get("name"))
+        outputs[name] = arr
+        entries[name] = {k: v for k, v in entry.items() if k != "data"}
     if offset != len(body):
         raise DecodeError(f"{len(body) - offset} bytes after the last output")
     return InferResult(
@@ -229,6 +240,8 @@ def decode_response(body: bytes, header_length: int | None, *, single: bool) -> 
         model_version=header.get("model_version"),
         id=header.get("id"),
         parameters=header.get("parameters"),
+        entries=entries,
+        headers=headers,
     )
 
 

@@ -1,3 +1,3 @@
 """The distribution's version (one place; pyproject.toml repeats it)."""
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"

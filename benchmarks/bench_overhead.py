@@ -1,0 +1,164 @@
+"""Serving overhead: bitserve vs a hand-written FastAPI V2 endpoint and a raw ASGI floor.
+
+On a GPU host the kernels take microseconds, so what a request costs is the serving layer.
+The tiny model (``benchmarks/overhead/tiny.py``: one packed byte in, one float out) makes the
+maths free; every server answers the same V2 binary requests from Triton's perf_analyzer (C++,
+so the load costs the measured cores little) at concurrency 8 and 32:
+
+- bitserve with its defaults, and with ``--workers 1`` and ``--workers 2``;
+- the hand-written FastAPI V2 endpoint (``benchmarks/overhead/fastapi_v2.py``): one route,
+  ``await request.body()``, ``json.loads`` of the header, a ``Response``;
+- the floor: a raw ASGI app on uvicorn + httptools + uvloop doing the same V2 framing
+  (``benchmarks/overhead/asgi_v2.py``).
+
+Every server is started once and measured in interleaved rounds (the median of the rounds is
+reported), so drift in a shared machine's load hits all of them alike. Each answer's maths is
+checked first. Then the demo workload (20 x 50000 bits per request) runs on bitserve at
+concurrency 8 and 32: throughput should hold or rise with the deeper queue.
+
+    python -m benchmarks.bench_overhead            # writes benchmarks/results/overhead.md
+    python -m benchmarks.bench_overhead --smoke    # short runs, prints only
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import struct
+import tempfile
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks._common import markdown_table, parse_args, report
+from benchmarks.overhead import perf, tiny
+from benchmarks.overhead.perf import Load, Running
+
+CONCURRENCY = (8, 32)
+DEFAULTS = "bitserve (defaults)"
+WORKERS_1 = "bitserve --workers 1"
+WORKERS_2 = "bitserve --workers 2"
+FASTAPI = "hand-written FastAPI V2"
+FLOOR = "raw ASGI floor"
+
+
+def check_answer(server: Running) -> None:
+    """One binary V2 request of three items; the counts of ones must be exact."""
+    data = np.array([0, 255, 0b1011], dtype=np.uint8)
+    head = (
+        b'{"inputs":[{"name":"bits","datatype":"UINT8","shape":[3,1,1],'
+        b'"parameters":{"binary_data_size":3}}],'
+        b'"outputs":[{"name":"count","parameters":{"binary_data":true}}]}'
+    )
+    r = httpx.post(
+        f"{server.url}/v2/models/{tiny.NAME}/infer",
+        content=head + data.tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(head))},
+        timeout=10,
+    )
+    r.raise_for_status()
+    n = int(r.headers["inference-header-content-length"])
+    got = struct.unpack("<3f", r.content[n:])
+    if list(got) != [0.0, 8.0, 3.0]:
+        raise AssertionError(f"{server.label} answered {got}")
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    command = perf.perf_analyzer()
+    if command is None:
+        if not args.smoke:
+            raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
+        print("perf_analyzer not found: a small Python load stands in for this smoke run")
+    rounds = 1 if args.smoke else 3
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        repo = tiny.write_repository(Path(tmp) / "tiny")
+        quiet = ["--no-access-log"] if args.smoke else []
+        servers = [
+            (DEFAULTS, perf.bitserve(repo)),
+            (WORKERS_1, perf.bitserve(repo, "--workers", "1", *quiet)),
+            (WORKERS_2, perf.bitserve(repo, "--workers", "2", *quiet)),
+            (FASTAPI, perf.module("benchmarks.overhead.fastapi_v2")),
+            (FLOOR, perf.module("benchmarks.overhead.asgi_v2")),
+        ]
+        loads: dict[tuple[str, int], list[Load]] = {}
+        with perf.start(servers) as running:
+            for r in running:
+                check_answer(r)
+            for _ in range(rounds):
+                for c in CONCURRENCY:
+                    for r in running:
+                        load = perf.measure(command, r, tiny.NAME, c, smoke=args.smoke)
+                        loads.setdefault((r.label, c), []).append(load)
+                        print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
+        demo: dict[int, Load] = {}
+        from service.demo import write_demo_repository
+
+        demo_repo = Path(tmp) / "demo"
+        write_demo_repository(demo_repo)
+        with perf.start([(DEFAULTS, perf.bitserve(demo_repo))]) as (server,):
+            for c in CONCURRENCY:
+                demo[c] = perf.measure(command, server, "demo", c, smoke=args.smoke)
+                print(f"demo c={c}: {demo[c].rps:.1f} req/s", flush=True)
+
+    def med(label: str, c: int, field: str) -> float:
+        return statistics.median(getattr(x, field) for x in loads[(label, c)])
+
+    labels = [s[0] for s in servers]
+    rows = [
+        [label, c, med(label, c, "rps"), med(label, c, "p50_us") / 1e3,
+         med(label, c, "p99_us") / 1e3, med(label, c, "cpu_us_per_request")]
+        for c in CONCURRENCY
+        for label in labels
+    ]  # fmt: skip
+    table = markdown_table(
+        ["server", "concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], rows
+    )
+
+    def ratio(a: str, b: str, c: int) -> float:
+        return med(a, c, "rps") / med(b, c, "rps")
+
+    targets: list[list[object]] = []
+    for c in CONCURRENCY:
+        for label, base, target in (
+            (DEFAULTS, FASTAPI, ">= 1.0"),
+            (WORKERS_1, FASTAPI, ">= 0.7"),
+            (DEFAULTS, FLOOR, "goal >= 0.6"),
+            (WORKERS_1, FLOOR, "reported"),
+        ):
+            targets.append([f"c={c}: {label} / {base}", ratio(label, base, c), target])
+    targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), ">= 1.3"])
+    targets.append(["demo: req/s at c=32 / c=8", demo[32].rps / demo[8].rps, ">= 1.0"])
+    targets.append(["demo: p99 at c=32 / c=8", demo[32].p99_us / demo[8].p99_us, "<= 4"])
+    demo_rows = [
+        [c, demo[c].rps, demo[c].p50_us / 1e3, demo[c].p99_us / 1e3, demo[c].cpu_us_per_request]
+        for c in CONCURRENCY
+    ]
+    body = f"""
+Tiny model (one packed byte in, one float out: the serving layer is the whole cost), V2 binary
+requests from perf_analyzer (`--measurement-interval 4000 --stability-percentage 50`) over
+loopback; {rounds} interleaved round(s), medians. The load generator shares the machine's
+{os.cpu_count()} cores with the server. "server CPU µs/req" is the server's process tree
+(user + system) over the run divided by the requests it served.
+
+{table}
+
+Demo workload on bitserve (defaults; 20 x 50000 bits packed per request, dynamic batching up
+to 16, perf_analyzer random data):
+
+{markdown_table(["concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], demo_rows)}
+
+{markdown_table(["measure", "value", "target"], targets)}
+"""
+    report(
+        "overhead",
+        "Serving overhead: bitserve vs a hand-written FastAPI endpoint and the raw ASGI floor",
+        body,
+        smoke=args.smoke,
+        devices=args.device,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""``POST /v2/models/{m}[/versions/{v}]/infer`` as a raw ASGI handler, ahead of FastAPI.
+
+The inference route is the one hot path, so it runs without a framework: the path is matched
+as a string, the headers are read in one pass over the ASGI scope, the body is gathered
+straight from ``receive`` (the server's one buffer when it came in one piece, else one copy
+into a buffer of the declared size), and the answer goes out in two ``send`` calls. What the
+route decides about the request is all in :class:`service.dataplane.DataPlane`; this module
+is the HTTP envelope: auth, limits, shedding before the body is read, and error bodies.
+
+Before a byte of the body is read, a request is refused when:
+
+- its token is missing or wrong (401), its ``Content-Length`` is malformed (400) or larger
+  than ``max_body_bytes`` (413);
+- the model is unknown (404) or not ready (503);
+- the model's queue is full (503 with ``Retry-After``): a server past capacity answers in
+  microseconds instead of after reading and decoding the upload;
+- the bytes of the bodies being received would pass ``max_inflight_bytes`` (503 with
+  ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from service.auth import bearer_token
+from service.dataplane import DataPlane
+from service.errors import (
+    InvalidInput,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+    Unauthorized,
+)
+from service.protocol import choose_encoding
+from service.protocol.response import error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "/v2/models/"
+_SUFFIX = "/infer"
+_JSON = b"application/json"
+
+
+def match_infer(method: str, path: str) -> tuple[str, str | None] | None:
+    """``(model, version)`` when ``method path`` is the infer route, else None.
+
+    ``version`` is None for ``/v2/models/{m}/infer``. Names are returned as sent (the
+    repository refuses names it does not know).
+    """
+    if method != "POST" or not path.startswith(_PREFIX) or not path.endswith(_SUFFIX):
+        return None
+    parts = path[len(_PREFIX) : -len(_SUFFIX)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+def parse_content_length(value: bytes) -> int:
+    """A ``Content-Length`` value: ASCII digits only (``int()`` would take ``-1``, ``+5``,
+    ``1_0`` and `` 7 ``).
+
+    Raises:
+        InvalidInput: anything else.
+    """
+    if not (value.isdigit() and value.isascii()):
+        raise InvalidInput(f"malformed Content-Length {value[:64].decode('latin-1')!r}")
+    return int(value)
+
+
+async def send_json_error(
+    send: Send, error: ServiceError, request_id: str, *, close: bool = False
+) -> None:
+    """Answer ``error`` as ``{"error": message}`` with its status and headers."""
+    body = error_body(error.message)
+    headers = [
+        (b"content-type", _JSON),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    if close and "Connection" not in error.headers:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class InferRoute:
+    """The infer route's HTTP envelope around :meth:`DataPlane.infer_rest`.
+
+    Args:
+        dataplane: the server's data plane.
+        max_body_bytes: the most bytes a body may have (checked before reading).
+        body_timeout_s: the most seconds a body may take to arrive (408 after).
+        max_inflight_bytes: the most body bytes held at once by requests being received or
+            computed, over all connections; 0: no limit.
+        auth_token: the bearer token every request must carry, or None.
+    """
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        max_body_bytes: int,
+        body_timeout_s: float | None,
+        max_inflight_bytes: int = 0,
+        auth_token: str | None = None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_inflight_bytes = max_inflight_bytes
+        self._token = auth_token.encode() if auth_token is not None else None
+        self.inflight_bytes = 0
+        """Body bytes reserved now by requests being received or computed."""
+
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: tuple[str, str | None],
+        request_id: str,
+    ) -> int:
+        """Answer one infer request; returns the status sent (for the access log)."""
+        held = _Held(self)
+        try:
+            declared, encoding, header_length, accept = self._headers(scope["headers"])
+
+            async def body() -> bytes | bytearray:
+                if declared is not None:
+                    held.grow(declared)
+                return await read_body(
+                    receive,
+                    declared=declared,
+                    limit=self.max_body_bytes,
+                    timeout_s=self.body_timeout_s,
+                    held=held,
+                )
+
+            enc = await self.dataplane.infer_rest(
+                route[0],
+                route[1],
+                body,
+                content_encoding=encoding,
+                header_length=header_length,
+                accept_encoding=accept,
+            )
+        except ServiceError as e:
+            # The unread rest of a body refused early is skipped by the HTTP server, so the
+            # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
+            level = logging.WARNING if e.status_code >= 500 else logging.INFO
+            log.log(level, "%s %s -> %d: %s", "POST", scope["path"], e.status_code, e)
+            await send_json_error(send, e, request_id)
+            return e.status_code
+        finally:
+            held.release()
+        headers = [
+            (b"content-type", enc.media_type.encode()),
+            (b"content-length", str(len(enc.body)).encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        headers += [(k.lower().encode(), v.encode()) for k, v in enc.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": enc.body})
+        return 200
+
+    def _headers(
+        self, raw: list[tuple[bytes, bytes]]
+    ) -> tuple[int | None, str | None, str | None, str | None]:
+        """One pass over the request headers: auth, and what the route needs of them."""
+        declared = encoding = header_length = accept = None
+        token = None
+        for k, v in raw:
+            if k == b"content-length":
+                declared = parse_content_length(v)
+            elif k == b"content-encoding":
+                encoding = v.decode("latin-1")
+            elif k == b"inference-header-content-length":
+                header_length = v.decode("latin-1")
+            elif k == b"accept-encoding":
+                accept = v.decode("latin-1")
+            elif k == b"authorization":
+                token = v.decode("latin-1")
+        if self._token is not None:
+            got = bearer_token(token)
+            if got is None:
+                raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
+            if not hmac.compare_digest(got.encode(), self._token):
+                raise Unauthorized("invalid bearer token")
+        if declared is not None and declared > self.max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"
+            )
+        if accept is not None and self.dataplane.response_compression != "never":
+            accept = choose_encoding(accept)
+        else:
+            accept = None
+        return declared, encoding, header_length, accept
+
+
+async def read_body(
+    receive: Receive,
+    *,
+    declared: int | None,
+    limit: int,
+    timeout_s: float | None,
+    held: _Held | None = None,
+) -> bytes | bytearray:
+    """The whole request body: one ``receive`` when it came in one piece, else gathered.
+
+    Args:
+        receive: the request's ASGI ``receive``.
+        declared: its ``Content-Length`` (checked against ``limit`` by the caller), or None.
+        limit: the most bytes a body without a Content-Length may have.
+        timeout_s: the most seconds the whole body may take; None: no limit.
+        held: for a body without a Content-Length, its share of the in-flight byte budget,
+            grown as it arrives.
+
+    Raises:
+        RequestTimeout: the body was slower than ``timeout_s``.
+        PayloadTooLarge: a body without a Content-Length passed ``limit``.
+        InvalidInput: the body is shorter or longer than declared, or the client left.
+        Overloaded: ``held`` would pass the in-flight budget.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            message = await receive()
+            body: bytes | bytearray = message.get("body", b"")
+            if declared is None and held is not None:
+                held.grow(len(body))
+            if message.get("more_body", False):
+                body = await _gather(receive, body, declared, limit, held)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s (body timeout)"
+        ) from None
+    if message["type"] == "http.disconnect":
+        raise InvalidInput("client disconnected while sending the body")
+    if declared is not None and len(body) != declared:
+        raise InvalidInput(f"request body ended after {len(body)} of {declared} bytes")
+    return body
+
+
+async def _gather(
+    receive: Receive,
+    first: bytes | bytearray,
+    declared: int | None,
+    limit: int,
+    held: _Held | None,
+) -> bytearray:
+    bound = limit if declared is None else declared
+    # ``+=`` on a bytearray grows geometrically and glibc moves a big buffer by remapping its
+    # pages: about one copy per byte, and a slow client holds only what it has sent.
+    out = bytearray(first)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidInput("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        if len(out) + len(chunk) > bound:
+            if declared is not None:
+                raise InvalidInput("request body is longer than its Content-Length")
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        if declared is None and held is not None:
+            held.grow(len(out) + len(chunk))
+        out += chunk
+        if not message.get("more_body", False):
+            return out
+
+
+class _Held:
+    """One request's share of the route's in-flight byte budget."""
+
+    __slots__ = ("nbytes", "route")
+
+    def __init__(self, route: InferRoute) -> None:
+        self.route = route
+        self.nbytes = 0
+
+    def grow(self, nbytes: int) -> None:
+        """Hold ``nbytes`` in all (more than now).
+
+        Raises:
+            Overloaded: the budget would be passed; nothing more is held then.
+        """
+        route, more = self.route, nbytes - self.nbytes
+        limit = route.max_inflight_bytes
+        if limit and route.inflight_bytes + more > limit:
+            raise Overloaded(
+                f"the server is receiving {route.inflight_bytes} bytes of request bodies; "
+                f"{more} more would pass its limit of {limit} (max_inflight_bytes); retry later",
+                retry_after=1.0,
+            )
+        route.inflight_bytes += more
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Give back everything held."""
+        self.route.inflight_bytes -= self.nbytes
+        self.nbytes = 0

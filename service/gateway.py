@@ -1,0 +1,159 @@
+"""The outermost ASGI layer: request ids, header limits, paths, access log, the last-resort 500,
+and the dispatch of inference to the fast path (``service.fastpath``) ahead of FastAPI.
+
+Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
+cannot be trusted with them: no parser bounds the number of headers, and h11 bounds only an
+*incomplete* request head.
+
+Paths are answered without redirects: a trailing slash is dropped (``/v2/`` is ``/v2``), so
+no ``Location`` is ever built from the request's ``Host`` header.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from service.errors import Overloaded, ServiceError
+from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_infer, send_json_error
+from service.observability import RequestIds, request_id_var
+from service.protocol.response import error_body
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(f"{__name__}.access")  # one line per request
+
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class HeaderLimit(ServiceError):
+    """Too many request headers, or too many bytes of them (431; the body is never read)."""
+
+    status_code = 431
+
+
+class Gateway:
+    """Every HTTP request passes here once.
+
+    Args:
+        fallback: the application for everything but inference (FastAPI's own stack).
+        infer: the inference route.
+        access_log: log one line per request (method, path, status, milliseconds, id).
+        max_headers: requests with more header lines are answered 431.
+        max_header_bytes: requests whose headers (``name: value\\r\\n`` each) add up to more
+            bytes are answered 431.
+        limit_concurrency: requests handled at once above which new ones are answered 503
+            with ``Retry-After``; None: no limit.
+    """
+
+    def __init__(
+        self,
+        fallback: ASGIApp,
+        infer: InferRoute,
+        *,
+        access_log: bool = True,
+        max_headers: int = 100,
+        max_header_bytes: int = 64 << 10,
+        limit_concurrency: int | None = None,
+    ) -> None:
+        self.fallback = fallback
+        self.limit_concurrency = limit_concurrency
+        self.active = 0
+        """HTTP requests being handled now."""
+        self.infer = infer
+        self.access_log = access_log
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
+        self.request_ids = RequestIds()
+
+    def _inspect(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None]:
+        """The sent ``X-Request-ID`` and why the headers are refused (None when they are not)."""
+        sent = None
+        size = 0
+        for k, v in headers:
+            size += len(k) + len(v) + 4  # as sent: "k: v\r\n"
+            if k == b"x-request-id":
+                sent = v
+        if len(headers) > self.max_headers:
+            return sent, f"too many request headers: {len(headers)} (limit {self.max_headers})"
+        if size > self.max_header_bytes:
+            return sent, (
+                f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
+            )
+        return sent, None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.fallback(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        sent, problem = self._inspect(scope["headers"])
+        rid = self.request_ids(sent)
+        token = request_id_var.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+        path: str = scope["path"]
+        if len(path) > 1 and path.endswith("/"):
+            path = path.rstrip("/") or "/"
+            scope["path"] = path
+            scope["raw_path"] = path.encode()
+        status = 0
+        started = False
+        self.active += 1
+        if self.limit_concurrency is not None and self.active > self.limit_concurrency:
+            problem_error: ServiceError | None = Overloaded(
+                f"the server is handling {self.active - 1} requests (limit_concurrency "
+                f"{self.limit_concurrency}); retry later"
+            )
+        elif problem is not None:
+            problem_error = HeaderLimit(problem)
+        else:
+            problem_error = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            if problem_error is not None:
+                # The body was not read: the connection cannot be reused safely.
+                status = problem_error.status_code
+                await send_json_error(send, problem_error, rid, close=True)
+                return
+            route = match_infer(scope["method"], path)
+            if route is not None:
+                status = await self.infer(scope, receive, send, route, rid)
+            else:
+                await self.fallback(scope, receive, send_with_id)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], path)
+            if not started and status == 0:
+                status = 500
+                body = error_body(f"internal error (request id {rid})")
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"x-request-id", rid.encode()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+        finally:
+            if self.access_log:
+                request_log.info(
+                    "%s %s %d %.1fms",
+                    scope["method"],
+                    path,
+                    status,
+                    (time.perf_counter() - t0) * 1e3,
+                )
+            self.active -= 1
+            request_id_var.reset(token)

@@ -1,0 +1,320 @@
+"""Reading and checking a model version's files: the one path ``serve`` and ``check-repo`` share.
+
+:func:`load_version` is everything a model version needs before it touches a device: its
+``config.toml`` (refused when it is a symlink out of the model's folder), the files it names
+(inside the model), the operator's tensors (names, shapes, floating-point dtypes, finite
+values, a strictly increasing fine grid) and the size of the operator they would build
+(checked against ``max_operator_bytes`` without building it), then the model program.
+``bitserve serve`` loads every version through it, then builds the pipeline on its device;
+``bitserve check-repo`` calls the same function and drops the result, so the two cannot
+disagree about a file. (What only a device can tell, a CUDA device the host lacks or a
+model's output shapes, is checked by ``serve`` alone.)
+
+Every problem is reported as ``<file>: <key>: <problem>``; nothing here lets another
+exception out for a bad file, and nothing here prints.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.config import (
+    ConfigError,
+    ModelConfig,
+    VersionSource,
+    hidden_error,
+    load_config,
+    model_names,
+    model_versions,
+    safe_text,
+)
+from service.pipeline import COMPUTE_DTYPES, Artifacts
+
+# safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
+_FLOAT_DTYPES = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+_FLOAT_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
+_STARTS_ITEMSIZE = 4  # int32 window starts, one per (n, a)
+_ORDER_ITEMSIZE = 8  # int64 inverse permutation, kept only when some row of c is unsorted
+
+# (shape, safetensors dtype name) per tensor name
+Header = Mapping[str, tuple[list[int], str]]
+
+
+def load_version(src: VersionSource, *, max_operator_bytes: int) -> tuple[ModelConfig, Artifacts]:
+    """Read and check one version's config and files, on the host (never with pickle).
+
+    Args:
+        src: where the version lives (from :func:`service.config.model_versions`).
+        max_operator_bytes: the most bytes its response operator may take once built.
+
+    Returns:
+        Its configuration and its files: the operator's tensors (only those the config
+        uses, as stored) and the model program.
+
+    Raises:
+        ConfigError: every problem found, each naming the file and the key.
+    """
+    cfg = load_config(src.checked_config_path(), src.source)
+    errors: list[ConfigError] = []
+    model_path: Path | None = None
+    if cfg.model is not None:
+        try:
+            model_path = src.resolve(cfg.model.file, "model.file")
+        except ConfigError as exc:
+            errors.append(exc)
+    tensors: dict[str, torch.Tensor] = {}
+    if cfg.operator is not None:
+        try:
+            tensors = _read_operator(src, cfg, max_operator_bytes)
+        except ConfigError as exc:
+            errors.append(exc)
+    if errors:
+        raise ConfigError.join(errors)
+    model = None
+    if cfg.model is not None and model_path is not None:
+        try:
+            model = _load_model(model_path, cfg.model.format)
+        except Exception as exc:  # torch's loaders raise many types for a bad file
+            raise hidden_error(f"{src.source}: model.file", "cannot load", exc) from exc
+    return cfg, Artifacts(tensors, model)
+
+
+def check_operator(
+    cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, *, max_operator_bytes: int
+) -> None:
+    """The checks of :func:`load_version` on operator tensors already in memory (the demo's).
+
+    Raises:
+        ConfigError: as :func:`load_version` would for the same tensors in a file.
+    """
+    header = {
+        k: (list(t.shape), _FLOAT_NAMES.get(t.dtype, str(t.dtype))) for k, t in tensors.items()
+    }
+    _check_header(cfg, header, source, "the operator's tensors", max_operator_bytes)
+    _check_values(cfg, tensors, source, max_operator_bytes)
+
+
+def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted_rows: bool) -> int:
+    """Bytes the built operator keeps on its device (:attr:`BandedResampler.nbytes`).
+
+    Weights ``(N, A, W)`` in the compute dtype, int32 starts ``(N, A)``, and an int64 inverse
+    permutation ``(N, A)`` when some row of ``c`` is not sorted.
+    """
+    assert cfg.operator is not None
+    _, (n, _) = _operator_input(cfg)
+    itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
+    per_point = band_width * itemsize + _STARTS_ITEMSIZE + (0 if sorted_rows else _ORDER_ITEMSIZE)
+    return n * num_coarse * per_point
+
+
+def check_model(root: Path, name: str, *, max_operator_bytes: int) -> list[str]:
+    """Every problem of one model of a repository, through :func:`load_version`.
+
+    Returns:
+        One line per problem with the libraries' own text (``ConfigError.details``); empty
+        when ``serve`` would load it (device and output checks aside).
+    """
+    try:
+        versions = model_versions(root, name)
+    except ConfigError as exc:
+        return exc.details
+    problems: list[str] = []
+    for src in versions.values():
+        try:
+            load_version(src, max_operator_bytes=max_operator_bytes)
+        except ConfigError as exc:
+            problems += exc.details
+        except Exception as exc:  # a bug of ours: still one line, never a traceback
+            problems += hidden_error(src.source, "unexpected error", exc).details
+    return problems
+
+
+def check_repository(root: Path, *, max_operator_bytes: int) -> list[str]:
+    """Validate a repository without putting anything on a device (``bitserve check-repo``).
+
+    Returns:
+        Human-readable problems, each naming the file and the key; empty when valid.
+    """
+    try:
+        names = model_names(root) if root.is_dir() else None
+    except OSError as exc:
+        return [f"{root}: cannot read the folder ({exc.strerror or type(exc).__name__})"]
+    if names is None:
+        return [f"{root}: not a directory"]
+    if not names:
+        return [f"{root}: no model folders"]
+    return [p for n in names for p in check_model(root, n, max_operator_bytes=max_operator_bytes)]
+
+
+# --- the operator -------------------------------------------------------------------------
+
+
+def _operator_input(cfg: ModelConfig) -> tuple[int, tuple[int, int]]:
+    """The index of the input the operator applies to, and its logical shape ``(N, B)``."""
+    i = cfg.operator_input
+    assert i is not None  # the config's own validation names a missing input
+    N, B = cfg.inputs[i].shape
+    return i, (N, B)
+
+
+def _needed(cfg: ModelConfig) -> dict[str, int]:
+    """The tensors the operator needs, with their number of dimensions."""
+    assert cfg.operator is not None
+    need = {"x": 1, "c": 2}
+    if cfg.operator.response == "tabulated":
+        need |= {"response_x": 1, "response_y": 1}
+    return need
+
+
+def _read_operator(src: VersionSource, cfg: ModelConfig, limit: int) -> dict[str, torch.Tensor]:
+    """The operator's tensors, checked from the header before any value is read."""
+    from safetensors import safe_open
+
+    assert cfg.operator is not None
+    file = cfg.operator.file
+    path = src.resolve(file, "operator.file")
+    where = f"{src.source}: operator.file"
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            header = {}
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = fh.get_slice(k)
+                header[k] = (list(sl.get_shape()), str(sl.get_dtype()))
+            _check_header(cfg, header, src.source, safe_text(file), limit)
+            tensors = {k: fh.get_tensor(k) for k in _needed(cfg)}
+    except ConfigError:
+        raise
+    except Exception as exc:  # safetensors raises several types for a corrupt file
+        raise hidden_error(where, "not a readable safetensors file", exc) from exc
+    _check_values(cfg, tensors, src.source, limit)
+    return tensors
+
+
+def _check_header(cfg: ModelConfig, header: Header, source: str, file: str, limit: int) -> None:
+    """Names, dimensions, dtypes and shapes; the operator's least size (band width 1)."""
+    where = f"{source}: operator.file"
+    problems: list[str] = []
+    has = [safe_text(n, 40) for n in sorted(header)[:20]]
+    for k, ndim in _needed(cfg).items():
+        if k not in header:
+            problems.append(f"{where}: {file} has no tensor {k!r} (has {has})")
+        elif len(header[k][0]) != ndim:
+            problems.append(f"{where}: tensor {k!r} has shape {header[k][0]}; needs {ndim}-D")
+        elif header[k][1] not in _FLOAT_DTYPES:
+            problems.append(
+                f"{where}: tensor {k!r} is {header[k][1]}; needs floating point "
+                f"({', '.join(_FLOAT_DTYPES)})"
+            )
+    if problems:
+        raise ConfigError(problems)
+    i, (N, B) = _operator_input(cfg)
+    x_shape, c_shape = header["x"][0], header["c"][0]
+    if x_shape != [B]:
+        problems.append(f"{where}: x has shape {x_shape}; inputs[{i}].shape needs [{B}]")
+    if c_shape[0] != N or c_shape[1] < 1:
+        problems.append(f"{where}: c has shape {c_shape}; inputs[{i}].shape needs [{N}, A], A >= 1")
+    if "response_x" in _needed(cfg):
+        rx, ry = header["response_x"][0], header["response_y"][0]
+        if rx != ry or rx[0] < 2:
+            problems.append(f"{where}: response_x {rx} and response_y {ry} differ or < 2 long")
+    out = cfg.outputs[0]
+    if cfg.model is None and out.shape is not None and out.shape != c_shape:
+        problems.append(
+            f"{source}: outputs[0].shape: {out.shape}, but the operator gives {c_shape}"
+        )
+    if problems:
+        raise ConfigError(problems)
+    least = operator_bytes(cfg, c_shape[1], 1, sorted_rows=True)
+    if least > limit:  # refused before a value is read
+        raise ConfigError([_too_big(cfg, source, least, c_shape[1], None, limit)])
+
+
+def _check_values(
+    cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str, limit: int
+) -> None:
+    """Finite values, a strictly increasing grid and table; the built operator's exact size.
+
+    The band width W is found as :meth:`BandedResampler.from_response` finds it (the same
+    window search on the same float64 values), without evaluating a weight.
+    """
+    from gpu_ops import responses
+
+    op = cfg.operator
+    assert op is not None
+    where = f"{source}: operator.file"
+    x = tensors["x"].detach().to(torch.float64)
+    c = tensors["c"].detach().to(torch.float64)
+    problems = [
+        f"{where}: tensor {k!r} has non-finite values"
+        for k, t in tensors.items()
+        if k in _needed(cfg) and not bool(torch.isfinite(t).all())
+    ]
+    for k, grid in (("x", x), ("response_x", tensors.get("response_x"))):
+        if grid is None or grid.numel() < 2:
+            continue
+        step = grid[1:] > grid[:-1]
+        if not bool(step.all()):
+            i = int((~step).nonzero()[0])
+            problems.append(
+                f"{where}: tensor {k!r} must be strictly increasing; "
+                f"{k}[{i}] = {float(grid[i]):g} and {k}[{i + 1}] = {float(grid[i + 1]):g}"
+            )
+    if problems:
+        raise ConfigError(problems)
+    if op.response == "tabulated":
+        xs = tensors["response_x"].detach().to(torch.float64)
+        lo, hi = float(xs[0]), float(xs[-1])
+    else:
+        spec = responses.named(op.response)
+        half = spec.half_width(op.parameters[spec.param], op.support)
+        lo, hi = -half, half
+    _, _, W = responses.windows(x, c, lo, hi)
+    sorted_rows = bool((c[:, 1:] >= c[:, :-1]).all())
+    size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows)
+    if size > limit:
+        raise ConfigError([_too_big(cfg, source, size, c.shape[1], W, limit)])
+
+
+def _too_big(cfg: ModelConfig, source: str, size: int, A: int, W: int | None, limit: int) -> str:
+    assert cfg.operator is not None
+    _, (N, B) = _operator_input(cfg)
+    dtype = cfg.operator.dtype
+    if W is None:
+        band = f"at least {N} x {A} window starts and weights"
+    elif W >= B:
+        band = (
+            f"a band of {N} x {A} x {W} {dtype} weights, every window spanning all B = {B} fine "
+            "points (the dense operator: check the response's width and support against x)"
+        )
+    else:
+        band = f"a band of {N} x {A} x {W} {dtype} weights (W = {W} of B = {B} fine points)"
+    return (
+        f"{source}: operator: would take {_size(size)}: {band}; "
+        f"more than max_operator_bytes = {_size(limit)}"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 1 << 20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+def _load_model(path: Path, fmt: str) -> Any:
+    if fmt == "torch_export":
+        return torch.export.load(str(path))
+    with warnings.catch_warnings():
+        # TorchScript is deprecated in favour of torch.export but still the common format.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]

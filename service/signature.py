@@ -1,0 +1,267 @@
+"""A model version's inputs and outputs as the wire sees them: the one place requests are checked.
+
+Every transport's decoder calls :meth:`Signature.check_input` on each input's name, datatype
+and shape before it converts any data (so a tensor the model refuses costs no element
+parsing), and the data plane calls :meth:`Signature.bind` on the decoded request, which adds
+only what a per-input check cannot see (missing inputs, batch sizes that disagree, the
+requested outputs) and lays the inputs out for the batcher. Nothing is checked twice.
+
+A bit-packed input (``packing = "bits"``) is accepted in two wire forms: ``UINT8`` of the
+packed shape (``ceil(L / 8)`` bytes on the last axis) and ``BOOL`` of the logical shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.config import InputConfig, ModelConfig
+from service.errors import InvalidInput
+from service.protocol.request import RawInputSpec
+from service.protocol.types import InferRequest
+
+
+@dataclass(frozen=True)
+class WireInput:
+    """One input of one request, as it will be staged.
+
+    Attributes:
+        data: a C-contiguous array with the batch dimension first: UINT8 packed
+            ``(b, *packed_shape)`` when ``packed``, else the logical ``(b, *shape)`` in the
+            wire datatype. Read-only views over the request body are fine.
+        packed: whether ``data`` holds bits packed along the last axis.
+    """
+
+    data: np.ndarray[Any, Any]
+    packed: bool
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A request checked against its model and laid out for the batcher.
+
+    Attributes:
+        inputs: one :class:`WireInput` per model input, in config order.
+        outputs: indices (into the config's outputs) of the outputs to answer, in the order
+            the request asked for them (all of them, in config order, when it did not ask).
+        size: the request's batch size (1 for a model without a batch dimension).
+    """
+
+    inputs: tuple[WireInput, ...]
+    outputs: tuple[int, ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class _InputForms:
+    spec: InputConfig
+    forms: dict[str, list[int]]  # wire datatype -> dims of one item
+
+
+class Signature:
+    """What a model version accepts and answers, with the checks and the V2 descriptions.
+
+    Args:
+        model: the model name (messages).
+        cfg: its configuration.
+        output_shapes: each output's shape of one item (found when the pipeline was built).
+    """
+
+    def __init__(self, model: str, cfg: ModelConfig, output_shapes: Sequence[list[int]]) -> None:
+        self.model = model
+        self.batched = cfg.max_batch_size > 0
+        self.max_batch_size = cfg.max_batch_size
+        self.inputs = list(cfg.inputs)
+        self.outputs = list(cfg.outputs)
+        self.output_shapes = [list(s) for s in output_shapes]
+        self._by_name: dict[str, _InputForms] = {}
+        for spec in cfg.inputs:
+            if spec.packing == "bits":
+                forms = {"UINT8": spec.packed_shape, "BOOL": list(spec.shape)}
+            else:
+                forms = {spec.datatype: list(spec.shape)}
+            self._by_name[spec.name] = _InputForms(spec, forms)
+        self._output_index = {o.name: i for i, o in enumerate(cfg.outputs)}
+        self._all_outputs = tuple(range(len(cfg.outputs)))
+        self._batch_dims = [-1] if self.batched else []
+
+    def same_as(self, other: Signature) -> bool:
+        """Whether ``other`` accepts and answers exactly what this signature does."""
+        return (
+            self.max_batch_size == other.max_batch_size
+            and self.inputs == other.inputs
+            and self.outputs == other.outputs
+            and self.output_shapes == other.output_shapes
+        )
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def _prefix(self) -> str:
+        return f"model '{self.model}'"
+
+    def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
+        """Check one input's name, datatype and shape (no data needed).
+
+        Returns:
+            the input's batch size (1 for a model without a batch dimension).
+
+        Raises:
+            InvalidInput: naming the input and what is wrong.
+        """
+        entry = self._by_name.get(name)
+        m = self._prefix()
+        if entry is None:
+            expected = [s.name for s in self.inputs]
+            raise InvalidInput(f"{m}: unknown input '{name}' (expected inputs: {expected})")
+        dims = entry.forms.get(datatype)
+        if dims is None:
+            forms = " or ".join(f"{d} {self._batch_dims + s}" for d, s in entry.forms.items())
+            packed = " (UINT8: bits packed along the last axis)" if len(entry.forms) > 1 else ""
+            raise InvalidInput(
+                f"{m}: input '{name}' has datatype {datatype}; expected {forms}{packed}"
+            )
+        if not self.batched:
+            if list(shape) != dims:
+                raise InvalidInput(
+                    f"{m}: input '{name}' has shape {list(shape)}; expected {dims} for {datatype} "
+                    "(this model has max_batch_size 0: no batch dimension)"
+                )
+            return 1
+        if len(shape) != len(dims) + 1 or list(shape[1:]) != dims or shape[0] < 1:
+            raise InvalidInput(
+                f"{m}: input '{name}' has shape {list(shape)}; expected [batch, "
+                f"{', '.join(map(str, dims))}] for {datatype}"
+            )
+        if shape[0] > self.max_batch_size:
+            raise InvalidInput(
+                f"{m}: input '{name}' has batch size {shape[0]}, more than the model's "
+                f"max_batch_size {self.max_batch_size}"
+            )
+        return shape[0]
+
+    def bind(self, request: InferRequest) -> Bound:
+        """Lay out a decoded request whose inputs each passed :meth:`check_input`.
+
+        Raises:
+            InvalidInput: a missing input, batch sizes that differ between inputs, or an
+                unknown or repeated output.
+        """
+        m = self._prefix()
+        given = {t.name: t for t in request.inputs}
+        wires: list[WireInput] = []
+        size = 0
+        for spec in self.inputs:
+            t = given.get(spec.name)
+            if t is None:
+                raise InvalidInput(f"{m}: missing input '{spec.name}'")
+            b = t.shape[0] if self.batched else 1
+            if size and b != size:
+                raise InvalidInput(
+                    f"{m}: input '{spec.name}' has batch size {b}, but input "
+                    f"'{self.inputs[0].name}' has {size}; every input needs the same"
+                )
+            size = b
+            packed = t.datatype == "UINT8" and spec.packing == "bits"
+            data = t.data if self.batched else t.data.reshape(1, *t.data.shape)
+            wires.append(WireInput(np.ascontiguousarray(data), packed))
+        if len(request.inputs) != len(self.inputs):  # decoders refuse most of this earlier
+            names = [t.name for t in request.inputs]
+            repeated = [n for n in names if names.count(n) > 1]
+            if repeated:
+                raise InvalidInput(f"{m}: input '{repeated[0]}' is given more than once")
+            extra = sorted(set(given) - {s.name for s in self.inputs})
+            expected = [s.name for s in self.inputs]
+            raise InvalidInput(f"{m}: unknown input '{extra[0]}' (expected inputs: {expected})")
+        return Bound(tuple(wires), self._outputs(request), size)
+
+    def _outputs(self, request: InferRequest) -> tuple[int, ...]:
+        if request.outputs is None:
+            return self._all_outputs
+        indices: list[int] = []
+        for o in request.outputs:
+            i = self._output_index.get(o.name)
+            if i in indices:
+                raise InvalidInput(
+                    f"{self._prefix()}: output '{o.name}' is requested more than once"
+                )
+            if i is None:
+                names = [x.name for x in self.outputs]
+                raise InvalidInput(
+                    f"{self._prefix()}: unknown output '{o.name}' (outputs: {names})"
+                )
+            indices.append(i)
+        return tuple(indices)
+
+    # --- descriptions ---------------------------------------------------------------------
+
+    def _wire(self, spec: InputConfig) -> tuple[str, list[int], dict[str, Any]]:
+        if spec.packing == "bits":
+            params = {
+                "packing": "bits",
+                "bitorder": spec.bitorder,
+                "logical_shape": list(spec.shape),
+                "logical_datatype": spec.datatype,
+            }
+            return "UINT8", spec.packed_shape, params
+        return spec.datatype, list(spec.shape), {}
+
+    def input_metadata(self) -> list[dict[str, Any]]:
+        """V2 metadata of the inputs; a packed input is advertised in its wire form (UINT8)."""
+        out = []
+        for spec in self.inputs:
+            datatype, dims, params = self._wire(spec)
+            entry: dict[str, Any] = {
+                "name": spec.name,
+                "datatype": datatype,
+                "shape": self._batch_dims + dims,
+            }
+            if params:
+                entry["parameters"] = params
+            out.append(entry)
+        return out
+
+    def output_metadata(self) -> list[dict[str, Any]]:
+        """V2 metadata of the outputs."""
+        return [
+            {"name": o.name, "datatype": o.datatype, "shape": self._batch_dims + shape}
+            for o, shape in zip(self.outputs, self.output_shapes, strict=True)
+        ]
+
+    def input_config(self) -> list[dict[str, Any]]:
+        """Triton-style ``input`` entries of the model configuration."""
+        out = []
+        for spec in self.inputs:
+            datatype, dims, params = self._wire(spec)
+            entry: dict[str, Any] = {
+                "name": spec.name,
+                "data_type": f"TYPE_{datatype}",
+                "dims": dims,
+            }
+            if params:
+                entry["parameters"] = params
+            out.append(entry)
+        return out
+
+    def output_config(self) -> list[dict[str, Any]]:
+        """Triton-style ``output`` entries of the model configuration."""
+        return [
+            {"name": o.name, "data_type": f"TYPE_{o.datatype}", "dims": shape}
+            for o, shape in zip(self.outputs, self.output_shapes, strict=True)
+        ]
+
+    def raw_spec(self) -> RawInputSpec:
+        """The model's only input in its wire form, for the raw binary request form.
+
+        Raises:
+            InvalidInput: the model has several inputs.
+        """
+        if len(self.inputs) != 1:
+            raise InvalidInput(
+                f"{self._prefix()} has {len(self.inputs)} inputs; the raw binary form "
+                "(Inference-Header-Content-Length: 0) needs a model with exactly one input"
+            )
+        datatype, dims, _ = self._wire(self.inputs[0])
+        return RawInputSpec(self.inputs[0].name, datatype, tuple(self._batch_dims + dims))

@@ -1,0 +1,252 @@
+"""The one validation path (``service.model_files``): operator tensors, sizes, messages.
+
+Agreement between ``check-repo`` and a server load over many hostile repositories is in
+``test_hostile_repos.py``; here, what each check computes is compared with what is built.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gpu_ops.resample import BandedResampler
+from service.config import ConfigError, model_versions, parse_config
+from service.model_files import check_operator, check_repository, load_version, operator_bytes
+from service.pipeline import build_operator
+
+N, B = 3, 40
+
+TEXT = """
+max_batch_size = 2
+device = "cpu"
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{n}, {b}]
+packing = "bits"
+[operator]
+file = "op.safetensors"
+{response}
+dtype = "{dtype}"
+[[outputs]]
+name = "out"
+datatype = "FP32"
+"""
+GAUSS = 'response = "gaussian"\nsigma = 2.0'
+
+
+def text(response: str = GAUSS, dtype: str = "float32", n: int = N, b: int = B) -> str:
+    return TEXT.format(response=response, dtype=dtype, n=n, b=b)
+
+
+def write(root: Path, tensors: dict[str, torch.Tensor], body: str | None = None) -> Path:
+    folder = root / "m"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.toml").write_text(body or text())
+    save_file(tensors, str(folder / "op.safetensors"))
+    return folder
+
+
+def grid(seed: int = 0, a: int = 5) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    x = np.cumsum(rng.uniform(0.5, 1.5, B))
+    c = np.sort(rng.uniform(x[0] - 3, x[-1] + 3, (N, a)), axis=1)
+    return {"x": torch.from_numpy(x).float(), "c": torch.from_numpy(c).float()}
+
+
+def load(root: Path, limit: int = 1 << 30) -> None:
+    load_version(model_versions(root, "m")["1"], max_operator_bytes=limit)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("response", [GAUSS, 'response = "boxcar"\nhalf_width = 3.5',
+                                      'response = "lorentzian"\ngamma = 0.7\nsupport = 6',
+                                      'response = "tabulated"'])  # fmt: skip
+@pytest.mark.parametrize("sorted_rows", [True, False])
+def test_predicted_size_is_what_is_built(dtype: str, response: str, sorted_rows: bool) -> None:
+    # The check computes W without building the band: it must equal the built operator's.
+    rng = np.random.default_rng(zlib.crc32(f"{dtype} {response} {sorted_rows}".encode()))
+    t = grid(int(rng.integers(1000)), a=int(rng.integers(1 if sorted_rows else 2, 9)))
+    if not sorted_rows:
+        t["c"] = t["c"][:, torch.randperm(t["c"].shape[1])]
+        t["c"][0, :2] = torch.tensor([30.0, 2.0])
+    if response.endswith('"tabulated"'):
+        xs = np.sort(rng.uniform(-4, 4, 7))
+        t["response_x"] = torch.from_numpy(xs)
+        t["response_y"] = torch.from_numpy(rng.uniform(0, 1, 7))
+    cfg = parse_config(tomllib.loads(text(response, dtype)), "m/config.toml")
+    assert cfg.operator is not None
+    check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+    op = build_operator(cfg.operator, t, torch.device("cpu"))
+    assert isinstance(op, BandedResampler)
+    W = op.band_width
+    predicted = operator_bytes(cfg, t["c"].shape[1], W, sorted_rows=sorted_rows)
+    assert predicted == op.nbytes
+    # One byte less than the operator needs is refused, with the size in the message.
+    with pytest.raises(ConfigError, match=f"would take {op.nbytes} bytes") as err:
+        check_operator(cfg, t, "m/config.toml", max_operator_bytes=op.nbytes - 1)
+    assert f"x {W} {dtype} weights" in err.value.problems[0]
+
+
+def test_too_big_names_the_size_and_the_dense_case(tmp_path: Path) -> None:
+    t = grid()
+    write(tmp_path, t, text('response = "gaussian"\nsigma = 2.0\nsupport = 1e12'))
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, limit=1000)
+    (msg,) = err.value.problems
+    dense = N * 5 * (B * 4 + 4)  # every window spans the whole grid
+    assert msg == (
+        f"{tmp_path.name}/m/config.toml: operator: would take {dense} bytes: a band of "
+        f"{N} x 5 x {B} float32 weights, every window spanning all B = {B} fine points (the "
+        "dense operator: check the response's width and support against x); more than "
+        "max_operator_bytes = 1000 bytes"
+    )
+    load(tmp_path, limit=dense)  # exactly at the limit is allowed
+
+
+def test_too_big_is_refused_from_the_header_alone(tmp_path: Path) -> None:
+    # N x A window starts and weights exceed the limit whatever W: no value is read.
+    write(tmp_path, grid(a=50))
+    with pytest.raises(
+        ConfigError, match=r"operator: would take 1200 bytes: at least 3 x 50 window"
+    ):
+        load(tmp_path, limit=1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("key", ["x", "c"])
+def test_operator_tensors_must_be_floating_point(
+    tmp_path: Path, dtype: torch.dtype, key: str
+) -> None:
+    t = grid()
+    t[key] = t[key].to(dtype)
+    write(tmp_path, t)
+    with pytest.raises(ConfigError, match=f"tensor '{key}' is .*; needs floating point"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda t: t["x"].__setitem__(3, float("nan")), "tensor 'x' has non-finite values"),
+        (lambda t: t["c"].__setitem__((1, 2), float("inf")), "tensor 'c' has non-finite values"),
+        (lambda t: t["x"].fill_(7.0), "tensor 'x' must be strictly increasing; x[0] = 7"),
+        (lambda t: t["x"].__setitem__(5, t["x"][4]), "'x' must be strictly increasing; x[4]"),
+        (lambda t: t["x"].__setitem__(slice(None), t["x"].flip(0)), "strictly increasing"),
+    ],
+)
+def test_operator_values(tmp_path: Path, change: object, problem: str) -> None:
+    t = grid()
+    change(t)  # type: ignore[operator]
+    write(tmp_path, t)
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path)
+    assert problem in err.value.problems[0]
+    assert err.value.problems[0].startswith(f"{tmp_path.name}/m/config.toml: operator.file: ")
+
+
+def test_table_must_be_finite_and_increasing(tmp_path: Path) -> None:
+    t = grid() | {"response_x": torch.tensor([-1.0, 0.0, 0.0, 1.0]),
+                  "response_y": torch.tensor([0.0, 1.0, float("nan"), 0.0])}  # fmt: skip
+    write(tmp_path, t, text('response = "tabulated"'))
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path)
+    assert [p.split(": ", 2)[2] for p in err.value.problems] == [
+        "tensor 'response_y' has non-finite values",
+        "tensor 'response_x' must be strictly increasing; response_x[1] = 0 and response_x[2] = 0",
+    ]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "+inf"])
+@pytest.mark.parametrize("key", ["sigma", "support"])
+def test_non_finite_parameters(value: str, key: str) -> None:
+    body = text('response = "gaussian"\nsigma = 2.0\nsupport = 4.0').replace(
+        f"{key} = ", f"{key} = {value} # "
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_config(tomllib.loads(body), "m/config.toml")
+    assert f"m/config.toml: operator.{key}: " in err.value.problems[0]
+
+
+def test_corrupt_safetensors_hides_the_library_text_from_clients(tmp_path: Path) -> None:
+    folder = write(tmp_path, grid())
+    (folder / "op.safetensors").write_bytes(b"\xff" * 8 + b"{not json")
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path)
+    (problem,) = err.value.problems
+    (detail,) = err.value.details
+    where = f"{tmp_path.name}/m/config.toml: operator.file: not a readable safetensors file"
+    assert problem.startswith(where)
+    assert problem.endswith("details in the server log)")
+    assert detail.startswith(where)
+    assert "details in the server log" not in detail
+    assert err.value.__cause__ is not None  # the server logs its traceback
+    assert check_repository(tmp_path, max_operator_bytes=1 << 30) == [detail]
+
+
+def test_config_symlinked_from_outside_is_refused(tmp_path: Path) -> None:
+    outside = write(tmp_path / "elsewhere", grid())
+    folder = write(tmp_path / "repo", grid())
+    (folder / "config.toml").unlink()
+    (folder / "config.toml").symlink_to(outside / "config.toml")
+    with pytest.raises(ConfigError, match=r"repo/m/config.toml: resolves outside the model's"):
+        load(tmp_path / "repo")
+    # A link inside the model is fine.
+    (folder / "config.toml").unlink()
+    (folder / "real.toml").write_text(text())
+    (folder / "config.toml").symlink_to(folder / "real.toml")
+    load(tmp_path / "repo")
+
+
+def test_only_the_needed_tensors_are_read(tmp_path: Path) -> None:
+    # Extra tensors in the file are neither checked nor loaded (nor kept resident).
+    t = grid() | {"notes": torch.arange(4)}
+    write(tmp_path, t)
+    cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
+    assert sorted(artifacts.tensors) == ["c", "x"]
+    assert cfg.operator is not None
+
+
+def test_the_operator_input_is_the_one_named() -> None:
+    body = f"""
+max_batch_size = 2
+[[inputs]]
+name = "other"
+datatype = "FP32"
+shape = [7]
+[[inputs]]
+name = "bits"
+datatype = "BOOL"
+shape = [{N}, {B}]
+[operator]
+input = "bits"
+file = "op.safetensors"
+{GAUSS}
+[model]
+file = "m.pt2"
+[[outputs]]
+name = "out"
+datatype = "FP32"
+"""
+    cfg = parse_config(tomllib.loads(body), "m/config.toml")
+    t = grid()
+    check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+    W = responses_width(t)
+    assert operator_bytes(cfg, 5, W, sorted_rows=True) == N * 5 * (W * 4 + 4)
+    t["x"] = t["x"][:7]
+    with pytest.raises(ConfigError, match=r"x has shape \[7\]; inputs\[1\]\.shape needs \[40\]"):
+        check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+
+
+def responses_width(t: dict[str, torch.Tensor]) -> int:
+    cfg = parse_config(tomllib.loads(text()), "m/config.toml")
+    assert cfg.operator is not None
+    op = build_operator(cfg.operator, t, torch.device("cpu"))
+    assert isinstance(op, BandedResampler)
+    return op.band_width
