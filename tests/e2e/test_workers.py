@@ -9,6 +9,7 @@ worker and the server exits 0. Which worker answered is in each response's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -172,8 +173,17 @@ def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer)
     r = control(server.url, "other", "unload")
     assert r.status_code == 200, r.text
 
+    def get(path: str) -> httpx.Response:
+        # A connection the kernel queued on the dying worker's socket is reset (that is
+        # SO_REUSEPORT's price: see service/workers.py); a client retries it.
+        for _ in range(20):
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(server.url + path, timeout=10)
+            time.sleep(0.05)
+        raise AssertionError(f"GET {path} failed 20 times")
+
     def memory() -> float:
-        text = httpx.get(server.url + "/metrics", timeout=10).text
+        text = get("/metrics").text
         return metric(text, "bitserve_device_memory_bytes", model="tri", device="cpu")
 
     both = memory()  # two workers' copies of 'tri'
@@ -183,7 +193,7 @@ def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer)
     # gauge (summed over the live workers) has lost the dead worker's share.
     deadline = time.monotonic() + 30
     while True:
-        r = httpx.get(server.url + "/v2/health/ready", timeout=10)
+        r = get("/v2/health/ready")
         if r.status_code == 503:
             assert "worker(s) 1 of 2" in r.json()["error"]
             break
