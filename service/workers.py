@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from service.cluster import ready_path
 from service.control import ControlState
+from service.devices import cuda_count, parse_device
 from service.settings import Settings
 from service.worker_process import WorkerSpec, bind_port, run_worker
 
@@ -142,7 +143,8 @@ def worker_device(device: str, index: int, gpus: int) -> str:
     ``auto`` and ``cuda`` spread the workers over the GPUs (``cuda:(index mod gpus)``);
     ``auto`` without a GPU, ``cpu`` and ``cuda:N`` stay as they are.
     """
-    if device in ("auto", "cuda") and gpus > 0:
+    kind, named = parse_device(device)
+    if kind != "cpu" and named is None and gpus > 0:
         return f"cuda:{index % gpus}"
     return device
 
@@ -184,13 +186,10 @@ def gpu_count(device: str = "auto") -> int:
     """The GPUs the workers are spread over for the server's ``device`` setting: none for
     ``cpu`` (then torch is not even imported here), one for a named ``cuda:N``, else the CUDA
     devices this process sees (``CUDA_VISIBLE_DEVICES`` applies)."""
-    if device == "cpu":
+    kind, named = parse_device(device)
+    if kind == "cpu":
         return 0
-    if ":" in device:
-        return 1
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return 1 if named is not None else cuda_count()
 
 
 def supervise(settings: Settings, plan: WorkerPlan, gpus: int) -> int:
