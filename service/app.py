@@ -84,12 +84,22 @@ class BitserveApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
+def begin_shutdown(app: Any) -> None:
+    """Stop taking gRPC calls now (the server calls this when HTTP stops taking requests, on
+    SIGTERM); the lifespan, after the HTTP drain, waits for the calls in flight before it
+    stops the repository."""
+    grpc_server = getattr(app.state, "grpc", None)
+    if grpc_server is not None:
+        grpc_server.begin_stop()
+
+
 def create_app(
     settings: Settings,
     repository: Repository | None = None,
     *,
     metrics: Metrics | None = None,
     grpc: bool = False,
+    grpc_shared_port: bool = False,
 ) -> BitserveApp:
     """Build the application.
 
@@ -102,6 +112,8 @@ def create_app(
         grpc: also serve gRPC on ``settings.grpc_port`` (unless 0) from the lifespan, over
             the same data plane (``bitserve serve`` does; in-process tests of HTTP alone
             leave it off).
+        grpc_shared_port: the gRPC port is shared with other worker processes
+            (``SO_REUSEPORT``, as ``--workers`` shares the HTTP port).
 
     Returns:
         the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
@@ -171,7 +183,7 @@ def create_app(
     if grpc and settings.grpc_port:
         from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
 
-        app.state.grpc = GrpcServer(dataplane, settings)
+        app.state.grpc = GrpcServer(dataplane, settings, shared_port=grpc_shared_port)
     ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and

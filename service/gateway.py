@@ -95,7 +95,9 @@ class Gateway:
         if len(path) > 1 and path.endswith("/"):
             path = path.rstrip("/") or "/"
             scope["path"] = path
-            scope["raw_path"] = path.encode()
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
         status = 0
         started = False
         self.active += 1

@@ -64,6 +64,8 @@ class ModelRepository:
         warmup: run a full-size batch through each model at load.
         max_operator_bytes: the most bytes a model's response operator may take once built
             (checked by :func:`service.model_files.load_version`, as ``check-repo`` does).
+        initial_models: the models :meth:`start` loads; None: every model of the repository
+            (``--workers``: the set the workers agreed on, see ``service.cluster``).
     """
 
     def __init__(
@@ -74,12 +76,14 @@ class ModelRepository:
         default_device: str = "auto",
         warmup: bool = True,
         max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
+        initial_models: list[str] | None = None,
     ) -> None:
         self.root = root
         self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
         self.default_device = default_device
         self.warmup = warmup
+        self._initial_models = initial_models
         self._models: dict[str, dict[str, _Entry]] = {}
         self._unloaded: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -96,7 +100,10 @@ class ModelRepository:
         A model that fails to load is recorded as UNAVAILABLE with the reason; the server is
         then not ready (see :attr:`ready`), as in Triton's strict readiness.
         """
-        names = ["demo"] if self.root is None else self._disk_names()
+        if self._initial_models is not None:
+            names = self._initial_models
+        else:
+            names = ["demo"] if self.root is None else self._disk_names()
         for name in names:
             try:
                 await self.load(name)

@@ -137,11 +137,30 @@ class Settings(BaseSettings):
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""
 
+    workers: int | Literal["auto"] = "auto"
+    """Server processes sharing the port, each with its own copy of the models: an integer
+    >= 1, or ``auto`` (from the cores and GPUs; the start-up log says what it chose). With a
+    GPU, worker i puts ``auto``-device models on ``cuda:(i mod GPUs)``. ``1`` runs the server
+    in this process alone."""
+
     @field_validator("model_repository", "auth_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:
         # `BITSERVE_AUTH_TOKEN=` in a compose file means "no token", not an empty token.
         return None if v == "" else v
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_syntax(cls, v: object) -> int | str:
+        # One message for every wrong form (pydantic's own would list both union branches).
+        text = str(v).strip()
+        if isinstance(v, bool) or not (text == "auto" or text.lstrip("+-").isdigit()):
+            raise ValueError(f"workers must be an integer >= 1 or 'auto', got {text[:64]!r}")
+        if text == "auto":
+            return "auto"
+        if int(text) < 1:
+            raise ValueError(f"workers must be an integer >= 1 or 'auto', got {int(text)}")
+        return int(text)
 
     @field_validator("device")
     @classmethod

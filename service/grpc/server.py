@@ -7,8 +7,9 @@ see ``service.cli``) and lets in-flight ones finish for up to ``graceful_shutdow
 Limits: the largest message accepted is ``max_body_bytes`` (larger: RESOURCE_EXHAUSTED, from
 grpcio before the message is read whole); ``limit_concurrency`` bounds the calls handled at
 once (grpcio answers RESOURCE_EXHAUSTED past it); keepalive follows the ``grpc_*`` settings.
-The port is not shared with other processes (``SO_REUSEPORT`` off): a second server on the
-same port fails at start instead of silently taking half the connections.
+The port is not shared with other processes (``SO_REUSEPORT`` off), so a second server on
+the same port fails at start instead of silently taking half the connections; only the
+worker processes of one ``--workers`` server share it (their supervisor holds it first).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    """grpcio channel arguments of the server."""
+def server_options(settings: Settings, *, shared_port: bool = False) -> list[tuple[str, Any]]:
+    """grpcio channel arguments of the server (``shared_port``: ``SO_REUSEPORT``, for worker
+    processes that share the port)."""
     return [
         ("grpc.max_receive_message_length", settings.max_body_bytes),
         ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(shared_port)),
         ("grpc.keepalive_time_ms", settings.grpc_keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", settings.grpc_keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", int(settings.grpc_keepalive_permit_without_calls)),
@@ -84,10 +86,16 @@ class GrpcServer:
     Args:
         dataplane: the server's data plane (shared with HTTP).
         settings: host, ``grpc_port``, limits, keepalive, token, access log.
+        shared_port: bind with ``SO_REUSEPORT``: each worker process of ``--workers`` serves
+            the port, the kernel spreading connections over them (a gRPC channel is one
+            connection: its calls all go to one worker).
     """
 
-    def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
+    def __init__(
+        self, dataplane: DataPlane, settings: Settings, *, shared_port: bool = False
+    ) -> None:
         self.settings = settings
+        self.shared_port = shared_port
         token = settings.auth_token.get_secret_value() if settings.auth_token else None
         rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
         self.endpoints = GrpcEndpoints(dataplane, rpcs)
@@ -104,7 +112,8 @@ class GrpcServer:
         """
         s = self.settings
         server = grpc.aio.server(
-            options=server_options(s), maximum_concurrent_rpcs=s.limit_concurrency
+            options=server_options(s, shared_port=self.shared_port),
+            maximum_concurrent_rpcs=s.limit_concurrency,
         )
         server.add_generic_rpc_handlers(self.endpoints.handlers())
         where = address(s.host, s.grpc_port)
