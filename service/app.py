@@ -183,7 +183,7 @@ def create_app(
     if grpc and settings.grpc_port:
         from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
 
-        app.state.grpc = GrpcServer(dataplane, settings, shared_port=grpc_shared_port)
+        app.state.grpc = GrpcServer(dataplane, settings, app=app, shared_port=grpc_shared_port)
     ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from service.dataplane import DataPlane
+from service.grpc.routes import AppRoutes
 from service.grpc.rpc import Rpcs
 from service.grpc.servicer import GrpcEndpoints
 from service.settings import Settings
@@ -86,19 +87,28 @@ class GrpcServer:
     Args:
         dataplane: the server's data plane (shared with HTTP).
         settings: host, ``grpc_port``, limits, keepalive, token, access log.
+        app: the application, whose control routes repository changes and readiness go
+            through (``service.grpc.routes``: with ``--workers``, cluster-wide); None: the
+            data plane's own.
         shared_port: bind with ``SO_REUSEPORT``: each worker process of ``--workers`` serves
             the port, the kernel spreading connections over them (a gRPC channel is one
             connection: its calls all go to one worker).
     """
 
     def __init__(
-        self, dataplane: DataPlane, settings: Settings, *, shared_port: bool = False
+        self,
+        dataplane: DataPlane,
+        settings: Settings,
+        *,
+        app: Any = None,
+        shared_port: bool = False,
     ) -> None:
         self.settings = settings
         self.shared_port = shared_port
         token = settings.auth_token.get_secret_value() if settings.auth_token else None
         rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
-        self.endpoints = GrpcEndpoints(dataplane, rpcs)
+        routes = AppRoutes(app, token) if app is not None else None
+        self.endpoints = GrpcEndpoints(dataplane, rpcs, routes)
         self.port: int | None = None
         """The port bound, once started."""
         self._server: grpc.aio.Server | None = None

@@ -19,12 +19,14 @@ from typing import Any
 
 import grpc
 
+from service.config import valid_model_name
 from service.dataplane import DataPlane, decode_sized
 from service.errors import ModelNotFound, ServiceError, Unimplemented
 from service.grpc import codec
 from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
+from service.grpc.routes import AppRoutes
 from service.grpc.rpc import Context, Rpcs, log, safe_details
 from service.handle import ModelHandle
 from service.observability import request_id_var
@@ -71,11 +73,15 @@ class GrpcEndpoints:
     Args:
         dataplane: the server's data plane.
         rpcs: the call envelope (auth, logging, status codes).
+        routes: the application's control routes, which repository changes and readiness go
+            through (``service.grpc.routes``: with ``--workers``, cluster-wide); None asks
+            the data plane directly (one process, no application).
     """
 
-    def __init__(self, dataplane: DataPlane, rpcs: Rpcs) -> None:
+    def __init__(self, dataplane: DataPlane, rpcs: Rpcs, routes: AppRoutes | None = None) -> None:
         self.dataplane = dataplane
         self.rpcs = rpcs
+        self.routes = routes
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """grpcio's handlers of both services."""
@@ -131,8 +137,11 @@ class GrpcEndpoints:
     async def server_live(self, request: Any, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
+    async def _ready(self) -> bool:
+        return await self.routes.ready() if self.routes is not None else self.dataplane.ready()
+
     async def server_ready(self, request: Any, context: Context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+        return pb.ServerReadyResponse(ready=await self._ready())
 
     async def check(
         self, request: health_pb2.HealthCheckRequest, context: Context
@@ -141,7 +150,7 @@ class GrpcEndpoints:
         SERVING when every model is ready (Kubernetes' gRPC probe asks this)."""
         if request.service not in ("", SERVICE):
             raise _UnknownService(f"unknown service '{safe_details(request.service[:200])}'")
-        ready = self.dataplane.ready()
+        ready = await self._ready()
         return health_pb2.HealthCheckResponse(
             status=_Serving.SERVING if ready else _Serving.NOT_SERVING
         )
@@ -181,16 +190,24 @@ class GrpcEndpoints:
     ) -> pb.RepositoryIndexResponse:
         return codec.repository_index(self.dataplane.repository_index(request.ready))
 
+    async def _change(self, name: str, action: str, body: dict[str, Any]) -> None:
+        if self.routes is not None and valid_model_name(name):
+            await self.routes.change(name, action, body, request_id_var.get())
+        elif action == "load":  # one process, or a name no route takes (the data plane
+            await self.dataplane.load(name)  # refuses it with REST's message)
+        else:
+            await self.dataplane.unload(name)
+
     async def repository_model_load(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
-        await self.dataplane.load(request.model_name)
+        await self._change(request.model_name, "load", {})
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
-        await self.dataplane.unload(request.model_name)
+        await self._change(request.model_name, "unload", {})
         return pb.RepositoryModelUnloadResponse()
 
     # --- extensions -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -161,13 +162,20 @@ def test_health_metadata_client(server: BitserveServer) -> None:
 
 def test_model_control_client(server_factory: Any, repo: Path) -> None:
     """simple_grpc_model_control (without the config override, which issue 12 brings)."""
-    s = server_factory(repo)
+    s = server_factory(repo, args=["--workers", "2"])
     client = grpcclient.InferenceServerClient(s.grpc_target)
     assert len(client.get_model_repository_index().models) == 2
     client.load_model("simple")
     assert client.is_model_ready("simple")
     client.unload_model("simple")
     assert not client.is_model_ready("simple")
+    # the change reached both workers, not only the one behind this gRPC channel: fresh
+    # HTTP connections, which the kernel spreads over the workers, agree
+    answers = {}
+    for _ in range(16):
+        r = httpx.get(f"{s.url}/v2/models/simple/ready", timeout=30)
+        answers[r.headers.get("x-bitserve-worker", "-")] = r.status_code
+    assert answers == {"0": 503, "1": 503}
     assert client.is_server_ready()  # a model unloaded on purpose does not count
     index = {m.name: m.state for m in client.get_model_repository_index().models}
     assert index == {"simple": "UNAVAILABLE", "demo": "READY"}
