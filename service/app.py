@@ -162,12 +162,13 @@ def create_app(
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.
     open_routes = APIRouter()
-    open_routes.add_api_route(
-        "/v2/health/live", ep.live, methods=["GET"], operation_id="server_live"
-    )
-    open_routes.add_api_route(
-        "/v2/health/ready", ep.ready, methods=["GET"], operation_id="server_ready"
-    )
+    # Load balancers and Kubernetes probes may ask with HEAD: the same answer, no body.
+    for path, endpoint, op in (
+        ("/v2/health/live", ep.live, "server_live"),
+        ("/v2/health/ready", ep.ready, "server_ready"),
+    ):
+        open_routes.add_api_route(path, endpoint, methods=["GET"], operation_id=op)
+        open_routes.add_api_route(path, endpoint, methods=["HEAD"], operation_id=op + "_head")
 
     # No dependency at all without a token: each one costs a little on every request.
     auth = [Depends(make_auth_check(settings.auth_token))] if settings.auth_token else []
@@ -177,6 +178,8 @@ def create_app(
         routes.add_api_route(path, endpoint, methods=[method], operation_id=operation_id)
 
     add("/v2", ep.server_metadata, "GET", "server_metadata")
+    # Before /v2/models/{model}: "stats" is the statistics of every model, as in Triton.
+    add("/v2/models/stats", ep.statistics, "GET", "model_statistics_all")
     for base, suffix in (
         ("/v2/models/{model}", ""),
         ("/v2/models/{model}/versions/{version}", "_version"),
@@ -184,6 +187,7 @@ def create_app(
         add(base, ep.model_metadata, "GET", "model_metadata" + suffix)
         add(base + "/ready", ep.model_ready, "GET", "model_ready" + suffix)
         add(base + "/config", ep.model_config, "GET", "model_config" + suffix)
+        add(base + "/stats", ep.statistics, "GET", "model_statistics" + suffix)
         add(base + "/infer", ep.infer, "POST", "model_infer" + suffix)
     add("/v2/repository/index", ep.repository_index, "GET", "repository_index_get")
     add("/v2/repository/index", ep.repository_index, "POST", "repository_index")

@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
+from service.statistics import ModelStats
 
 log = logging.getLogger("bitserve.batcher")
 
@@ -78,6 +79,7 @@ class Batcher(Generic[P, R]):
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
+        stats: where the queue waits of each batch's requests go (the statistics extension).
         inline_below_s: run a batch on the event loop itself, not in ``executor``, while
             recent batches took less than this much CPU time in the thread that ran them (a
             moving average): below a few hundred microseconds the thread hop and the hand-offs
@@ -96,6 +98,7 @@ class Batcher(Generic[P, R]):
         max_queue_size: int,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        stats: ModelStats | None = None,
         inline_below_s: float = 0.0,
     ) -> None:
         if max_batch_size < 0 or max_queue_delay_us < 0 or max_queue_size < 0:
@@ -109,6 +112,7 @@ class Batcher(Generic[P, R]):
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"batch-{name}")
         self._metrics = metrics
+        self.stats = stats
         self._queue: deque[_Pending[P, R]] = deque()
         self._queued_items = 0
         # The scheduler sleeps on this future (and a timer for the batch's delay) when there
@@ -356,8 +360,11 @@ class Batcher(Generic[P, R]):
     async def _execute(self, batch: list[_Pending[P, R]]) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
+        waits = [start - p.enqueued for p in batch]
         if self._metrics is not None:
-            self._metrics.observe_queue(self.name, [start - p.enqueued for p in batch])
+            self._metrics.observe_queue(self.name, waits)
+        if self.stats is not None:
+            self.stats.queued(len(batch), int(sum(waits) * 1e9))
         info = BatchInfo(sum(p.size for p in batch), len(batch))
         self._running = batch
         payloads = [p.payload for p in batch]

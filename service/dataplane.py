@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import service
-from service.errors import ModelNotReady, PayloadTooLarge, ServiceError
+from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ServiceError
 from service.handle import ModelHandle
 from service.metrics import Metrics
+from service.observability import request_id_var
 from service.protocol import (
     CompressionMode,
     EncodedResponse,
@@ -51,7 +52,7 @@ _THREAD_COMPRESSED_BYTES = 4 << 10
 # How many responses reuse one compression trial's verdict for a model's binary outputs.
 _VERDICT_REUSE = 32
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
 class Repository(Protocol):
@@ -65,6 +66,7 @@ class Repository(Protocol):
     async def load(self, name: str) -> None: ...
     async def unload(self, name: str) -> None: ...
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
+    def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
 
 
 async def _off_loop(fn: Callable[[], T]) -> T:
@@ -83,10 +85,16 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
     bound = handle.signature.bind(request)
     arrays, info = await handle.submit(bound, request.timeout_us)
     outputs = handle.signature.outputs
+    rid = request.id
+    if rid is None:
+        # KServe's response model requires an id; Triton's clients log it: the request id
+        # that X-Request-ID carries (sent or made by the transport) stands in.
+        sent = request_id_var.get()
+        rid = None if sent == "-" else sent
     return InferResponse(
         model_name=handle.name,
         model_version=handle.version,
-        id=request.id,
+        id=rid,
         outputs=[
             ResponseOutput(
                 name=outputs[i].name,
@@ -159,6 +167,22 @@ class DataPlane:
         """Triton's repository index."""
         return self.repository.index()
 
+    def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension: every READY version of every model, of one model,
+        or one version.
+
+        Raises:
+            ModelNotFound: no such model or version. ModelNotReady: the version is not READY.
+            InvalidInput: the model has no READY version.
+        """
+        if version is not None:
+            handles = [self.repository.get(name or "", version)]
+        else:
+            handles = self.repository.ready_handles(name)
+            if name is not None and not handles:
+                raise InvalidInput(f"requested model '{name}' is not available")
+        return {"model_stats": [h.stats.snapshot().triton() for h in handles]}
+
     async def load(self, name: str) -> None:
         """(Re)load a model from the repository."""
         await self.repository.load(name)
@@ -199,9 +223,10 @@ class DataPlane:
         Raises:
             ServiceError: with the status the transport answers.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
+        handle: ModelHandle | None = None
         self.metrics.in_flight.inc()
         try:
             handle = self.repository.get(name, version)
@@ -225,9 +250,15 @@ class DataPlane:
         except Exception:
             outcome = "InternalError"
             raise
+        except asyncio.CancelledError:  # the client went away before its answer
+            outcome = "Cancelled"
+            raise
         finally:
+            ns = time.perf_counter_ns() - t0
             self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
+            self.metrics.observe_request(label, outcome, ns / 1e9)
+            if handle is not None:
+                handle.stats.request_done(outcome == "success", ns)
 
     async def _decode(
         self,

@@ -121,6 +121,9 @@ class Endpoints:
     async def model_config(self, model: str, version: str | None = None) -> Response:
         return json_response(self.dataplane.model(model, version).config())
 
+    async def statistics(self, model: str | None = None, version: str | None = None) -> Response:
+        return json_response(self.dataplane.statistics(model, version))
+
     async def repository_index(self, request: Request) -> Response:
         opts = {}
         if request.method == "POST":

@@ -1,4 +1,10 @@
-"""Prometheus metrics, one registry per application (no module-level globals)."""
+"""Prometheus metrics, one registry per application (no module-level globals).
+
+``/metrics`` serves bitserve's own ``bitserve_*`` series, then Triton's: the per-model
+``nv_inference_*`` counters, written from the statistics extension's counts at scrape time
+(``service.statistics``: nothing per request beyond those counts), and the ``nv_gpu_*``
+gauges where NVML finds a GPU (``service.gpu_metrics``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,9 @@ import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from service.gpu_metrics import GpuGauges
+from service.statistics import Statistics, triton_metrics
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -17,9 +26,20 @@ class Metrics:
     """The server's metrics.
 
     The data plane calls the ``observe_*`` methods; ``/metrics`` serves :meth:`render`.
+
+    Args:
+        nvml: the NVML binding for the GPU gauges (``pynvml`` by default, imported at the
+            first scrape; None: no GPU gauges). Tests pass a fake.
+
+    Attributes:
+        statistics: every model version's counts (the statistics extension's, and the source
+            of Triton's ``nv_inference_*`` metrics).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, nvml: Any = "import") -> None:
+        self.statistics = Statistics()
+        self._nvml = nvml
+        self._gpus: GpuGauges | None = None
         # Labelled children of the per-request series, looked up once per (model, outcome).
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.registry = CollectorRegistry()
@@ -122,5 +142,11 @@ class Metrics:
             del self._request_children[key]
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric: bitserve's, then Triton's."""
+        if self._gpus is None:
+            self._gpus = GpuGauges(self._nvml)
+        return (
+            generate_latest(self.registry)
+            + triton_metrics(self.statistics.snapshots())
+            + self._gpus.render()
+        )

@@ -34,6 +34,7 @@ from service.metrics import Metrics
 from service.model_files import check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.signature import Bound
+from service.statistics import Statistics
 
 log = logging.getLogger("bitserve.repository")
 
@@ -78,6 +79,8 @@ class ModelRepository:
         self.root = root
         self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
+        self.statistics = metrics.statistics if metrics is not None else Statistics()
+        """Every version's counts (the metrics' own, so Triton's metrics show them)."""
         self.default_device = default_device
         self.warmup = warmup
         self._models: dict[str, dict[str, _Entry]] = {}
@@ -162,7 +165,7 @@ class ModelRepository:
         """
         versions = self._models.get(name) if valid_model_name(name) else None
         if not versions:
-            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+            raise ModelNotFound(unknown_model(name))
         if version is None or version == "":
             ready = [v for v, e in versions.items() if e.state == READY]
             if not ready:
@@ -173,12 +176,29 @@ class ModelRepository:
                 raise ModelNotReady(f"model '{name}' is not ready ({reasons})")
             version = max(ready, key=int)
         elif not valid_version(version) or version not in versions:
-            raise ModelNotFound(f"unknown version '{_shown(version)}' of model '{name}'")
+            raise ModelNotFound(unknown_model(name, version))
         e = versions[version]
         if e.state != READY or e.handle is None:
             why = f": {e.reason}" if e.reason else ""
             raise ModelNotReady(f"model '{name}' version {version} is {e.state}{why}")
         return e.handle
+
+    def ready_handles(self, name: str | None = None) -> list[ModelHandle]:
+        """The handles of every READY version (of model ``name``, or of every model), by
+        model name and version number.
+
+        Raises:
+            ModelNotFound: ``name`` is not a model of the repository.
+        """
+        if name is not None and (not valid_model_name(name) or not self._models.get(name)):
+            raise ModelNotFound(unknown_model(name))
+        names = sorted(self._models) if name is None else [name]
+        return [
+            e.handle
+            for n in names
+            for _, e in sorted(self._models[n].items(), key=lambda kv: int(kv[0]))
+            if e.state == READY and e.handle is not None
+        ]
 
     # --- load / unload --------------------------------------------------------------------
 
@@ -226,6 +246,8 @@ class ModelRepository:
             new: dict[str, _Entry] = {}
             for v in versions:
                 cfg, pipeline = built[v]
+                stats = self.statistics.for_version(name, v)
+                pipeline.stats = stats
                 batcher: Batcher[Bound, Result] = Batcher(
                     name,
                     pipeline.run,
@@ -234,10 +256,12 @@ class ModelRepository:
                     max_queue_size=cfg.max_queue_size,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
+                    stats=stats,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
                 )
                 batcher.start()
-                new[v] = _Entry(READY, "", ModelHandle(name, v, cfg, pipeline, batcher, versions))
+                handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
+                new[v] = _Entry(READY, "", handle)
             self._models[name] = new
             self._unloaded.discard(name)
             await self._retire(name, old)
@@ -297,7 +321,7 @@ class ModelRepository:
             ModelNotFound: no such model loaded.
         """
         if not valid_model_name(name) or name not in self._models:
-            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+            raise ModelNotFound(unknown_model(name))
         async with self._lock(name):
             await self._drop(name)
             self._unloaded.add(name)
@@ -309,6 +333,7 @@ class ModelRepository:
         await self._retire(name, entries, timeout_s)
         self._models[name] = {v: _Entry(UNAVAILABLE, "unloaded") for v in entries}
         self._report_memory(name)
+        self.statistics.forget(name)  # as Triton forgets an unloaded model's statistics
         if self.metrics is not None:
             self.metrics.forget_model(name)  # really dropped: no batcher reports for it now
 
@@ -329,3 +354,11 @@ class ModelRepository:
 def _shown(name: str) -> str:
     """A name safe to echo in a message (bounded, control characters escaped)."""
     return ascii(name[:128])[1:-1]
+
+
+def unknown_model(name: str, version: str | None = None) -> str:
+    """Triton's wording for a model (version) that is not in the repository: its clients and
+    examples match on the start, ``Request for unknown model``."""
+    if version is None:
+        return f"Request for unknown model: '{_shown(name)}' is not found"
+    return f"Request for unknown model: '{_shown(name)}' version {_shown(version)} is not found"
