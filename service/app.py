@@ -118,6 +118,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        dataplane.logging.attach()  # uvicorn has made the log handlers by now
         await repo.start()
         log.info("repository started: %s", [m.get("name") for m in repo.index()])
         try:
@@ -144,6 +145,7 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
+        log_level=settings.log_level,
     )
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     infer = InferRoute(
@@ -193,6 +195,8 @@ def create_app(
     add("/v2/repository/index", ep.repository_index, "POST", "repository_index")
     add("/v2/repository/models/{model}/load", ep.load, "POST", "repository_model_load")
     add("/v2/repository/models/{model}/unload", ep.unload, "POST", "repository_model_unload")
+    add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
+    add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")
     app.include_router(open_routes)
     app.include_router(routes)

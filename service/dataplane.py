@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import service
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ServiceError
 from service.handle import ModelHandle
+from service.log_settings import LogSettings
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.protocol import (
@@ -52,7 +53,13 @@ _THREAD_COMPRESSED_BYTES = 4 << 10
 # How many responses reuse one compression trial's verdict for a model's binary outputs.
 _VERDICT_REUSE = 32
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "logging",
+]
 
 
 class Repository(Protocol):
@@ -118,6 +125,7 @@ class DataPlane:
         max_json_bytes: the limit of an inference request's JSON part.
         response_compression: the response compression policy (``auto``, ``always``,
             ``never``; see :func:`service.protocol.worth_compressing`).
+        log_level: the starting log level (``--log-level``), for the logging extension.
     """
 
     def __init__(
@@ -128,8 +136,10 @@ class DataPlane:
         max_body_bytes: int = 64 << 20,
         max_json_bytes: int = 16 << 20,
         response_compression: CompressionMode = "auto",
+        log_level: str = "info",
     ) -> None:
         self.repository = repository
+        self.logging = LogSettings(log_level)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_json_bytes = max_json_bytes
@@ -182,6 +192,22 @@ class DataPlane:
             if name is not None and not handles:
                 raise InvalidInput(f"requested model '{name}' is not available")
         return {"model_stats": [h.stats.snapshot().triton() for h in handles]}
+
+    # --- logging --------------------------------------------------------------------------
+
+    def log_settings(self) -> dict[str, Any]:
+        """Triton's logging extension: the log settings."""
+        return self.logging.get()
+
+    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change log settings (all or nothing); returns them all.
+
+        Raises:
+            InvalidInput: an unknown setting or a bad value (see ``service.log_settings``).
+        """
+        return self.logging.update(changes)
+
+    # --- the model repository -------------------------------------------------------------
 
     async def load(self, name: str) -> None:
         """(Re)load a model from the repository."""

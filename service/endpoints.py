@@ -124,6 +124,13 @@ class Endpoints:
     async def statistics(self, model: str | None = None, version: str | None = None) -> Response:
         return json_response(self.dataplane.statistics(model, version))
 
+    async def logging_get(self) -> Response:
+        return json_response(self.dataplane.log_settings())
+
+    async def logging_post(self, request: Request) -> Response:
+        changes = await read_json_object(request, "logging", self.body_timeout_s)
+        return json_response(self.dataplane.update_log_settings(changes))
+
     async def repository_index(self, request: Request) -> Response:
         opts = {}
         if request.method == "POST":
