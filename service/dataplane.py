@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import service
-from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ServiceError
+from service.config import ConfigError, safe_text
+from service.config_override import ConfigOverride, parse_override
+from service.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    PayloadTooLarge,
+    ServiceError,
+)
 from service.handle import ModelHandle
 from service.log_settings import LogSettings
 from service.metrics import Metrics
@@ -70,7 +78,7 @@ class Repository(Protocol):
     async def start(self) -> None: ...
     async def stop(self, timeout_s: float = 30.0) -> None: ...
     def index(self) -> list[dict[str, Any]]: ...
-    async def load(self, name: str) -> None: ...
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None: ...
     async def unload(self, name: str) -> None: ...
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
     def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
@@ -209,9 +217,51 @@ class DataPlane:
 
     # --- the model repository -------------------------------------------------------------
 
-    async def load(self, name: str) -> None:
-        """(Re)load a model from the repository."""
-        await self.repository.load(name)
+    def load_parameters(self, name: str, body: Mapping[str, Any]) -> str | None:
+        """The config override of a V2 load request body (``parameters.config``), or None.
+
+        Raises:
+            InvalidInput: ``parameters`` is not an object, ``config`` not a string, or another
+                parameter is given (Triton's ``file:`` parameters included: model files come
+                from the repository); the message starts ``failed to load``, as Triton's.
+        """
+        failed = f"failed to load '{safe_text(name, 128)}'"
+        params = body.get("parameters", {})
+        if not isinstance(params, dict):
+            raise InvalidInput(f"{failed}: 'parameters' must be an object")
+        other = sorted(k for k in params if k != "config")
+        if other:
+            shown = [safe_text(k, 64) for k in other[:5]]
+            raise InvalidInput(
+                f"{failed}: unsupported parameters {shown} (only 'config'; model files come "
+                "from the repository)"
+            )
+        config = params.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidInput(f"{failed}: parameters.config must be a string of JSON")
+        return config
+
+    async def load(self, name: str, config: str | None = None) -> None:
+        """(Re)load a model from the repository, with Triton's config override if given.
+
+        Args:
+            name: the model.
+            config: ``parameters.config`` of the load request (a JSON string with Triton's
+                field names, see ``service.config_override``), for this load only.
+
+        Raises:
+            InvalidInput: no such model, a malformed override, or a model that fails to load
+                (the message contains ``failed to load``, as Triton's).
+            ModelNotReady: the server is stopping.
+        """
+        failed = f"failed to load '{safe_text(name, 128)}'"
+        try:
+            override = None if config is None else parse_override(config, name)
+            await self.repository.load(name, override)
+        except ConfigError as exc:
+            raise InvalidInput(f"{failed}: {'; '.join(exc.problems)}") from None
+        except ModelNotFound as exc:
+            raise InvalidInput(f"{failed}: {exc.message}") from None
 
     async def unload(self, name: str) -> None:
         """Unload a model."""

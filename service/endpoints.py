@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.config import safe_text
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.fastpath import InferRoute
@@ -32,8 +33,17 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(dumps_plain(obj), status_code=status, media_type="application/json")
 
 
-async def read_json_object(request: Request, what: str, timeout_s: float | None) -> dict[str, Any]:
+async def read_json_object(
+    request: Request, what: str, timeout_s: float | None, *, failure: str = ""
+) -> dict[str, Any]:
     """A small JSON object body; ``{}`` for an empty body.
+
+    Args:
+        request: the request.
+        what: names the body in messages.
+        timeout_s: the most seconds the body may take.
+        failure: put before the message of a body that is not a JSON object (Triton's
+            clients match on ``failed to load`` for a bad load body).
 
     Raises:
         InvalidInput: not JSON, not an object, or the client went away.
@@ -55,12 +65,13 @@ async def read_json_object(request: Request, what: str, timeout_s: float | None)
         raise InvalidInput("client disconnected while sending the body") from None
     if not body.strip():
         return {}
+    prefix = f"{failure}: " if failure else ""
     try:
         obj = json.loads(bytes(body))
     except (ValueError, RecursionError) as e:
-        raise InvalidInput(f"{what} request JSON is malformed: {e}") from None
+        raise InvalidInput(f"{prefix}{what} request JSON is malformed: {e}") from None
     if not isinstance(obj, dict):
-        raise InvalidInput(f"{what} request must be a JSON object")
+        raise InvalidInput(f"{prefix}{what} request must be a JSON object")
     return obj
 
 
@@ -141,8 +152,14 @@ class Endpoints:
         index = self.dataplane.repository_index()
         return json_response([m for m in index if m.get("state") == "READY"] if ready else index)
 
-    async def load(self, model: str) -> Response:
-        await self.dataplane.load(model)
+    async def load(self, model: str, request: Request) -> Response:
+        body = await read_json_object(
+            request,
+            "load",
+            self.body_timeout_s,
+            failure=f"failed to load '{safe_text(model, 128)}'",
+        )
+        await self.dataplane.load(model, self.dataplane.load_parameters(model, body))
         return json_response({})
 
     async def unload(self, model: str) -> Response:

@@ -28,12 +28,13 @@ from service.config import (
     valid_model_name,
     valid_version,
 )
+from service.config_override import ConfigOverride
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.model_files import check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
-from service.signature import Bound
+from service.signature import Bound, Signature
 from service.statistics import Statistics
 
 log = logging.getLogger("bitserve.repository")
@@ -205,11 +206,16 @@ class ModelRepository:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None:
         """(Re)load a model and all its versions from disk.
 
         The new versions are built first; the old ones keep serving until the swap, then
         drain. If any version fails, nothing is swapped and the error names the problem.
+
+        Args:
+            name: the model.
+            override: a config override for this load (every version), checked as the
+                files are (``service.config_override``).
 
         Raises:
             ModelNotFound: no such model (or a name that could leave the repository).
@@ -232,7 +238,7 @@ class ModelRepository:
                     e.state, e.reason = LOADING, ""
             try:
                 sources = self._sources(name)
-                built = await asyncio.to_thread(self._build_all, name, sources)
+                built = await asyncio.to_thread(self._build_all, name, sources, override)
             except ConfigError as exc:
                 reason = "; ".join(exc.problems)
                 # READY versions keep serving; the others show why the load failed.
@@ -241,7 +247,7 @@ class ModelRepository:
                         e.state, e.reason = UNAVAILABLE, reason
                 if not old:
                     self._models[name] = {"1": _Entry(UNAVAILABLE, reason)}
-                raise InvalidInput(f"model '{name}' failed to load: {reason}") from None
+                raise InvalidInput(f"failed to load '{name}': {reason}") from None
             versions = sorted(built, key=int)
             new: dict[str, _Entry] = {}
             for v in versions:
@@ -274,28 +280,37 @@ class ModelRepository:
         return model_versions(self.root, name)
 
     def _build_all(
-        self, name: str, sources: dict[str, VersionSource] | None
+        self,
+        name: str,
+        sources: dict[str, VersionSource] | None,
+        override: ConfigOverride | None = None,
     ) -> dict[str, tuple[ModelConfig, Pipeline]]:
         """Load every version's files and build its pipeline (runs in a worker thread)."""
+        patch = override.patch if override is not None else None
         if sources is None:
             from service.demo import demo_config, demo_tensors
 
-            cfg = demo_config()
+            source = "<built-in demo>/config.toml"
+            cfg = demo_config(patch)
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-            check_operator(cfg, tensors, "<built-in demo>/config.toml",
-                           max_operator_bytes=self.max_operator_bytes)  # fmt: skip
+            check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
-                            source="<built-in demo>/config.toml")  # fmt: skip
+                            source=source)  # fmt: skip
+            _check_override_io(override, source, name, cfg, pipe)
             return {"1": (cfg, pipe)}
         out: dict[str, tuple[ModelConfig, Pipeline]] = {}
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg, artifacts = load_version(src, max_operator_bytes=self.max_operator_bytes)
+                cfg, artifacts = load_version(
+                    src, max_operator_bytes=self.max_operator_bytes, patch=patch
+                )
                 device = resolve_device(cfg.device, self.default_device, source=src.source)
-                out[v] = (cfg, Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
-                                        source=src.source))  # fmt: skip
+                pipe = Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
+                                source=src.source)  # fmt: skip
+                _check_override_io(override, src.source, name, cfg, pipe)
+                out[v] = (cfg, pipe)
             except ConfigError as exc:
                 problems += exc.problems
                 if exc.__cause__ is not None:  # a library's error: its text and traceback
@@ -349,6 +364,15 @@ class ModelRepository:
         devices |= set(per_device)
         for dev in devices:  # devices it has left are set to 0, not left stale
             self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
+
+
+def _check_override_io(
+    override: ConfigOverride | None, source: str, name: str, cfg: ModelConfig, pipe: Pipeline
+) -> None:
+    """The override's ``input``/``output``, if any, against the built model's."""
+    if override is not None and (override.inputs is not None or override.outputs is not None):
+        sig = Signature(name, cfg, pipe.output_shapes)
+        override.check_io(source, sig.input_config(), sig.output_config())
 
 
 def _shown(name: str) -> str:

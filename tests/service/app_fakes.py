@@ -20,6 +20,7 @@ import numpy as np
 
 from service.batcher import Batcher
 from service.config import ModelConfig
+from service.config_override import ConfigOverride
 from service.errors import ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
 from service.protocol.types import InferRequest
@@ -126,6 +127,7 @@ class FakeRepository:
         self.stopped = False
         self.is_ready = True
         self.loaded: list[str] = []
+        self.overrides: list[ConfigOverride | None] = []
         self.unloaded: list[str] = []
 
     @property
@@ -146,10 +148,11 @@ class FakeRepository:
             for n in self.models
         ]
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None:
         if name not in self.models:
             raise ModelNotFound(f"no model {name!r} in the repository")
         self.loaded.append(name)
+        self.overrides.append(override)
 
     async def unload(self, name: str) -> None:
         if name not in self.models:

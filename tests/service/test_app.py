@@ -408,7 +408,8 @@ async def test_repository_endpoints(client: httpx.AsyncClient, repo: FakeReposit
     assert (await client.post("/v2/repository/models/echo/load")).status_code == 200
     assert (await client.post("/v2/repository/models/echo/unload")).status_code == 200
     assert (repo.loaded, repo.unloaded) == (["echo"], ["echo"])
-    assert_error(await client.post("/v2/repository/models/zz/load"), 404, "no model 'zz'")
+    # Triton's wording and status for a load of a model that is not there.
+    assert_error(await client.post("/v2/repository/models/zz/load"), 400, "failed to load 'zz'")
 
 
 async def test_metrics_count_outcomes(client: httpx.AsyncClient) -> None:

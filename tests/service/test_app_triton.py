@@ -83,3 +83,27 @@ async def test_unknown_models_in_tritons_words(client: httpx.AsyncClient) -> Non
     ):
         resp = await client.request(method, path, json=ECHO if method == "POST" else None)
         assert error_of(resp, 404).startswith("Request for unknown model"), path
+
+
+async def test_load_body_and_override(client: httpx.AsyncClient, repo: FakeRepository) -> None:
+    ok = await client.post(
+        "/v2/repository/models/echo/load",
+        json={"parameters": {"config": '{"max_batch_size":"16"}'}},
+    )
+    assert ok.status_code == 200, ok.text
+    assert ok.json() == {}
+    override = repo.overrides[-1]
+    assert override is not None
+    assert override.patch == {"max_batch_size": 16}
+    for body in (
+        b"not json",
+        b"[1]",
+        b'{"parameters": {"config": "{nope"}}',
+        b'{"parameters": {"config": {"max_batch_size": 2}}}',
+    ):
+        resp = await client.post("/v2/repository/models/echo/load", content=body)
+        assert "failed to load 'echo'" in error_of(resp, 400), body
+    resp = await client.post("/v2/repository/models/wrong_model_name/load")
+    assert "failed to load 'wrong_model_name'" in error_of(resp, 400)
+    assert (await client.post("/v2/repository/models/echo/load", content=b"")).status_code == 200
+    assert repo.overrides[-1] is None
