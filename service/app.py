@@ -34,6 +34,7 @@ from service.gateway import Gateway
 from service.metrics import Metrics
 from service.protocol.response import error_body
 from service.settings import Settings
+from service.shared_memory import SystemSharedMemory
 
 log = logging.getLogger("bitserve.app")
 
@@ -126,6 +127,8 @@ def create_app(
         finally:
             # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown)
             await repo.stop(timeout_s=settings.graceful_shutdown_s)
+            if shm is not None:
+                shm.close()
             log.info("repository stopped")
 
     app = BitserveApp(
@@ -139,6 +142,7 @@ def create_app(
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
     )
+    shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
     dataplane = DataPlane(
         repo,
         metrics,
@@ -146,6 +150,7 @@ def create_app(
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
         log_level=settings.log_level,
+        shared_memory=shm,
     )
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     infer = InferRoute(
@@ -195,6 +200,16 @@ def create_app(
     add("/v2/repository/index", ep.repository_index, "POST", "repository_index")
     add("/v2/repository/models/{model}/load", ep.load, "POST", "repository_model_load")
     add("/v2/repository/models/{model}/unload", ep.unload, "POST", "repository_model_unload")
+    for kind, status, register, unregister in (
+        ("system", ep.system_shm_status, ep.system_shm_register, ep.system_shm_unregister),
+        ("cuda", ep.cuda_shm_status, ep.cuda_shm_register, ep.cuda_shm_unregister),
+    ):
+        base, op = f"/v2/{kind}sharedmemory", f"{kind}_shared_memory"
+        add(base + "/status", status, "GET", op + "_status_all")
+        add(base + "/region/{region}/status", status, "GET", op + "_status")
+        add(base + "/region/{region}/register", register, "POST", op + "_register")
+        add(base + "/unregister", unregister, "POST", op + "_unregister_all")
+        add(base + "/region/{region}/unregister", unregister, "POST", op + "_unregister")
     add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
     add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")

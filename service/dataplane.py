@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 import service
 from service.config import ConfigError, safe_text
 from service.config_override import ConfigOverride, parse_override
@@ -47,6 +49,8 @@ from service.protocol import (
 )
 from service.protocol.compression import MIN_BYTES
 from service.protocol.response import wants_binary
+from service.protocol.types import SharedOutput
+from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 
 T = TypeVar("T")
 
@@ -106,6 +110,15 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
         # that X-Request-ID carries (sent or made by the transport) stands in.
         sent = request_id_var.get()
         rid = None if sent == "-" else sent
+    shared = {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
+    if shared:
+        await _write_shared(
+            [
+                (shared[outputs[i].name], arrays[i])
+                for i in bound.outputs
+                if outputs[i].name in shared
+            ]
+        )
     return InferResponse(
         model_name=handle.name,
         model_version=handle.version,
@@ -116,11 +129,26 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
                 datatype=outputs[i].datatype,
                 shape=arrays[i].shape,
                 data=arrays[i],
+                in_shared_memory=outputs[i].name in shared,
             )
             for i in bound.outputs
         ],
         parameters={"batch_size": info.batch_size, "batch_requests": info.batch_requests},
     )
+
+
+async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]]) -> None:
+    """Copy outputs into their shared memory (sizes were checked by ``Signature.bind``)."""
+
+    def write() -> None:
+        for target, arr in writes:
+            src = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            np.frombuffer(target.view, np.uint8, count=src.size)[:] = src
+
+    if sum(arr.nbytes for _, arr in writes) > _THREAD_OUTPUT_BYTES:
+        await _off_loop(write)
+    else:
+        write()
 
 
 class DataPlane:
@@ -134,6 +162,8 @@ class DataPlane:
         response_compression: the response compression policy (``auto``, ``always``,
             ``never``; see :func:`service.protocol.worth_compressing`).
         log_level: the starting log level (``--log-level``), for the logging extension.
+        shared_memory: the client's system shared memory regions (the extension), or None
+            when client shared memory is disabled.
     """
 
     def __init__(
@@ -145,9 +175,12 @@ class DataPlane:
         max_json_bytes: int = 16 << 20,
         response_compression: CompressionMode = "auto",
         log_level: str = "info",
+        shared_memory: SystemSharedMemory | None = None,
     ) -> None:
         self.repository = repository
         self.logging = LogSettings(log_level)
+        self.shared_memory = shared_memory
+        self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_json_bytes = max_json_bytes
@@ -163,7 +196,10 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""
-        return {"name": "bitserve", "version": service.__version__, "extensions": EXTENSIONS}
+        extensions = list(EXTENSIONS)
+        if self.shared_memory is not None:
+            extensions.append("system_shared_memory")
+        return {"name": "bitserve", "version": service.__version__, "extensions": extensions}
 
     def model(self, name: str, version: str | None = None) -> ModelHandle:
         """The READY handle of a model version (the highest READY one by default).
@@ -200,6 +236,59 @@ class DataPlane:
             if name is not None and not handles:
                 raise InvalidInput(f"requested model '{name}' is not available")
         return {"model_stats": [h.stats.snapshot().triton() for h in handles]}
+
+    # --- shared memory --------------------------------------------------------------------
+
+    def _system_shm(self) -> SystemSharedMemory:
+        if self.shared_memory is None:
+            raise InvalidInput(
+                "client shared memory is disabled on this server; start it with "
+                "--allow-client-shm (BITSERVE_ALLOW_CLIENT_SHM=true) to use it"
+            )
+        return self.shared_memory
+
+    def register_system_shared_memory(self, name: str, body: Mapping[str, Any]) -> None:
+        """Register a region: ``body`` is Triton's ``{key, offset, byte_size}``.
+
+        Raises:
+            InvalidInput: disabled, or a bad or unusable region (the message names it).
+        """
+        shm = self._system_shm()
+        shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+
+    def unregister_system_shared_memory(self, name: str | None = None) -> None:
+        """Unregister a region (None: all of them); an unknown name is no error.
+
+        Raises:
+            InvalidInput: client shared memory is disabled.
+        """
+        self._system_shm().unregister(name)
+
+    def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The registered regions (one, or all; none when disabled).
+
+        Raises:
+            NotFound: no region ``name``.
+        """
+        if self.shared_memory is None:
+            return self.cuda_shared_memory.status(name)  # [] or "not found"
+        return self.shared_memory.status(name)
+
+    def register_cuda_shared_memory(self, name: str) -> None:
+        """Refused: CUDA shared memory is not supported (InvalidInput)."""
+        self.cuda_shared_memory.register(name)
+
+    def unregister_cuda_shared_memory(self, name: str | None = None) -> None:
+        """Nothing to unregister (no CUDA region is ever registered)."""
+        self.cuda_shared_memory.unregister(name)
+
+    def cuda_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """``[]``; a named region is not found.
+
+        Raises:
+            NotFound: always for a name.
+        """
+        return self.cuda_shared_memory.status(name)
 
     # --- logging --------------------------------------------------------------------------
 
@@ -359,10 +448,10 @@ class DataPlane:
                 "binary_tensor_data extension: Inference-Header-Content-Length and "
                 "parameters.binary_data_size)"
             )
-        data, signature = body, handle.signature
+        data, signature, shm = body, handle.signature, self.shared_memory
         if len(body) > _THREAD_BYTES:
-            return await _off_loop(lambda: decode_infer_request(data, n, signature))
-        return decode_infer_request(data, n, signature)
+            return await _off_loop(lambda: decode_infer_request(data, n, signature, shm))
+        return decode_infer_request(data, n, signature, shm)
 
     async def _encode(
         self,
@@ -372,8 +461,10 @@ class DataPlane:
         accept: str | None,
     ) -> EncodedResponse:
         # Binary outputs are one memcpy; JSON lists cost CPU per element.
-        all_binary = all(wants_binary(request, o.name) for o in response.outputs)
-        if not all_binary and sum(o.data.nbytes for o in response.outputs) > _THREAD_OUTPUT_BYTES:
+        # (Outputs in shared memory are not in the body at all.)
+        outs = [o for o in response.outputs if not o.in_shared_memory]
+        all_binary = all(wants_binary(request, o.name) for o in outs)
+        if not all_binary and sum(o.data.nbytes for o in outs) > _THREAD_OUTPUT_BYTES:
             enc = await _off_loop(lambda: encode_infer_response(response, request))
         else:
             enc = encode_infer_response(response, request)

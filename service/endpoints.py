@@ -135,6 +135,29 @@ class Endpoints:
     async def statistics(self, model: str | None = None, version: str | None = None) -> Response:
         return json_response(self.dataplane.statistics(model, version))
 
+    async def system_shm_status(self, region: str | None = None) -> Response:
+        return json_response(self.dataplane.system_shared_memory_status(region))
+
+    async def system_shm_register(self, region: str, request: Request) -> Response:
+        body = await read_json_object(request, "register", self.body_timeout_s)
+        self.dataplane.register_system_shared_memory(region, body)
+        return json_response({})
+
+    async def system_shm_unregister(self, region: str | None = None) -> Response:
+        self.dataplane.unregister_system_shared_memory(region)
+        return json_response({})
+
+    async def cuda_shm_status(self, region: str | None = None) -> Response:
+        return json_response(self.dataplane.cuda_shared_memory_status(region))
+
+    async def cuda_shm_register(self, region: str) -> Response:
+        self.dataplane.register_cuda_shared_memory(region)
+        return json_response({})
+
+    async def cuda_shm_unregister(self, region: str | None = None) -> Response:
+        self.dataplane.unregister_cuda_shared_memory(region)
+        return json_response({})
+
     async def logging_get(self) -> Response:
         return json_response(self.dataplane.log_settings())
 
