@@ -14,6 +14,7 @@ REST servers").
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -53,6 +54,7 @@ from service.protocol.types import SharedOutput
 from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 
 T = TypeVar("T")
+log = logging.getLogger("bitserve.dataplane")
 
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
 # costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
@@ -255,6 +257,7 @@ class DataPlane:
         """
         shm = self._system_shm()
         shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+        log.info("shared memory region '%s' registered: %s", name, shm.status(name)[0])
 
     def unregister_system_shared_memory(self, name: str | None = None) -> None:
         """Unregister a region (None: all of them); an unknown name is no error.
@@ -263,6 +266,7 @@ class DataPlane:
             InvalidInput: client shared memory is disabled.
         """
         self._system_shm().unregister(name)
+        log.info("shared memory region %s unregistered", "(all)" if name is None else f"'{name}'")
 
     def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
         """The registered regions (one, or all; none when disabled).
