@@ -277,3 +277,19 @@ async def test_shared_memory_is_off_by_default_and_cuda_is_not_supported(
     resp = await client.post("/v2/cudasharedmemory/region/r/register", json={"byte_size": 8})
     assert "CUDA shared memory is not supported" in error_of(resp, 400)
     assert error_of(await client.get("/v2/cudasharedmemory/region/r/status"), 404)
+
+
+def test_readme_documents_every_advertised_extension_and_setting() -> None:
+    from pathlib import Path
+
+    from service.dataplane import DataPlane
+    from service.shared_memory import SystemSharedMemory
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("\n## Triton's extensions\n")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    dp = DataPlane(FakeRepository(), Metrics(nvml=None), shared_memory=SystemSharedMemory())
+    for ext in dp.server_metadata()["extensions"]:
+        assert f"**{ext}**" in section, ext
+    for name in Settings.model_fields:
+        assert f"`BITSERVE_{name.upper()}`" in readme, name
