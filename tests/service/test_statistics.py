@@ -275,6 +275,54 @@ def test_the_pipeline_times_its_three_phases_once_per_batch() -> None:
     assert sorted(stats.snapshot().batches) == [1, 2]
 
 
+@pytest.mark.needs_cuda
+def test_the_pipeline_times_its_phases_with_cuda_events() -> None:
+    import torch
+
+    cfg = ModelConfig.model_validate(
+        {
+            "max_batch_size": 4,
+            "device": "cuda",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1 << 20]}],
+            "model": {"file": "m.pt"},
+            "outputs": [{"name": "y", "datatype": "FP32"}],
+        }
+    )
+
+    class Heavy(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(50):  # enough device work to time
+                x = torch.sin(x) + 1
+            return x
+
+    pipe = Pipeline("m", cfg, Artifacts({}, Heavy()), "cuda:0", warmup=True)
+    pipe.stats = stats = ModelStats("m", "1")
+    x = np.random.default_rng(0).random((2, 1 << 20), dtype=np.float32)
+    out = pipe.run([Bound((WireInput(x, False),), (0,), 2)])
+    ref = x.copy()
+    for _ in range(50):
+        ref = np.sin(ref) + 1
+    np.testing.assert_allclose(out[0][0], ref, rtol=1e-5, atol=1e-5)
+    (row,) = stats.snapshot().batches.values()
+    assert row[0] == 1
+    assert all(ns > 0 for ns in row[1:])  # each phase took device time
+    assert row[2] > row[3]  # 50 kernels over 8 MiB take longer than copying it back
+
+
+@pytest.mark.needs_cuda
+def test_gpu_gauges_on_a_gpu() -> None:
+    gauges = GpuGauges()
+    assert gauges.available
+    got = families(gauges.render().decode())
+    assert all(total > 1 << 30 for total in got["nv_gpu_memory_total_bytes"].values())
+    assert set(got) == {
+        "nv_gpu_utilization",
+        "nv_gpu_memory_total_bytes",
+        "nv_gpu_memory_used_bytes",
+        "nv_gpu_power_usage",
+    }
+
+
 # --- the routes, in process ---------------------------------------------------------------
 
 
