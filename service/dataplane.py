@@ -363,8 +363,16 @@ class DataPlane:
     # --- inference ------------------------------------------------------------------------
 
     async def infer(self, handle: ModelHandle, request: InferRequest) -> InferResponse:
-        """:func:`infer` (for transports that decode on their own, such as gRPC)."""
-        return await infer(handle, request)
+        """:func:`infer` (for transports that decode on their own, such as gRPC), counted in
+        the model's statistics (from here: the transport's decoding is not in its time)."""
+        t0 = time.perf_counter_ns()
+        ok = False
+        try:
+            response = await infer(handle, request)
+            ok = True
+            return response
+        finally:
+            handle.stats.request_done(ok, time.perf_counter_ns() - t0)
 
     async def infer_rest(
         self,
@@ -411,7 +419,7 @@ class DataPlane:
                 if not current.signature.same_as(handle.signature):
                     request = await self._decode(current, body, content_encoding, header_length)
                 handle = current
-            response = await self.infer(handle, request)
+            response = await infer(handle, request)
             return await self._encode(handle, request, response, accept_encoding)
         except ServiceError as e:
             outcome = type(e).__name__

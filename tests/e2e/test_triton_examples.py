@@ -90,11 +90,22 @@ def test_health_and_metadata(client: httpclient.InferenceServerClient) -> None:
     assert "Request for unknown model" in info.value.message()
 
 
-def test_head_on_health_routes(server: BitserveServer) -> None:
+def test_head_on_health_routes_and_no_redirects(server: BitserveServer) -> None:
     for path in ("/v2/health/live", "/v2/health/ready"):
         resp = httpx.head(server.url + path)
         assert resp.status_code == 200
         assert resp.content == b""
+    for path in ("/v2/", "/v2/models/simple/", "/v2/models/simple/versions/1/stats/"):
+        resp = httpx.get(server.url + path, headers={"Host": "evil.example"})
+        assert resp.status_code == 200, path  # answered as the path without the slash
+        assert "location" not in resp.headers
+    # A request without an id gets its X-Request-ID as the response's id.
+    body = {"inputs": [{"name": n, "datatype": "INT32", "shape": [1, 16], "data": [0] * 16}
+                       for n in ("INPUT0", "INPUT1")]}  # fmt: skip
+    resp = httpx.post(
+        server.url + "/v2/models/simple/infer", json=body, headers={"X-Request-ID": "job-7"}
+    )
+    assert resp.json()["id"] == "job-7"
 
 
 # --- simple_http_infer_client -----------------------------------------------------------------

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.app import create_app
 from service.batcher import Batcher
 from service.config import ModelConfig
+from service.errors import InvalidInput
 from service.gpu_metrics import GpuGauges
 from service.metrics import Metrics
 from service.pipeline import Artifacts, Pipeline
@@ -383,3 +384,23 @@ async def test_metrics_carry_tritons_names_next_to_bitserves(client: httpx.Async
     assert got["nv_inference_request_success"][(("model", "echo"), ("version", "1"))] == 1
     assert got["nv_inference_exec_count"][(("model", "echo"), ("version", "1"))] == 1
     assert got["bitserve_requests"][(("model", "echo"), ("outcome", "success"))] == 1
+
+
+def test_transports_that_decode_on_their_own_are_counted_too() -> None:
+    from service.dataplane import DataPlane
+    from service.protocol.types import InferRequest, RequestInput
+
+    async def main() -> None:
+        repo = FakeRepository()
+        dp = DataPlane(repo, Metrics(nvml=None))
+        handle = repo.models["echo"]
+        x = np.ones((1, 4), np.uint8)
+        ok = InferRequest(id=None, inputs=[RequestInput("x", "UINT8", (1, 4), x)])
+        await dp.infer(handle, ok)
+        missing = InferRequest(id=None, inputs=[RequestInput("y", "UINT8", (1, 4), x)])
+        with pytest.raises(InvalidInput, match="missing input 'x'"):
+            await dp.infer(handle, missing)
+        await handle.batcher.stop()
+        assert (handle.stats.success_count, handle.stats.fail_count) == (1, 1)
+
+    asyncio.run(main())
