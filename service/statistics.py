@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # The fields of one batch size's entry in ``batch_stats``: executions, then the phase ns.
@@ -142,58 +142,42 @@ class ModelStats:
         version: the version.
     """
 
-    __slots__ = (
-        "_batches",
-        "compute_count",
-        "compute_infer_ns",
-        "compute_input_ns",
-        "compute_output_ns",
-        "execution_count",
-        "fail_count",
-        "fail_ns",
-        "inference_count",
-        "last_inference_ms",
-        "name",
-        "queue_count",
-        "queue_ns",
-        "success_count",
-        "success_ns",
-        "version",
-    )
+    __slots__ = ("_counts",)
 
     def __init__(self, name: str, version: str) -> None:
-        self.name = name
-        self.version = version
-        self.last_inference_ms = 0
-        self.inference_count = 0
-        self.execution_count = 0
-        self.success_count = 0
-        self.success_ns = 0
-        self.fail_count = 0
-        self.fail_ns = 0
-        self.queue_count = 0
-        self.queue_ns = 0
-        self.compute_count = 0
-        self.compute_input_ns = 0
-        self.compute_infer_ns = 0
-        self.compute_output_ns = 0
-        self._batches: dict[int, list[int]] = {}
+        self._counts = Snapshot(name, version)
+
+    @property
+    def name(self) -> str:
+        """The model name."""
+        return self._counts.name
+
+    @property
+    def version(self) -> str:
+        """The version."""
+        return self._counts.version
+
+    def __getattr__(self, field_name: str) -> Any:
+        # The counts, read-only (``stats.success_count``); writes go through the methods.
+        return getattr(self._counts, field_name)
 
     # --- the writers ----------------------------------------------------------------------
 
     def request_done(self, ok: bool, ns: int) -> None:
         """One request answered (by the data plane): ``ns`` from its arrival to its answer."""
+        c = self._counts
         if ok:
-            self.success_count += 1
-            self.success_ns += ns
+            c.success_count += 1
+            c.success_ns += ns
         else:
-            self.fail_count += 1
-            self.fail_ns += ns
+            c.fail_count += 1
+            c.fail_ns += ns
 
     def queued(self, requests: int, ns: int) -> None:
         """A batch left the queue (by the batcher): ``ns`` is its requests' waits added up."""
-        self.queue_count += requests
-        self.queue_ns += ns
+        c = self._counts
+        c.queue_count += requests
+        c.queue_ns += ns
 
     def executed(
         self, items: int, requests: int, input_ns: int, infer_ns: int, output_ns: int
@@ -205,16 +189,17 @@ class ModelStats:
             requests: the requests merged into it.
             input_ns, infer_ns, output_ns: the durations of its three phases.
         """
-        self.last_inference_ms = time.time_ns() // 1_000_000
-        self.execution_count += 1
-        self.inference_count += items
-        self.compute_count += requests
-        self.compute_input_ns += requests * input_ns
-        self.compute_infer_ns += requests * infer_ns
-        self.compute_output_ns += requests * output_ns
-        row = self._batches.get(items)
+        c = self._counts
+        c.last_inference_ms = time.time_ns() // 1_000_000
+        c.execution_count += 1
+        c.inference_count += items
+        c.compute_count += requests
+        c.compute_input_ns += requests * input_ns
+        c.compute_infer_ns += requests * infer_ns
+        c.compute_output_ns += requests * output_ns
+        row = c.batches.get(items)
         if row is None:
-            row = self._batches[items] = [0, 0, 0, 0]
+            row = c.batches[items] = [0] * len(_BATCH_FIELDS)
         row[0] += 1
         row[1] += input_ns
         row[2] += infer_ns
@@ -223,27 +208,10 @@ class ModelStats:
     # --- the reader -----------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """The counts now, as plain integers."""
-        snap = Snapshot(
-            self.name,
-            self.version,
-            last_inference_ms=self.last_inference_ms,
-            inference_count=self.inference_count,
-            execution_count=self.execution_count,
-            success_count=self.success_count,
-            success_ns=self.success_ns,
-            fail_count=self.fail_count,
-            fail_ns=self.fail_ns,
-            queue_count=self.queue_count,
-            queue_ns=self.queue_ns,
-            compute_count=self.compute_count,
-            compute_input_ns=self.compute_input_ns,
-            compute_infer_ns=self.compute_infer_ns,
-            compute_output_ns=self.compute_output_ns,
-        )
-        # A copy of each row: the pipeline's thread may be adding to them meanwhile.
-        snap.batches = {k: list(v) for k, v in list(self._batches.items())}
-        return snap
+        """The counts now, as plain integers (a copy)."""
+        # Each row copied: the pipeline's thread may be adding to them meanwhile.
+        batches = {k: list(v) for k, v in list(self._counts.batches.items())}
+        return replace(self._counts, batches=batches)
 
 
 class Statistics:

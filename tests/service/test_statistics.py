@@ -81,8 +81,8 @@ def test_snapshots_of_workers_add_up_and_travel_as_json() -> None:
     b.request_done(False, 5)
     b.executed(4, 1, 10, 20, 30)
     b.executed(2, 2, 7, 7, 7)
-    b.last_inference_ms = a.last_inference_ms + 1000
     sa, sb = a.snapshot(), b.snapshot()
+    sb.last_inference_ms = sa.last_inference_ms + 1000  # a later batch in the other worker
     total = Snapshot.from_dict(json.loads(json.dumps(sa.to_dict()))) + sb
     assert total.success_count == 1
     assert total.fail_count == 1
