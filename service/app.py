@@ -36,7 +36,7 @@ from service.protocol.response import error_body
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
 
-log = logging.getLogger("bitserve.app")
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -36,7 +36,7 @@ from service.metrics import Metrics
 from service.observability import request_id_var
 from service.statistics import ModelStats
 
-log = logging.getLogger("bitserve.batcher")
+log = logging.getLogger(__name__)
 
 _MAX_TIMEOUT_US = 86_400 * 10**6  # a day
 P = TypeVar("P")

@@ -41,7 +41,6 @@ from service.protocol import (
     InferRequest,
     InferResponse,
     ResponseOutput,
-    compress,
     decode_infer_request,
     decompress,
     encode_infer_response,
@@ -49,12 +48,12 @@ from service.protocol import (
     worth_compressing,
 )
 from service.protocol.compression import MIN_BYTES
-from service.protocol.response import wants_binary
+from service.protocol.response import compress_response, wants_binary
 from service.protocol.types import SharedOutput
 from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 
 T = TypeVar("T")
-log = logging.getLogger("bitserve.dataplane")
+log = logging.getLogger(__name__)
 
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
 # costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
@@ -503,5 +502,4 @@ def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> E
     # every other connection) must not pay.
     if not worth_compressing(enc.body, enc.binary_from, mode):
         return enc
-    headers = {**enc.headers, "Content-Encoding": encoding}
-    return EncodedResponse(compress(enc.body, encoding), headers, enc.media_type, enc.binary_from)
+    return compress_response(enc, encoding)

@@ -14,7 +14,7 @@ from typing import Any
 
 from service.statistics import label_value
 
-log = logging.getLogger("bitserve.metrics")
+log = logging.getLogger(__name__)
 
 _FAMILIES = (
     ("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)"),

@@ -14,6 +14,9 @@ than h11. On top of it, :class:`BitserveHttpProtocol` adds what uvicorn leaves o
   keep-alive one); only when every connection is busy is the new one answered 503 and
   closed.
 - **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` (uvicorn writes plain text).
+- **One write per response.** uvicorn writes a response's head and its body separately: two
+  system calls (and on loopback two wake-ups of the client) where one does. The head is held
+  until the body's first write, or the end of the response (:class:`_HeldHead`).
 
 The limits are class attributes, set once per server by :func:`protocol_class`.
 """
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.protocol.response import error_body
 
-log = logging.getLogger("bitserve.http")
+log = logging.getLogger(__name__)
 
 
 def _error_bytes(status: int, message: str) -> bytes:
@@ -45,6 +48,43 @@ def _error_bytes(status: int, message: str) -> bytes:
     )
 
 
+class _HeldHead:
+    """A connection's transport for one request's response: holds the head (the first write,
+    unless it is an interim ``100 Continue``) and sends it with the next write, or on
+    :meth:`flush` and :meth:`close`. Everything else goes to the real transport."""
+
+    __slots__ = ("_head", "_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+        self._held = False
+
+    def write(self, data: bytes) -> None:
+        if not self._held and not data.startswith(b"HTTP/1.1 100 "):
+            self._held = True
+            self._head = data
+            return
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class BitserveHttpProtocol(HttpToolsProtocol):
     """One HTTP/1.1 connection (see the module docstring for what is added to uvicorn's)."""
 
@@ -57,6 +97,8 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._in_head = False
+        self._responses: deque[_HeldHead] = deque()
+        self._head_size = 0
 
     # --- connections waiting for a head, oldest first (one registry per server) -----------
 
@@ -125,6 +167,8 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # refused (or closing): what else arrives is not parsed
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -138,11 +182,40 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         if not self._in_head:
             self._start_head()
 
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4  # as sent: "name: value\r\n"
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        size, self._head_size = self._head_size, 0
+        if size > self.max_head_bytes:  # a whole head in one read, past the bound
+            self._refuse(
+                431, f"request head of {size} bytes (max_header_bytes {self.max_head_bytes})"
+            )
+            return
         self._end_head()
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.transport is self.transport:
+            held = _HeldHead(self.transport)
+            self.cycle.transport = held  # type: ignore[assignment]
+            self._responses.append(held)  # answered in order, pipelined or not
+
+    def on_body(self, body: bytes) -> None:
+        if not self.transport.is_closing():  # a refused head's body is not kept
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.transport.is_closing():
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        if self._responses:
+            # A response without body bytes (to HEAD) has written only its head so far.
+            self._responses.popleft().flush()
         super().on_response_complete()
         if not self.transport.is_closing() and self.cycle is not None and not self._in_head:
             self._idle()  # an idle keep-alive connection is evicted first, like a slow head

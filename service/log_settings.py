@@ -28,7 +28,7 @@ from typing import Any
 from service.errors import InvalidInput
 from service.observability import LOG_FORMAT, RequestIdFilter
 
-LOGGERS = ("bitserve", "service", "uvicorn")
+LOGGERS = ("service", "gpu_ops", "uvicorn")
 """The server's loggers (``service.observability.logging_config`` gives them the handler)."""
 _FORMATS = ("default", "ISO8601")
 _MAX_VERBOSE = 2**32 - 1

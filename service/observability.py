@@ -64,8 +64,10 @@ def logging_config(level: str) -> dict[str, Any]:
         "formatters": {"default": {"format": LOG_FORMAT}},
         "handlers": {"default": handler},
         "loggers": {
-            "bitserve": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            # Every logger is named by its module (``logging.getLogger(__name__)``), so these
+            # two roots cover the server and the ops it runs.
             "service": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            "gpu_ops": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             "uvicorn": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             # Our own access log carries the request id; uvicorn's would duplicate it.
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},

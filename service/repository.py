@@ -37,7 +37,7 @@ from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.signature import Bound, Signature
 from service.statistics import Statistics
 
-log = logging.getLogger("bitserve.repository")
+log = logging.getLogger(__name__)
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 # CPU batches that take less CPU time than this run on the event loop, not in the device's

@@ -177,7 +177,7 @@ async def test_logging_routes(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v2/logging", json={"log_verbose_level": 1})
     assert resp.status_code == 200
     assert resp.json() == first | {"log_verbose_level": 1}
-    assert logging.getLogger("bitserve").level == logging.DEBUG
+    assert logging.getLogger("service").level == logging.DEBUG
     assert (await client.get("/v2/logging")).json()["log_verbose_level"] == 1
     assert (await client.post("/v2/logging", content=b"")).json()["log_verbose_level"] == 1
     for body, text in (
