@@ -31,7 +31,7 @@ from typing import Any
 _BATCH_FIELDS = ("count", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
-@dataclass
+@dataclass(slots=True)
 class Snapshot:
     """The counts of one model version at one moment; every field is an integer.
 
