@@ -265,7 +265,8 @@ class DataPlane:
             InvalidInput: client shared memory is disabled.
         """
         self._system_shm().unregister(name)
-        log.info("shared memory region %s unregistered", "(all)" if name is None else f"'{name}'")
+        shown = "(all)" if name is None else f"'{safe_text(name, 128)}'"
+        log.info("shared memory region %s unregistered", shown)
 
     def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
         """The registered regions (one, or all; none when disabled).

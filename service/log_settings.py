@@ -105,6 +105,9 @@ class LogSettings:
             for handler in logging.getLogger(name).handlers:
                 if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
                     continue  # not one of the server's (a test's capture, say)
+                for old in [f for f in handler.filters if isinstance(f, LevelSwitches)]:
+                    if old is not self.switches:  # an earlier app's, in the same process
+                        handler.removeFilter(old)
                 if self.switches not in handler.filters:
                     handler.addFilter(self.switches)
                 if self.format == "ISO8601":

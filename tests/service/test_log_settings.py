@@ -106,6 +106,11 @@ def test_switches_are_independent_and_verbose_writes_debug(
     settings.update({"log_info": True, "log_warning": None})  # null leaves it as it is
     assert settings.get()["log_warning"] is False
     assert log.level == logging.INFO
+    # A later server in the same process takes the handler over (one set of switches).
+    LogSettings("info", loggers=[log.name]).attach()
+    switches = [f for f in handler.filters if f.__class__.__name__ == "LevelSwitches"]
+    assert len(switches) == 1
+    assert switches[0] is not settings.switches
 
 
 def test_iso8601_format(logger: tuple[logging.Logger, Capture]) -> None:
