@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.config import ConfigError, safe_text
+from service.errors import InvalidInput
 
 _DIGITS = re.compile(r"-?[0-9]{1,20}")
 _TOP = {"name", "platform", "backend", "max_batch_size", "dynamic_batching", "instance_group",
@@ -184,3 +185,28 @@ def _device(groups: object) -> str:
     if index < 0:
         raise ConfigError(["config override: instance_group[0].gpus[0] must be >= 0"])
     return f"cuda:{index}"
+
+
+def load_parameters(name: str, body: Mapping[str, Any]) -> str | None:
+    """The config override of a V2 load request body (``parameters.config``), or None.
+
+    Raises:
+        InvalidInput: ``parameters`` is not an object, ``config`` not a string, or another
+            parameter is given (Triton's ``file:`` parameters included: model files come
+            from the repository); the message starts ``failed to load``, as Triton's.
+    """
+    failed = f"failed to load '{safe_text(name, 128)}'"
+    params = body.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{failed}: 'parameters' must be an object")
+    other = sorted(k for k in params if k != "config")
+    if other:
+        shown = [safe_text(k, 64) for k in other[:5]]
+        raise InvalidInput(
+            f"{failed}: unsupported parameters {shown} (only 'config'; model files come from "
+            "the repository)"
+        )
+    config = params.get("config")
+    if config is not None and not isinstance(config, str):
+        raise InvalidInput(f"{failed}: parameters.config must be a string of JSON")
+    return config

@@ -23,7 +23,7 @@ import numpy as np
 
 import service
 from service.config import ConfigError, safe_text
-from service.config_override import ConfigOverride, parse_override
+from service.config_override import ConfigOverride, load_parameters, parse_override
 from service.errors import (
     InvalidInput,
     ModelNotFound,
@@ -314,25 +314,9 @@ class DataPlane:
         """The config override of a V2 load request body (``parameters.config``), or None.
 
         Raises:
-            InvalidInput: ``parameters`` is not an object, ``config`` not a string, or another
-                parameter is given (Triton's ``file:`` parameters included: model files come
-                from the repository); the message starts ``failed to load``, as Triton's.
+            InvalidInput: see :func:`service.config_override.load_parameters`.
         """
-        failed = f"failed to load '{safe_text(name, 128)}'"
-        params = body.get("parameters", {})
-        if not isinstance(params, dict):
-            raise InvalidInput(f"{failed}: 'parameters' must be an object")
-        other = sorted(k for k in params if k != "config")
-        if other:
-            shown = [safe_text(k, 64) for k in other[:5]]
-            raise InvalidInput(
-                f"{failed}: unsupported parameters {shown} (only 'config'; model files come "
-                "from the repository)"
-            )
-        config = params.get("config")
-        if config is not None and not isinstance(config, str):
-            raise InvalidInput(f"{failed}: parameters.config must be a string of JSON")
-        return config
+        return load_parameters(name, body)
 
     async def load(self, name: str, config: str | None = None) -> None:
         """(Re)load a model from the repository, with Triton's config override if given.
