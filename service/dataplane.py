@@ -236,7 +236,10 @@ class DataPlane:
             handles = self.repository.ready_handles(name)
             if name is not None and not handles:
                 raise InvalidInput(f"requested model '{name}' is not available")
-        return {"model_stats": [h.stats.snapshot().triton() for h in handles]}
+        # The counts of the whole server: this process's, or with --workers every worker's.
+        counts = {(s.name, s.version): s for s in self.metrics.statistics_source()}
+        stats = [counts.get((h.name, h.version)) or h.stats.snapshot() for h in handles]
+        return {"model_stats": [s.triton() for s in stats]}
 
     # --- shared memory --------------------------------------------------------------------
 
