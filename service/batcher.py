@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
+from service.statistics import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class _Pending(Generic[P, R]):
     deadline: float | None
     timer: asyncio.TimerHandle | None = field(default=None)
     request_id: str = "-"
+    # The loop's clock can be as coarse as a millisecond (uvloop's is): queue waits are
+    # measured with this one.
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
 class Batcher(Generic[P, R]):
@@ -78,6 +82,7 @@ class Batcher(Generic[P, R]):
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
+        stats: where the queue waits of each batch's requests go (the statistics extension).
         inline_below_s: run a batch on the event loop itself, not in ``executor``, while
             recent batches took less than this much CPU time in the thread that ran them (a
             moving average): below a few hundred microseconds the thread hop and the hand-offs
@@ -96,6 +101,7 @@ class Batcher(Generic[P, R]):
         max_queue_size: int,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        stats: ModelStats | None = None,
         inline_below_s: float = 0.0,
     ) -> None:
         if max_batch_size < 0 or max_queue_delay_us < 0 or max_queue_size < 0:
@@ -109,6 +115,7 @@ class Batcher(Generic[P, R]):
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"batch-{name}")
         self._metrics = metrics
+        self.stats = stats
         self._queue: deque[_Pending[P, R]] = deque()
         self._queued_items = 0
         # The scheduler sleeps on this future (and a timer for the batch's delay) when there
@@ -355,9 +362,12 @@ class Batcher(Generic[P, R]):
 
     async def _execute(self, batch: list[_Pending[P, R]]) -> None:
         loop = asyncio.get_running_loop()
-        start = loop.time()
+        start_ns = time.perf_counter_ns()
+        waits_ns = [start_ns - p.enqueued_ns for p in batch]
         if self._metrics is not None:
-            self._metrics.observe_queue(self.name, [start - p.enqueued for p in batch])
+            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns])
+        if self.stats is not None:
+            self.stats.queued(len(batch), sum(waits_ns))
         info = BatchInfo(sum(p.size for p in batch), len(batch))
         self._running = batch
         payloads = [p.payload for p in batch]

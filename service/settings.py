@@ -104,6 +104,15 @@ class Settings(BaseSettings):
     ``auto`` compresses JSON bodies and binary bodies that a trial on a prefix shows to shrink
     (float tensors rarely do), ``always`` every body of 1 KiB or more, ``never`` none."""
 
+    allow_client_shm: bool = False
+    """Let clients register system shared memory regions (Triton's extension: tensors pass
+    through POSIX shared memory on this host instead of request bodies). Off by default, as
+    in Triton since 2.55: a client that can reach the API could then read and write the
+    POSIX shared memory objects (``/dev/shm``) that the server's user can open."""
+
+    max_shm_regions: int = Field(default=64, ge=1, le=4096)
+    """Most system shared memory regions registered at once (with ``allow_client_shm``)."""
+
     auth_token: SecretStr | None = None
     """If set, every endpoint except health needs ``Authorization: Bearer <token>`` (prefer
     the environment variable: a flag is visible to other users in ``ps``)."""

@@ -27,9 +27,11 @@ from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import model_config_pb2 as mc
 from service.protocol.request import (
     InputChecker,
+    SharedMemoryViews,
     check_input_head,
     check_request_fields,
     check_requested_output,
+    shared_input,
 )
 from service.protocol.response import binary_payload
 from service.protocol.tensors import element_count, from_binary
@@ -155,14 +157,18 @@ def from_contents(
     return arr.astype(target, copy=False).reshape(shape)
 
 
-def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> InferRequest:
+def decode_infer_request(
+    msg: pb.ModelInferRequest, model: InputChecker, shm: SharedMemoryViews | None = None
+) -> InferRequest:
     """A ``ModelInferRequest`` as the protocol's request, checked as REST checks its own.
 
-    Each input's data are its typed ``contents`` or the next entry of ``raw_input_contents``
-    (entries pair with the inputs that have no contents, in order; Triton's rule is that a
-    request uses one form or the other). Raw data are read-only views over the message's
-    bytes. ``triton_enable_empty_final_response`` is checked and left out of the request's
-    parameters (see :data:`EMPTY_FINAL_RESPONSE`).
+    Each input's data are in the shared memory region its parameters name (``shm``: the
+    registered regions; None refuses such inputs), or its typed ``contents``, or the next
+    entry of ``raw_input_contents`` (entries pair with the inputs that have neither, in order,
+    as tritonclient sends them; Triton's rule is that a request uses contents or raw
+    contents, not both). Raw data are read-only views over the message's bytes; outputs may
+    name shared memory regions too. ``triton_enable_empty_final_response`` is checked and
+    left out of the request's parameters (see :data:`EMPTY_FINAL_RESPONSE`).
 
     Raises:
         InvalidInput: naming the field or tensor that is wrong.
@@ -187,7 +193,14 @@ def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> Infe
             i, t.name, t.datatype, list(t.shape), parameters_from_proto(t.parameters), seen, model
         )
         what = f"input {name!r}"
-        if t.HasField("contents"):
+        shared = shared_input(tparams, datatype, shape, what, shm)
+        if shared is not None:
+            if t.HasField("contents"):
+                raise InvalidInput(
+                    f"{what}: set only one of contents and parameters.shared_memory_region"
+                )
+            data = shared
+        elif t.HasField("contents"):
             data = from_contents(t.contents, datatype, shape, what)
         elif used < len(raw):
             data = from_binary(memoryview(raw[used]), datatype, shape, what)
@@ -207,7 +220,7 @@ def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> Infe
     if msg.outputs:
         seen_out: set[str] = set()
         outputs = [
-            check_requested_output(i, o.name, parameters_from_proto(o.parameters), seen_out)
+            check_requested_output(i, o.name, parameters_from_proto(o.parameters), seen_out, shm)
             for i, o in enumerate(msg.outputs)
         ]
     return InferRequest(
@@ -216,7 +229,8 @@ def decode_infer_request(msg: pb.ModelInferRequest, model: InputChecker) -> Infe
 
 
 def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:
-    """The protocol's response as a ``ModelInferResponse`` with ``raw_output_contents``."""
+    """The protocol's response as a ``ModelInferResponse`` with ``raw_output_contents`` (an
+    empty entry for an output written into shared memory)."""
     msg = pb.ModelInferResponse(
         model_name=response.model_name,
         model_version=response.model_version or "",
@@ -228,7 +242,9 @@ def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:
             name=out.name, datatype=out.datatype, shape=[int(d) for d in out.shape]
         )
         parameters_to_proto(out.parameters, tensor.parameters)
-        msg.raw_output_contents.append(bytes(binary_payload(out)))
+        # an output written into the client's shared memory keeps its place, empty (Triton)
+        data = b"" if out.in_shared_memory else bytes(binary_payload(out))
+        msg.raw_output_contents.append(data)
     return msg
 
 

@@ -238,8 +238,10 @@ class GrpcEndpoints:
         ``triton_final_response``."""
 
         async def decode(handle: ModelHandle) -> InferRequest:
-            signature = handle.signature
-            request = await decode_sized(size, lambda: codec.decode_infer_request(msg, signature))
+            signature, shm = handle.signature, self.dataplane.shared_memory
+            request = await decode_sized(
+                size, lambda: codec.decode_infer_request(msg, signature, shm)
+            )
             request.timeout_us = _deadline_us(context, request.timeout_us)
             return request
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import orjson
 
 from service.errors import InvalidInput
@@ -40,6 +41,7 @@ from service.protocol.types import (
     InferRequest,
     RequestInput,
     RequestOutput,
+    SharedOutput,
 )
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -71,6 +73,16 @@ class RawInputSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+
+
+class SharedMemoryViews(Protocol):
+    """What the decoder asks of the registered shared memory regions
+    (``service.shared_memory.SystemSharedMemory``)."""
+
+    def view(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
+        """``byte_size`` bytes at ``offset`` of ``region``, bounds checked; InvalidInput
+        naming the region otherwise."""
+        ...
 
 
 class InputChecker(Protocol):
@@ -111,6 +123,7 @@ def decode_infer_request(
     body: bytes | bytearray | memoryview,
     header_length: int | None,
     model: InputChecker | None = None,
+    shm: SharedMemoryViews | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -122,9 +135,12 @@ def decode_infer_request(
             ``check_input`` before the input's data are converted, so a tensor the model
             refuses costs no element parsing; the raw binary form takes its input from
             ``raw_spec``. None decodes without model checks (the raw form is then refused).
+        shm: the registered shared memory regions, for tensors that name one
+            (``parameters.shared_memory_region``); None refuses such tensors.
 
     Returns:
-        the request; binary input data are read-only views over ``body``.
+        the request; binary input data are read-only views over ``body`` (or over a shared
+        memory region).
 
     Raises:
         InvalidInput: anything malformed, with a message naming the field or tensor.
@@ -136,7 +152,7 @@ def decode_infer_request(
         return _decode_raw(view, model)
     n = len(view) if header_length is None else header_length
     header = _load_json(view[:n])
-    return _decode_header(header, view[n:], binary=header_length is not None, model=model)
+    return _decode_header(header, view[n:], binary=header_length is not None, model=model, shm=shm)
 
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
@@ -301,7 +317,7 @@ def check_input_head(
 
 
 def check_requested_output(
-    index: int, name: object, params: object, seen: set[str]
+    index: int, name: object, params: object, seen: set[str], shm: SharedMemoryViews | None
 ) -> RequestOutput:
     """Check one requested output (every transport's decoder calls this, in request order).
 
@@ -309,20 +325,64 @@ def check_requested_output(
         index: its position in the request's outputs (messages).
         name, params: as the request gave them.
         seen: the names of the outputs before this one; ``name`` is added.
+        shm: the registered shared memory regions, for an output that names one
+            (``parameters.shared_memory_region``); None refuses such outputs.
 
     Raises:
-        InvalidInput: a bad or repeated name, bad parameters, or the classification extension.
+        InvalidInput: a bad or repeated name, bad parameters, the classification extension,
+            or a shared memory region that is unknown or too small.
     """
     checked = _new_name("output", index, name, seen, "is requested more than once")
     what = f"output {checked!r}"
     checked_params = _check_parameters(params, what)
     if checked_params.get("classification"):
         raise InvalidInput(f"{what}: the classification extension is not supported")
-    return RequestOutput(checked, _bool_param(checked_params, "binary_data", what), checked_params)
+    binary = _bool_param(checked_params, "binary_data", what)
+    view = _shared_view(checked_params, what, shm)
+    shared = None
+    if view is not None:
+        if binary:
+            raise InvalidInput(f"{what}: can't set both 'shared_memory_region' and 'binary_data'")
+        shared = SharedOutput(str(checked_params["shared_memory_region"]), view)
+    return RequestOutput(checked, binary, checked_params, shared)
+
+
+def shared_input(
+    params: Mapping[str, Any],
+    datatype: str,
+    shape: tuple[int, ...],
+    what: str,
+    shm: SharedMemoryViews | None,
+) -> np.ndarray[Any, Any] | None:
+    """An input's data from the shared memory region its parameters name (a read-only view,
+    its size checked against the shape), or None when they name none (every transport's
+    decoder asks this before it looks for the data elsewhere).
+
+    Raises:
+        InvalidInput: an unknown region, a range outside it, client shared memory disabled,
+            or a size that does not fit the shape.
+    """
+    view = _shared_view(params, what, shm)
+    if view is None:
+        return None
+    if datatype != BYTES:
+        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
+        if expected != view.nbytes:
+            raise InvalidInput(
+                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
+                f"shared_memory_byte_size of region '{params['shared_memory_region']}' "
+                f"is {view.nbytes}"
+            )
+    return from_binary(view, datatype, shape, what)
 
 
 def _decode_header(
-    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
+    header: dict[str, Any],
+    rest: memoryview,
+    *,
+    binary: bool,
+    model: InputChecker | None,
+    shm: SharedMemoryViews | None,
 ) -> InferRequest:
     rid, params, timeout = check_request_fields(header.get("id"), header.get("parameters"))
     binary_out = _bool_param(params, "binary_data_output", "request") or False
@@ -333,7 +393,7 @@ def _decode_header(
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, seen, binary=binary, model=model)
+        inp, size = _decode_input(item, i, rest, offset, seen, binary=binary, model=model, shm=shm)
         inputs.append(inp)
         offset += size
     if offset != rest.nbytes:
@@ -341,7 +401,7 @@ def _decode_header(
             f"the inputs declare {offset} bytes of binary data but the body carries "
             f"{rest.nbytes} after the JSON header"
         )
-    outputs = _decode_outputs(header.get("outputs"))
+    outputs = _decode_outputs(header.get("outputs"), shm)
     return InferRequest(
         id=rid,
         inputs=inputs,
@@ -361,6 +421,7 @@ def _decode_input(
     *,
     binary: bool,
     model: InputChecker | None,
+    shm: SharedMemoryViews | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -370,6 +431,14 @@ def _decode_input(
     )  # fmt: skip
     what = f"input {name!r}"
     size = params.get("binary_data_size")
+    shared = shared_input(params, datatype, shape, what, shm)
+    if shared is not None:
+        if "data" in item or size is not None:
+            raise InvalidInput(
+                f"{what}: set only one of 'data', parameters.binary_data_size and "
+                "parameters.shared_memory_region"
+            )
+        return RequestInput(name, datatype, shape, shared, params), 0
     if size is None:
         if "data" not in item:
             raise InvalidInput(f"{what}: has neither 'data' nor parameters.binary_data_size")
@@ -400,7 +469,27 @@ def _decode_input(
     return RequestInput(name, datatype, shape, data, params), size
 
 
-def _decode_outputs(raw: object) -> list[RequestOutput] | None:
+def _shared_view(
+    params: Mapping[str, Any], what: str, shm: SharedMemoryViews | None
+) -> memoryview | None:
+    """The shared memory a tensor names in its parameters, or None when it names none."""
+    region = params.get("shared_memory_region")
+    if region is None:
+        for key in ("shared_memory_byte_size", "shared_memory_offset"):
+            if key in params:
+                raise InvalidInput(f"{what}: parameter {key!r} without 'shared_memory_region'")
+        return None
+    if shm is None:
+        raise InvalidInput(
+            f"{what}: names shared memory region {str(region)[:64]!r}, but client shared "
+            "memory is disabled on this server (bitserve serve --allow-client-shm)"
+        )
+    return shm.view(
+        region, params.get("shared_memory_offset"), params.get("shared_memory_byte_size"), what
+    )
+
+
+def _decode_outputs(raw: object, shm: SharedMemoryViews | None) -> list[RequestOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -410,5 +499,6 @@ def _decode_outputs(raw: object) -> list[RequestOutput] | None:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidInput(f"outputs[{i}] must be an object")
-        outputs.append(check_requested_output(i, item.get("name"), item.get("parameters"), seen))
+        params = item.get("parameters")
+        outputs.append(check_requested_output(i, item.get("name"), params, seen, shm))
     return outputs
