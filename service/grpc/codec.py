@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import numpy as np
 from google.protobuf import json_format
@@ -311,3 +312,45 @@ def repository_index(index: list[dict[str, Any]]) -> pb.RepositoryIndexResponse:
             for m in index
         ]
     )
+
+
+# --- extensions ---------------------------------------------------------------------------
+
+
+def message(data: Mapping[str, Any], message_type: type[M]) -> M:
+    """A response message from the extension's JSON form (the field names are Triton's, the
+    same over REST and gRPC); keys the message lacks are left out."""
+    return json_format.ParseDict(dict(data), message_type(), ignore_unknown_fields=True)
+
+
+R = TypeVar("R", pb.SystemSharedMemoryStatusResponse, pb.CudaSharedMemoryStatusResponse)
+
+
+def regions(status: list[dict[str, Any]], message_type: type[R]) -> R:
+    """Shared memory status (a list of regions, as REST answers it) as the map gRPC answers."""
+    return message({"regions": {r["name"]: r for r in status}}, message_type)
+
+
+def log_settings(settings: Mapping[str, Any]) -> pb.LogSettingsResponse:
+    """The log settings: booleans, integers (``uint32``) and strings."""
+    out = pb.LogSettingsResponse()
+    for key, value in settings.items():
+        v = out.settings[key]
+        if isinstance(value, bool):
+            v.bool_param = value
+        elif isinstance(value, int):
+            v.uint32_param = value
+        else:
+            v.string_param = str(value)
+    return out
+
+
+def path_part(name: str) -> str:
+    """``name`` percent-encoded as one segment of a route's path."""
+    return quote(name, safe="")
+
+
+def json_safe(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters for a JSON body: a ``bytes`` value (a ``file:`` parameter of a load) is
+    replaced by its size (the load refuses such parameters by name)."""
+    return {k: f"<{len(v)} bytes>" if isinstance(v, bytes) else v for k, v in params.items()}

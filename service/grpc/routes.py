@@ -1,11 +1,13 @@
-"""Repository changes and readiness for gRPC, through the application's own HTTP routes.
+"""State changes and readiness for gRPC, through the application's own HTTP routes.
 
-With ``--workers`` a repository change must reach every worker, and readiness means every
-worker is ready: :mod:`service.cluster` does both in front of the REST routes
-(``POST /v2/repository/models/{m}/load|unload``, ``GET /v2/health/ready``). gRPC's
-RepositoryModelLoad/Unload, ServerReady and the health check go through those same routes, in
-process (no socket), so a change made over gRPC is applied, recorded and forwarded exactly as
-one made over REST, with the same answers, in one process or many.
+With ``--workers`` a change of server state must reach every worker, and readiness means
+every worker is ready: :mod:`service.cluster` does both in front of the REST routes
+(``POST /v2/repository/models/{m}/load|unload``, ``/v2/systemsharedmemory/...register|
+unregister``, ``POST /v2/logging``, ``GET /v2/health/ready``). gRPC's RepositoryModelLoad/
+Unload, SystemSharedMemoryRegister/Unregister, LogSettings, ServerReady and the health check
+go through those same routes, in process (no socket), so a change made over gRPC is applied,
+recorded and forwarded exactly as one made over REST, with the same answers, in one process
+or many. What only reads state asks the data plane directly.
 """
 
 from __future__ import annotations
@@ -53,21 +55,19 @@ class AppRoutes:
                 method, path, content=content, headers=headers, timeout=_TIMEOUT_S
             )
 
-    async def change(
-        self, model: str, action: str, body: dict[str, Any], request_id: str | None = None
-    ) -> None:
-        """``POST /v2/repository/models/{model}/{action}`` (``load`` or ``unload``).
+    async def post(self, path: str, body: dict[str, Any], request_id: str | None = None) -> Any:
+        """``POST path`` with a JSON ``body``; the answer's JSON.
 
         Args:
-            model: a valid model name (``service.config.valid_model_name``: it goes into the
-                path as it is).
+            path: the route, its parameters percent-encoded.
 
         Raises:
             RouteError: the route's error, with its status and message.
         """
-        r = await self._call("POST", f"/v2/repository/models/{model}/{action}", body, request_id)
+        r = await self._call("POST", path, body, request_id)
         if r.status_code != 200:
             raise RouteError(r.status_code, _error(r))
+        return r.json() if r.content else None
 
     async def ready(self) -> bool:
         """``GET /v2/health/ready`` answers 200 (every worker's models ready)."""

@@ -116,16 +116,19 @@ class GrpcEndpoints:
             ),
             "TraceSetting": unary("TraceSetting", pb.TraceSettingRequest, self.trace_setting),
         }
-        for name, request_type in (
-            ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),
-            ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest),
-            ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest),
-            ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
-            ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
-            ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
-            ("LogSettings", pb.LogSettingsRequest),
-        ):
-            table[name] = unary(name, request_type, self._not_yet(name))
+        for name, request_type, fn in (
+            ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest, self.shm_status),
+            ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest, self.shm_register),
+            ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest,
+             self.shm_unregister),
+            ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest, self.cuda_shm_status),
+            ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest,
+             self.cuda_shm_register),
+            ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest,
+             self.cuda_shm_unregister),
+            ("LogSettings", pb.LogSettingsRequest, self.log_settings),
+        ):  # fmt: skip
+            table[name] = unary(name, request_type, fn)
         health = {"Check": unary("Check", health_pb2.HealthCheckRequest, self.check, open_=True)}
         return [
             grpc.method_handlers_generic_handler(SERVICE, table),
@@ -192,16 +195,22 @@ class GrpcEndpoints:
 
     async def _change(self, name: str, action: str, body: dict[str, Any]) -> None:
         if self.routes is not None and valid_model_name(name):
-            await self.routes.change(name, action, body, request_id_var.get())
+            path = f"/v2/repository/models/{name}/{action}"
+            await self.routes.post(path, body, request_id_var.get())
         elif action == "load":  # one process, or a name no route takes (the data plane
-            await self.dataplane.load(name)  # refuses it with REST's message)
+            config = self.dataplane.load_parameters(name, body)  # refuses it, as for REST)
+            await self.dataplane.load(name, config)
         else:
             await self.dataplane.unload(name)
 
     async def repository_model_load(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
-        await self._change(request.model_name, "load", {})
+        """Load or reload; ``parameters["config"]`` (a JSON string) overrides the model's
+        config for this load, as Triton's; model files (``file:`` parameters) are refused."""
+        params = codec.json_safe(codec.parameters_from_proto(request.parameters))
+        body = {"parameters": params} if params else {}
+        await self._change(request.model_name, "load", body)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
@@ -212,8 +221,11 @@ class GrpcEndpoints:
 
     # --- extensions -----------------------------------------------------------------------
 
-    async def model_statistics(self, request: Any, context: Context) -> pb.ModelStatisticsResponse:
-        raise Unimplemented("ModelStatistics is not available in this build of bitserve")
+    async def model_statistics(
+        self, request: pb.ModelStatisticsRequest, context: Context
+    ) -> pb.ModelStatisticsResponse:
+        stats = self.dataplane.statistics(request.name or None, request.version or None)
+        return codec.message(stats, pb.ModelStatisticsResponse)
 
     async def trace_setting(self, request: Any, context: Context) -> pb.TraceSettingResponse:
         raise Unimplemented(
@@ -221,11 +233,72 @@ class GrpcEndpoints:
             "(request timings are in the Prometheus metrics at /metrics)"
         )
 
-    def _not_yet(self, name: str) -> Any:
-        async def handler(request: Any, context: Context) -> Any:
-            raise Unimplemented(f"{name} is not available in this build of bitserve")
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        assert self.routes is not None
+        return await self.routes.post(path, body, request_id_var.get())
 
-        return handler
+    async def shm_status(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        regions = self.dataplane.system_shared_memory_status(request.name or None)
+        return codec.regions(regions, pb.SystemSharedMemoryStatusResponse)
+
+    async def shm_register(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        body = {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
+        if self.routes is None:
+            self.dataplane.register_system_shared_memory(request.name, body)
+        else:
+            region = codec.path_part(request.name)
+            await self._post(f"/v2/systemsharedmemory/region/{region}/register", body)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def shm_unregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        """Unregister a region; ``name`` empty: every region."""
+        if self.routes is None:
+            self.dataplane.unregister_system_shared_memory(request.name or None)
+        elif request.name:
+            region = codec.path_part(request.name)
+            await self._post(f"/v2/systemsharedmemory/region/{region}/unregister", {})
+        else:
+            await self._post("/v2/systemsharedmemory/unregister", {})
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_shm_status(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        regions = self.dataplane.cuda_shared_memory_status(request.name or None)
+        return codec.regions(regions, pb.CudaSharedMemoryStatusResponse)
+
+    async def cuda_shm_register(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        """Refused with the data plane's message: CUDA shared memory is not supported."""
+        self.dataplane.register_cuda_shared_memory(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def cuda_shm_unregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self.dataplane.unregister_cuda_shared_memory(request.name or None)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    async def log_settings(
+        self, request: pb.LogSettingsRequest, context: Context
+    ) -> pb.LogSettingsResponse:
+        """Triton's logging extension: the settings given are changed (all or nothing, on every
+        worker), and every setting is answered."""
+        changes = codec.parameters_from_proto(request.settings)
+        if not changes:
+            settings = self.dataplane.log_settings()
+        elif self.routes is None:
+            settings = self.dataplane.update_log_settings(changes)
+        else:
+            settings = await self._post("/v2/logging", changes)
+        return codec.log_settings(settings)
 
     # --- inference ------------------------------------------------------------------------
 

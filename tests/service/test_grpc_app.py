@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 import httpx
@@ -156,7 +157,10 @@ async def test_health_service(target: str, repo: FakeRepository) -> None:
 
 
 async def test_repository_control(
-    client: tgrpc.InferenceServerClient, repo: FakeRepository, target: str
+    client: tgrpc.InferenceServerClient,
+    repo: FakeRepository,
+    target: str,
+    rest: httpx.AsyncClient,
 ) -> None:
     index = await client.get_model_repository_index(as_json=True)
     assert [(m["name"], m["state"]) for m in index["models"]] == [
@@ -171,10 +175,84 @@ async def test_repository_control(
     await client.load_model("echo")
     await client.unload_model("boom")
     assert (repo.loaded, repo.unloaded) == (["echo"], ["boom"])
+    for name in ("nope", "../x"):  # a name no route takes goes to the data plane itself
+        with pytest.raises(InferenceServerException) as e:
+            await client.load_model(name)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        r = await rest.post(f"/v2/repository/models/{quote(name, safe='')}/load")
+        if name == "nope":
+            assert e.value.message() == r.json()["error"]
+        assert str(e.value.message()).startswith(f"failed to load '{name}'")
+    # Triton's config override, and its file parameters refused
+    await client.load_model("echo", config='{"max_batch_size": 16}')
+    assert repo.overrides[-1] is not None
     with pytest.raises(InferenceServerException) as e:
-        await client.load_model("nope")
+        await client.load_model("echo", config="{}", files={"file:1/model.pt": b"x"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "unsupported parameters ['file:1/model.pt']" in str(e.value.message())
+    with pytest.raises(InferenceServerException) as e:
+        await client.load_model("echo", config="{not json")
+    assert str(e.value.message()).startswith("failed to load 'echo'")
+
+
+async def test_statistics_count_grpc_requests(
+    client: tgrpc.InferenceServerClient, rest: httpx.AsyncClient
+) -> None:
+    for _ in range(3):
+        await client.infer("echo", echo_input())
+    with pytest.raises(InferenceServerException):
+        await client.infer("echo", [tgrpc.InferInput("x", [1, 5], "UINT8")])  # no data
+    stats = await client.get_inference_statistics("echo", as_json=True)
+    (entry,) = stats["model_stats"]
+    assert int(entry["inference_stats"]["success"]["count"]) == 3
+    assert int(entry["inference_stats"]["fail"]["count"]) == 1
+    assert int(entry["inference_count"]) == 6  # 3 requests of 2 items
+    rest_stats = (await rest.get("/v2/models/echo/stats")).json()["model_stats"][0]
+    assert rest_stats["inference_stats"]["success"]["count"] == 3
+    every = await client.get_inference_statistics(as_json=True)  # every READY model
+    assert [m["name"] for m in every["model_stats"]] == [
+        m["name"] for m in (await rest.get("/v2/models/stats")).json()["model_stats"]
+    ]
+    assert "echo" in [m["name"] for m in every["model_stats"]]
+
+
+async def test_shared_memory_disabled_and_cuda_refused(
+    client: tgrpc.InferenceServerClient, rest: httpx.AsyncClient
+) -> None:
+    assert (await client.get_system_shared_memory_status(as_json=True)) == {}
+    with pytest.raises(InferenceServerException) as e:
+        await client.register_system_shared_memory("r", "/bitserve-none", 64)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    r = await rest.post(
+        "/v2/systemsharedmemory/region/r/register", json={"key": "/bitserve-none", "byte_size": 64}
+    )
+    assert e.value.message() == r.json()["error"]
+    assert "--allow-client-shm" in str(e.value.message())
+    with pytest.raises(InferenceServerException) as e:
+        await client.register_cuda_shared_memory("c", b"aGFuZGxl", 0, 64)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "not supported" in str(e.value.message())
+    await client.unregister_cuda_shared_memory()
+    assert (await client.get_cuda_shared_memory_status(as_json=True)) == {}
+    with pytest.raises(InferenceServerException) as e:
+        await client.get_cuda_shared_memory_status("c")
     assert e.value.status() == "StatusCode.NOT_FOUND"
-    assert e.value.message() == "no model 'nope' in the repository"
+
+
+async def test_log_settings(client: tgrpc.InferenceServerClient, rest: httpx.AsyncClient) -> None:
+    before = await client.get_log_settings(as_json=True)
+    assert before["settings"]["log_info"] == {"bool_param": True}
+    after = await client.update_log_settings({"log_verbose_level": 1, "log_info": False})
+    settings = after.settings
+    assert (settings["log_verbose_level"].uint32_param, settings["log_info"].bool_param) == (
+        1,
+        False,
+    )
+    assert (await rest.get("/v2/logging")).json()["log_verbose_level"] == 1
+    with pytest.raises(InferenceServerException) as e:
+        await client.update_log_settings({"log_file": "/tmp/x"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    await client.update_log_settings({"log_verbose_level": 0, "log_info": True})
 
 
 async def test_trace_setting_is_unimplemented_with_a_message(
@@ -399,7 +477,7 @@ async def test_stream_answers_in_request_order_and_errors_in_band(
     assert len(seen) == 14
     for i, item in enumerate(seen):
         if i in (3, 11):
-            assert item == ("error", "no model 'nope' in the repository")
+            assert item == ("error", "Request for unknown model: 'nope' is not found")
         else:
             assert item == (str(i), 4 * i)
 
