@@ -1,12 +1,13 @@
 """A real ``bitserve serve`` over gRPC, driven by the unmodified ``tritonclient.grpc`` (sync, aio,
-callbacks, streaming) as Triton's gRPC example programs drive Triton.
+callbacks, streaming, shared memory) as Triton's gRPC example programs drive Triton.
 
 Each test makes the calls of one of Triton's examples (triton-inference-server/client,
 ``src/python/examples/simple_grpc_*``) against Triton's "simple" model (TorchScript, written
-by the test): infer, aio infer, async infer, health and metadata, model control, keepalive
-options, custom channel arguments. Then: streaming, the demo model's packed bits against the
-float64 reference, gRPC compression, SIGTERM draining in-flight calls, keepalive behaviour,
-the port settings, and fuzzed bytes against the real process.
+by the test): infer, aio infer, async infer, health and metadata, model control (with the
+config override), system shared memory, keepalive options, custom channel arguments. Then:
+streaming, the demo model's packed bits against the float64 reference, gRPC compression,
+SIGTERM draining in-flight calls, keepalive behaviour, the port settings, and fuzzed bytes
+against the real process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.utils import InferenceServerException
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from benchmarks.e2e.workload import Pool, check
 from service.demo import write_demo_repository
@@ -155,13 +157,14 @@ def test_health_metadata_client(server: BitserveServer) -> None:
     with pytest.raises(InferenceServerException) as e:
         client.get_model_metadata("wrong_model_name")
     assert e.value.status() == "StatusCode.NOT_FOUND"
-    assert "wrong_model_name" in str(e.value.message())
+    assert "Request for unknown model" in str(e.value.message())
     assert client.get_model_config("simple").config.name == "simple"
     client.close()
 
 
 def test_model_control_client(server_factory: Any, repo: Path) -> None:
-    """simple_grpc_model_control (without the config override, which issue 12 brings)."""
+    """simple_grpc_model_control (its count of Triton's example models aside; model files
+    sent with a load are refused, INVALID_ARGUMENT, where Triton polls them: INTERNAL)."""
     s = server_factory(repo, args=["--workers", "2"])
     client = grpcclient.InferenceServerClient(s.grpc_target)
     assert len(client.get_model_repository_index().models) == 2
@@ -181,11 +184,62 @@ def test_model_control_client(server_factory: Any, repo: Path) -> None:
     assert index == {"simple": "UNAVAILABLE", "demo": "READY"}
     client.load_model("simple")
     assert client.is_model_ready("simple")
+    with pytest.raises(InferenceServerException) as e:  # not JSON
+        client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    assert "failed to load" in str(e.value.message())
+    client.load_model("simple", config='{"max_batch_size":"16"}')
+    assert client.get_model_config("simple").config.max_batch_size == 16
+    with pytest.raises(InferenceServerException) as e:
+        client.load_model("simple", config="{}", files={"file:" + "A" * 256: b"a"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "failed to load" in str(e.value.message())
+    assert client.is_server_live()
     with pytest.raises(InferenceServerException) as e:
         client.load_model("wrong_model_name")
-    assert e.value.status() == "StatusCode.NOT_FOUND"
-    assert client.is_server_live()
+    assert "failed to load" in str(e.value.message())
     client.close()
+
+
+def test_shm_client(server_factory: Any, repo: Path) -> None:
+    """simple_grpc_shm_client: inputs read from and outputs written to system shared memory."""
+    s = server_factory(repo, args=["--allow-client-shm"])
+    client = grpcclient.InferenceServerClient(s.grpc_target)
+    client.unregister_system_shared_memory()
+    client.unregister_cuda_shared_memory()
+    a, b = A[0], B[0]
+    nbytes = a.nbytes
+    tag = f"bitserve-test-{os.getpid()}"
+    out_handle = shm.create_shared_memory_region("output_data", f"/{tag}-out", nbytes * 2)
+    in_handle = shm.create_shared_memory_region("input_data", f"/{tag}-in", nbytes * 2)
+    try:
+        client.register_system_shared_memory("output_data", f"/{tag}-out", nbytes * 2)
+        shm.set_shared_memory_region(in_handle, [a])
+        shm.set_shared_memory_region(in_handle, [b], offset=nbytes)
+        client.register_system_shared_memory("input_data", f"/{tag}-in", nbytes * 2)
+        inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
+                  grpcclient.InferInput("INPUT1", [1, 16], "INT32")]  # fmt: skip
+        inputs[0].set_shared_memory("input_data", nbytes)
+        inputs[1].set_shared_memory("input_data", nbytes, offset=nbytes)
+        outputs = simple_outputs()
+        outputs[0].set_shared_memory("output_data", nbytes)
+        outputs[1].set_shared_memory("output_data", nbytes, offset=nbytes)
+        result = client.infer("simple", inputs, outputs=outputs)
+        got = []
+        for k, name in enumerate(("OUTPUT0", "OUTPUT1")):
+            out = result.get_output(name)
+            dtype = triton_to_np_dtype(out.datatype)
+            got.append(shm.get_contents_as_numpy(out_handle, dtype, out.shape, offset=k * nbytes))
+        np.testing.assert_array_equal(got[0][0], a + b)
+        np.testing.assert_array_equal(got[1][0], a - b)
+        status = client.get_system_shared_memory_status()
+        assert sorted(status.regions) == ["input_data", "output_data"]
+        assert status.regions["input_data"].byte_size == 2 * nbytes
+        client.unregister_system_shared_memory()
+        assert not client.get_system_shared_memory_status().regions
+    finally:
+        shm.destroy_shared_memory_region(in_handle)
+        shm.destroy_shared_memory_region(out_handle)
+        client.close()
 
 
 def test_keepalive_client(server: BitserveServer) -> None:
