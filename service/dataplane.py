@@ -364,8 +364,9 @@ class DataPlane:
     # --- inference ------------------------------------------------------------------------
 
     async def infer(self, handle: ModelHandle, request: InferRequest) -> InferResponse:
-        """:func:`infer` (for transports that decode on their own, such as gRPC), counted in
-        the model's statistics (from here: the transport's decoding is not in its time)."""
+        """:func:`infer` of a request already decoded for ``handle``, counted in the model's
+        statistics (a transport goes through :meth:`infer_with`, which also looks the model
+        up, checks its queue and counts the metrics)."""
         t0 = time.perf_counter_ns()
         ok = False
         try:

@@ -37,7 +37,8 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 from benchmarks.e2e.workload import Pool, check
 from service.demo import write_demo_repository
 from tests.e2e.conftest import BitserveServer, bitserve_command, free_port, start_server
-from tests.e2e.simple_model import write_simple_repository, write_slow_model
+from tests.e2e.slow_model import write_slow_model
+from tests.e2e.triton_simple import write_simple
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +49,7 @@ B = np.ones((1, 16), dtype=np.int32)  # and INPUT1
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("grpc-repo")
-    write_simple_repository(root)
+    write_simple(root)
     write_demo_repository(root)
     return root
 
@@ -96,6 +97,9 @@ def test_infer_client(server: BitserveServer, compression: str | None) -> None:
         compression_algorithm=compression,
     )
     assert_sum_and_difference(result)
+    statistics = client.get_inference_statistics(model_name="simple")
+    assert len(statistics.model_stats) == 1
+    assert statistics.model_stats[0].inference_stats.success.count >= 1
     result = client.infer("simple", simple_inputs(), compression_algorithm=compression)
     assert_sum_and_difference(result)
     assert [o.name for o in result.get_response().outputs] == ["OUTPUT0", "OUTPUT1"]

@@ -1,0 +1,54 @@
+"""A slow TorchScript model for shutdown tests, written by the tests (Triton's "simple" model
+is in ``tests/e2e/triton_simple.py``)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+SLOW_CONFIG = """\
+max_batch_size = 8
+max_queue_delay_us = 0
+
+[[inputs]]
+name = "x"
+datatype = "INT32"
+shape = [1]
+
+[model]
+file = "model.pt"
+
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [1]
+"""
+
+
+class Slow(torch.nn.Module):
+    """``x -> float(x)``, after ``rounds`` 300x300 matrix products (a batch in flight for a
+    while, for shutdown tests)."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__()
+        self.rounds = rounds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ones(300, 300)
+        for _ in range(self.rounds):
+            y = torch.tanh(y @ y / 300.0)
+        return x.float() + 0.0 * y.sum()
+
+
+def write_slow_model(root: Path, rounds: int, name: str = "slow") -> Path:
+    """Write :class:`Slow` as ``root/<name>/{config.toml, model.pt}``; returns ``root``."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.toml").write_text(SLOW_CONFIG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(Slow(rounds))  # type: ignore[no-untyped-call]
+    scripted.save(str(folder / "model.pt"))
+    return root
