@@ -87,9 +87,8 @@ class GrpcServer:
     Args:
         dataplane: the server's data plane (shared with HTTP).
         settings: host, ``grpc_port``, limits, keepalive, token, access log.
-        app: the application, whose control routes repository changes and readiness go
-            through (``service.grpc.routes``: with ``--workers``, cluster-wide); None: the
-            data plane's own.
+        app: the application, whose control routes state changes and readiness go through
+            (``service.grpc.routes``: with ``--workers``, cluster-wide).
         shared_port: bind with ``SO_REUSEPORT``: each worker process of ``--workers`` serves
             the port, the kernel spreading connections over them (a gRPC channel is one
             connection: its calls all go to one worker).
@@ -100,15 +99,14 @@ class GrpcServer:
         dataplane: DataPlane,
         settings: Settings,
         *,
-        app: Any = None,
+        app: Any,
         shared_port: bool = False,
     ) -> None:
         self.settings = settings
         self.shared_port = shared_port
         token = settings.auth_token.get_secret_value() if settings.auth_token else None
         rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
-        routes = AppRoutes(app, token) if app is not None else None
-        self.endpoints = GrpcEndpoints(dataplane, rpcs, routes)
+        self.endpoints = GrpcEndpoints(dataplane, rpcs, AppRoutes(app, token))
         self.port: int | None = None
         """The port bound, once started."""
         self._server: grpc.aio.Server | None = None

@@ -73,12 +73,11 @@ class GrpcEndpoints:
     Args:
         dataplane: the server's data plane.
         rpcs: the call envelope (auth, logging, status codes).
-        routes: the application's control routes, which repository changes and readiness go
-            through (``service.grpc.routes``: with ``--workers``, cluster-wide); None asks
-            the data plane directly (one process, no application).
+        routes: the application's control routes, which state changes and readiness go
+            through (``service.grpc.routes``: with ``--workers``, cluster-wide).
     """
 
-    def __init__(self, dataplane: DataPlane, rpcs: Rpcs, routes: AppRoutes | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, rpcs: Rpcs, routes: AppRoutes) -> None:
         self.dataplane = dataplane
         self.rpcs = rpcs
         self.routes = routes
@@ -141,7 +140,7 @@ class GrpcEndpoints:
         return pb.ServerLiveResponse(live=True)
 
     async def _ready(self) -> bool:
-        return await self.routes.ready() if self.routes is not None else self.dataplane.ready()
+        return await self.routes.ready()
 
     async def server_ready(self, request: Any, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=await self._ready())
@@ -194,12 +193,10 @@ class GrpcEndpoints:
         return codec.repository_index(self.dataplane.repository_index(request.ready))
 
     async def _change(self, name: str, action: str, body: dict[str, Any]) -> None:
-        if self.routes is not None and valid_model_name(name):
-            path = f"/v2/repository/models/{name}/{action}"
-            await self.routes.post(path, body, request_id_var.get())
-        elif action == "load":  # one process, or a name no route takes (the data plane
-            config = self.dataplane.load_parameters(name, body)  # refuses it, as for REST)
-            await self.dataplane.load(name, config)
+        if valid_model_name(name):
+            await self._post(f"/v2/repository/models/{name}/{action}", body)
+        elif action == "load":  # a name no route takes: the data plane refuses it, as for REST
+            await self.dataplane.load(name, self.dataplane.load_parameters(name, body))
         else:
             await self.dataplane.unload(name)
 
@@ -234,7 +231,6 @@ class GrpcEndpoints:
         )
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        assert self.routes is not None
         return await self.routes.post(path, body, request_id_var.get())
 
     async def shm_status(
@@ -247,20 +243,15 @@ class GrpcEndpoints:
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         body = {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
-        if self.routes is None:
-            self.dataplane.register_system_shared_memory(request.name, body)
-        else:
-            region = codec.path_part(request.name)
-            await self._post(f"/v2/systemsharedmemory/region/{region}/register", body)
+        region = codec.path_part(request.name)
+        await self._post(f"/v2/systemsharedmemory/region/{region}/register", body)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def shm_unregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         """Unregister a region; ``name`` empty: every region."""
-        if self.routes is None:
-            self.dataplane.unregister_system_shared_memory(request.name or None)
-        elif request.name:
+        if request.name:
             region = codec.path_part(request.name)
             await self._post(f"/v2/systemsharedmemory/region/{region}/unregister", {})
         else:
@@ -292,12 +283,10 @@ class GrpcEndpoints:
         """Triton's logging extension: the settings given are changed (all or nothing, on every
         worker), and every setting is answered."""
         changes = codec.parameters_from_proto(request.settings)
-        if not changes:
-            settings = self.dataplane.log_settings()
-        elif self.routes is None:
-            settings = self.dataplane.update_log_settings(changes)
-        else:
+        if changes:
             settings = await self._post("/v2/logging", changes)
+        else:
+            settings = self.dataplane.log_settings()
         return codec.log_settings(settings)
 
     # --- inference ------------------------------------------------------------------------
