@@ -58,8 +58,8 @@ cores. {", ".join(versions) + "." if versions else ""}
 
 - bitserve: `bitserve serve` on its built-in demo model (this workload, dynamic batching up to
   16); packed = UINT8 (1, 20, 6250) with Triton's binary extension; BOOL = one byte per bit;
-  gRPC = the same packed bytes in `raw_input_contents` of Triton's `ModelInferRequest`, every
-  client's calls on one channel (one HTTP/2 connection; HTTP clients have a connection each).
+  gRPC = the same packed bytes in `raw_input_contents` of Triton's `ModelInferRequest`, each
+  client on its own channel (its own HTTP/2 connection, as each HTTP client has its own).
 - hand-written FastAPI + packbits: raw `np.packbits` bytes in, `np.unpackbits`, the same torch
   code in a thread, raw float32 bytes out (`benchmarks/e2e/peers/baseline_app.py`).
 - MLServer: a custom `MLModel` runtime, V2 JSON (its REST API has no binary extension),

@@ -131,7 +131,8 @@ async def run_level(
 
     Args:
         url: the infer URL; for the ``grpc`` format the server's ``host:port``, with one
-            channel (one HTTP/2 connection) carrying every client's calls.
+            channel (one HTTP/2 connection) per client, as each HTTP client has its own
+            connection.
         fmt: the wire format (see :mod:`benchmarks.e2e.wire`).
         pool: the items cycled through, with their references.
         concurrency: number of clients, each with at most one request in flight.
@@ -167,7 +168,7 @@ async def run_level(
         counter += 1
         return counter
 
-    grpc_call: Any = None
+    grpc_calls: list[Any] = []  # one per client, on its own channel
 
     async def post(client: httpx.AsyncClient, body: wire.Body) -> _Answer | None:
         try:
@@ -185,22 +186,22 @@ async def run_level(
         answer.text = r.text[:300]
         return answer
 
-    async def call(body: wire.Body) -> _Answer:
+    async def call(body: wire.Body, k: int) -> _Answer:
         import grpc
 
         try:
-            content = await grpc_call(body.content, timeout=timeout_s, metadata=metadata)
+            content = await grpc_calls[k](body.content, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             answer = _Answer(e.code().name, {}, b"", 0)
             answer.text = str(e.details())[:300]
             return answer
         return _Answer("OK", {}, content, len(content))
 
-    async def one(client: httpx.AsyncClient, i: int, record: bool) -> None:
+    async def one(client: httpx.AsyncClient, i: int, record: bool, k: int) -> None:
         k = i % len(bodies)
         body = bodies[k]
         t0 = time.perf_counter()
-        r = await call(body) if grpc_call is not None else await post(client, body)
+        r = await call(body, k) if grpc_calls else await post(client, body)
         if r is None:
             return
         dt = time.perf_counter() - t0
@@ -224,20 +225,28 @@ async def run_level(
             # Bytes on the wire (compressed when the server gzips the answer).
             resp_bytes.append(r.nbytes)
 
-    async def worker(client: httpx.AsyncClient, record: bool) -> None:
+    async def worker(client: httpx.AsyncClient, record: bool, k: int) -> None:
         while (i := take()) is not None:
-            await one(client, i, record)
+            await one(client, i, record, k)
 
     metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
-    channel = None
+    channels: list[Any] = []
     if fmt == "grpc":
         import grpc
 
-        channel = grpc.aio.insecure_channel(url, options=[("grpc.max_receive_message_length", -1)])
-        grpc_call = channel.unary_unary(wire.GRPC_METHOD)
+        # A separate channel per client (grpcio shares one connection between channels with
+        # the same arguments unless told not to).
+        for k in range(concurrency):
+            options = [
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.use_local_subchannel_pool", 1),
+                ("bitserve.client", k),
+            ]
+            channels.append(grpc.aio.insecure_channel(url, options=options))
+        grpc_calls.extend(c.unary_unary(wire.GRPC_METHOD) for c in channels)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         if warmup_requests:
-            await asyncio.gather(*(worker(client, False) for _ in range(concurrency)))
+            await asyncio.gather(*(worker(client, False, k) for k in range(concurrency)))
         statuses.clear()
         timed = True
         if requests is not None:
@@ -247,11 +256,11 @@ async def run_level(
         t0 = time.perf_counter()
         if seconds is not None:
             deadline = t0 + seconds
-        await asyncio.gather(*(worker(client, True) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(client, True, k) for k in range(concurrency)))
         res.seconds = time.perf_counter() - t0
         cpu1 = tree_cpu_seconds(server_pid)
-    if channel is not None:
-        await channel.close()
+    for c in channels:
+        await c.close()
 
     res.statuses = dict(statuses)
     res.ok = len(res.latencies_ms)
