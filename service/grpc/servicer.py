@@ -84,50 +84,34 @@ class GrpcEndpoints:
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """grpcio's handlers of both services."""
-        r = self.rpcs
-        unary = r.unary
-        table = {
-            "ServerLive": unary("ServerLive", pb.ServerLiveRequest, self.server_live, open_=True),
-            "ServerReady": unary(
-                "ServerReady", pb.ServerReadyRequest, self.server_ready, open_=True
-            ),
-            "ModelReady": unary("ModelReady", pb.ModelReadyRequest, self.model_ready),
-            "ServerMetadata": unary(
-                "ServerMetadata", pb.ServerMetadataRequest, self.server_metadata
-            ),
-            "ModelMetadata": unary("ModelMetadata", pb.ModelMetadataRequest, self.model_metadata),
-            "ModelConfig": unary("ModelConfig", pb.ModelConfigRequest, self.model_config),
-            "ModelInfer": unary("ModelInfer", None, self.model_infer),
-            "ModelStreamInfer": r.stream("ModelStreamInfer", self.model_stream_infer),
-            "ModelStatistics": unary(
-                "ModelStatistics", pb.ModelStatisticsRequest, self.model_statistics
-            ),
-            "RepositoryIndex": unary(
-                "RepositoryIndex", pb.RepositoryIndexRequest, self.repository_index
-            ),
-            "RepositoryModelLoad": unary(
-                "RepositoryModelLoad", pb.RepositoryModelLoadRequest, self.repository_model_load
-            ),
-            "RepositoryModelUnload": unary(
-                "RepositoryModelUnload",
-                pb.RepositoryModelUnloadRequest,
-                self.repository_model_unload,
-            ),
-            "TraceSetting": unary("TraceSetting", pb.TraceSettingRequest, self.trace_setting),
+        unary = self.rpcs.unary
+        table: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "ModelInfer": unary("ModelInfer", None, self.model_infer),  # parsed by the handler
+            "ModelStreamInfer": self.rpcs.stream("ModelStreamInfer", self.model_stream_infer),
         }
-        for name, request_type, fn in (
-            ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest, self.shm_status),
-            ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest, self.shm_register),
-            ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest,
-             self.shm_unregister),
-            ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest, self.cuda_shm_status),
-            ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest,
-             self.cuda_shm_register),
-            ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest,
-             self.cuda_shm_unregister),
-            ("LogSettings", pb.LogSettingsRequest, self.log_settings),
-        ):  # fmt: skip
-            table[name] = unary(name, request_type, fn)
+        for name, fn in (
+            ("ServerLive", self.server_live),
+            ("ServerReady", self.server_ready),
+            ("ModelReady", self.model_ready),
+            ("ServerMetadata", self.server_metadata),
+            ("ModelMetadata", self.model_metadata),
+            ("ModelConfig", self.model_config),
+            ("ModelStatistics", self.model_statistics),
+            ("RepositoryIndex", self.repository_index),
+            ("RepositoryModelLoad", self.repository_model_load),
+            ("RepositoryModelUnload", self.repository_model_unload),
+            ("SystemSharedMemoryStatus", self.shm_status),
+            ("SystemSharedMemoryRegister", self.shm_register),
+            ("SystemSharedMemoryUnregister", self.shm_unregister),
+            ("CudaSharedMemoryStatus", self.cuda_shm_status),
+            ("CudaSharedMemoryRegister", self.cuda_shm_register),
+            ("CudaSharedMemoryUnregister", self.cuda_shm_unregister),
+            ("TraceSetting", self.trace_setting),
+            ("LogSettings", self.log_settings),
+        ):
+            request_type = getattr(pb, f"{name}Request")  # the service's naming
+            open_ = name in ("ServerLive", "ServerReady")  # as REST's health routes
+            table[name] = unary(name, request_type, fn, open_=open_)
         health = {"Check": unary("Check", health_pb2.HealthCheckRequest, self.check, open_=True)}
         return [
             grpc.method_handlers_generic_handler(SERVICE, table),
