@@ -186,22 +186,22 @@ async def run_level(
         answer.text = r.text[:300]
         return answer
 
-    async def call(body: wire.Body, k: int) -> _Answer:
+    async def call(body: wire.Body, who: int) -> _Answer:
         import grpc
 
         try:
-            content = await grpc_calls[k](body.content, timeout=timeout_s, metadata=metadata)
+            content = await grpc_calls[who](body.content, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             answer = _Answer(e.code().name, {}, b"", 0)
             answer.text = str(e.details())[:300]
             return answer
         return _Answer("OK", {}, content, len(content))
 
-    async def one(client: httpx.AsyncClient, i: int, record: bool, k: int) -> None:
+    async def one(client: httpx.AsyncClient, i: int, record: bool, who: int) -> None:
         k = i % len(bodies)
         body = bodies[k]
         t0 = time.perf_counter()
-        r = await call(body, k) if grpc_calls else await post(client, body)
+        r = await call(body, who) if grpc_calls else await post(client, body)
         if r is None:
             return
         dt = time.perf_counter() - t0
@@ -225,9 +225,9 @@ async def run_level(
             # Bytes on the wire (compressed when the server gzips the answer).
             resp_bytes.append(r.nbytes)
 
-    async def worker(client: httpx.AsyncClient, record: bool, k: int) -> None:
+    async def worker(client: httpx.AsyncClient, record: bool, who: int) -> None:
         while (i := take()) is not None:
-            await one(client, i, record, k)
+            await one(client, i, record, who)
 
     metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
     channels: list[Any] = []
