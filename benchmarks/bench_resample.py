@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks._common import copy_bandwidth, markdown_table, median_time, parse_args, report
-from gpu_ops import BandedResampler
+from gpu_ops import BandedResampler, OnTheFlyResampler
 
 
 def _bytes(*ts: torch.Tensor) -> int:
@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "ours bf16": BandedResampler.from_response(
                 x, c, "gaussian", sigma=sigma, dtype=torch.bfloat16, device=device
             ),
-            "ours on-the-fly": BandedResampler.from_response(
-                x, c, "gaussian", sigma=sigma, on_the_fly=True, device=device
+            "ours on-the-fly": OnTheFlyResampler.from_response(
+                x, c, "gaussian", sigma=sigma, device=device
             ),
         }
         T = ops["ours f32"].to_dense()  # (N, A, B) float32, the users' current operator
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _targets(
     seen: dict[tuple[int, str], tuple[float, float]],
-    ops: dict[str, BandedResampler],
+    ops: dict[str, BandedResampler | OnTheFlyResampler],
     T: torch.Tensor,
     m_big: int,
 ) -> str:

@@ -4,7 +4,7 @@ Each op family lives in its own module; the public names are re-exported here.
 """
 
 from gpu_ops.bits import packbits, unpackbits
-from gpu_ops.resample import BandedResampler, banded_resample
+from gpu_ops.resample import BandedResampler, OnTheFlyResampler, banded_resample
 from gpu_ops.transfer import (
     StagingBuffer,
     StagingPool,
@@ -17,6 +17,7 @@ from gpu_ops.transfer import (
 
 __all__: list[str] = [
     "BandedResampler",
+    "OnTheFlyResampler",
     "StagingBuffer",
     "StagingPool",
     "StagingStats",

@@ -1,6 +1,6 @@
 """Small C libraries built on first use with the system compiler and loaded through ctypes.
 
-Used by the CPU kernels of ``gpu_ops`` (``_resample_cpu.c``, ``_bits_cpu.c``). A library is
+Used by the CPU kernels of ``gpu_ops`` (``_resample_c.c``, ``_bits_c.c``). A library is
 compiled once per machine (``cc -O3 -march=native -fopenmp``, falling back to plainer flag
 sets, the last one without OpenMP) into a cache folder (``$BITSERVE_CACHE_DIR``, else
 ``~/.cache/bitserve``, mode 0o700). The file name hashes the source, the compiler's version

@@ -1,4 +1,4 @@
-/* CPU kernels of the banded response operator (gpu_ops/resample.py).
+/* CPU kernels of the banded response operator (bound in gpu_ops/_resample_c.py).
  *
  * Layouts (all contiguous, row-major):
  *   f      (M, N, B) float32      fine-grid inputs

@@ -1,11 +1,11 @@
-"""CPU kernels of the banded operator: a small C library built on first use, plus a torch path.
+"""The banded operator's CPU kernels: small C libraries built on first use.
 
-The C kernels (``_resample_cpu.c``) are compiled once per machine with the system C compiler
+The C kernels (``_resample_c.c``) are compiled once per machine with the system C compiler
 (see :mod:`gpu_ops._cbuild`: ``cc -O3 -march=native -fopenmp``, cached in
 ``$BITSERVE_CACHE_DIR``, else ``~/.cache/bitserve``) and called through :mod:`ctypes`; they
-release the GIL. Where no compiler is found, or ``BITSERVE_CPU_KERNELS=0`` is set, the same
-ops run as chunked torch code (:func:`forward_torch` and friends), which needs nothing but
-torch.
+release the GIL. Where no compiler is found, or ``BITSERVE_CPU_KERNELS=0`` is set,
+:func:`kernels` is ``None`` and the ops run the torch kernels of :mod:`gpu_ops._resample_torch`.
+All take contiguous float32 inputs (weights also bfloat16 or float16) and return float32.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from gpu_ops import _cbuild
 
-_SOURCE = Path(__file__).with_name("_resample_cpu.c")
+_SOURCE = Path(__file__).with_name("_resample_c.c")
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Fine points per task in the transposed band: big enough that scanning the A windows per
 # task is cheap, small enough that M such rows stay in L2.
@@ -35,7 +35,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-_LIBRARY = _cbuild.Library(_SOURCE, "resample_cpu", _bind, "CPU resample kernels")
+_LIBRARY = _cbuild.Library(_SOURCE, "resample_c", _bind, "CPU resample kernels")
 
 
 def kernels() -> ctypes.CDLL | None:
@@ -49,7 +49,7 @@ def _shape(f: torch.Tensor, weights: torch.Tensor) -> tuple[int, int, int, int, 
     return M, N, A, B, W
 
 
-def forward_c(
+def forward(
     lib: ctypes.CDLL, f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """out (M, N, A) float32 from f (M, N, B) float32, starts (N, A), weights (N, A, W)."""
@@ -62,7 +62,7 @@ def forward_c(
     return out
 
 
-def backward_f_c(
+def backward_f(
     lib: ctypes.CDLL,
     g: torch.Tensor,
     starts: torch.Tensor,
@@ -90,7 +90,7 @@ def backward_f_c(
     return out
 
 
-def backward_w_c(
+def backward_w(
     lib: ctypes.CDLL, g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int
 ) -> torch.Tensor:
     """grad_w (N, A, W) float32 from g (M, N, A) and f (M, N, B), both float32."""
@@ -101,69 +101,4 @@ def backward_w_c(
         g.data_ptr(), f.data_ptr(), starts.data_ptr(), out.data_ptr(), M, N, A, B, W,
         torch.get_num_threads(),
     )  # fmt: skip
-    return out
-
-
-# --- torch path: chunks of coarse points, so no (M, N, A, W) gather is ever whole ----------
-
-
-def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
-    """float64 when any operand is float64 (gradcheck), else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-def _chunk(M: int, N: int, W: int, budget: int = 1 << 21) -> int:
-    """Coarse points per chunk so that a gathered (M, N, chunk, W) block has ~budget items."""
-    return max(1, budget // max(1, M * N * W))
-
-
-def forward_torch(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out (M, N, A) in float32 (float64 for float64 operands), chunk by chunk, plain torch."""
-    M, N, A, _, W = _shape(f, weights)
-    ct = _compute_dtype(f, weights)
-    out = torch.empty(M, N, A, dtype=ct, device=f.device)
-    windows = f.unfold(-1, W, 1)  # (M, N, B - W + 1, W), a view: nothing is copied
-    rows = torch.arange(N, device=f.device)[:, None]
-    step = _chunk(M, N, W)
-    for a0 in range(0, A, step):
-        win = windows[:, rows, starts[:, a0 : a0 + step].long()]  # (M, N, k, W)
-        w = weights[:, a0 : a0 + step].to(ct)
-        out[:, :, a0 : a0 + step] = (win.to(ct) * w).sum(-1)
-    return out
-
-
-def backward_f_torch(
-    g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int
-) -> torch.Tensor:
-    """grad_f (M, N, B) float32/64: each chunk's windows are added with index_add_."""
-    M, N, A = g.shape
-    W = weights.shape[-1]
-    ct = _compute_dtype(g, weights)
-    out = torch.zeros(M, N * B, dtype=ct, device=g.device)
-    base = (torch.arange(N, device=g.device) * B)[:, None, None]
-    cols = torch.arange(W, device=g.device)
-    step = _chunk(M, N, W)
-    for a0 in range(0, A, step):
-        w = weights[:, a0 : a0 + step].to(ct)  # (N, k, W)
-        contrib = g[:, :, a0 : a0 + step, None].to(ct) * w  # (M, N, k, W)
-        idx = base + starts[:, a0 : a0 + step, None].long() + cols  # (N, k, W)
-        out.index_add_(1, idx.reshape(-1), contrib.reshape(M, -1))
-    return out.view(M, N, B)
-
-
-def backward_w_torch(
-    g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int
-) -> torch.Tensor:
-    """grad_w (N, A, W) float32/64, chunk by chunk."""
-    M, N, _ = f.shape
-    A = g.shape[-1]
-    ct = _compute_dtype(g, f)
-    out = torch.empty(N, A, W, dtype=ct, device=f.device)
-    windows = f.unfold(-1, W, 1)
-    rows = torch.arange(N, device=f.device)[:, None]
-    step = _chunk(M, N, W)
-    for a0 in range(0, A, step):
-        win = windows[:, rows, starts[:, a0 : a0 + step].long()].to(ct)  # (M, N, k, W)
-        gk = g[:, :, a0 : a0 + step].to(ct)
-        out[:, a0 : a0 + step] = torch.einsum("mnk,mnkw->nkw", gk, win)
     return out
