@@ -30,7 +30,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bs_backward_f.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, i64, cint]
     lib.bs_backward_f_sorted.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
     lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
-    for fn in (lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w):
+    f32 = ctypes.c_float
+    lib.bs_otf_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
+    lib.bs_otf_backward_f.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
+    lib.bs_otf_backward_cp.argtypes = [
+        ptr, ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, ptr, *[i64] * 5, cint,
+    ]  # fmt: skip
+    for fn in (
+        lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w,
+        lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp,
+    ):  # fmt: skip
         fn.restype = None
     return lib
 
@@ -102,3 +111,73 @@ def backward_w(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# --- on the fly ------------------------------------------------------------------------------
+
+
+class Windows:
+    """What the on-the-fly kernels take besides f or g: float64 x and c, the windows.
+
+    Args:
+        x: (B,) float64 fine grid.
+        c: (N, A) coarse points (any float dtype; offsets are formed in float64).
+        code: the response's ``NamedResponse.code``.
+        param: its parameter's value.
+        half: the window half-width in units of x.
+    """
+
+    def __init__(self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, half: float):
+        self.x = x.contiguous()
+        self.c = c.detach().to(torch.float64).contiguous()
+        self.first = torch.searchsorted(self.x, self.c - half, side="left")
+        self.last = torch.searchsorted(self.x, self.c + half, side="right")
+        self.wmax = int((self.last - self.first).max()) if self.c.numel() else 0
+        self.code, self.param = code, param
+
+    def args(self) -> tuple[int, int, int, int, int, float, int]:
+        return (
+            self.x.data_ptr(), self.c.data_ptr(), self.first.data_ptr(), self.last.data_ptr(),
+            self.param, self.code,
+        )  # type: ignore[return-value]  # fmt: skip
+
+
+def otf_forward(lib: ctypes.CDLL, f: torch.Tensor, win: Windows) -> torch.Tensor:
+    """out (M, N, A) float32 from contiguous float32 f (M, N, B)."""
+    M, N, B = f.shape
+    A = win.c.shape[1]
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_otf_forward(
+        f.data_ptr(), *win.args(), out.data_ptr(), M, N, A, B, win.wmax, torch.get_num_threads()
+    )
+    return out
+
+
+def otf_backward_f(lib: ctypes.CDLL, g: torch.Tensor, win: Windows, B: int) -> torch.Tensor:
+    """grad_f (M, N, B) float32 from contiguous float32 g (M, N, A)."""
+    M, N, A = g.shape
+    out = torch.empty(M, N, B, dtype=torch.float32)
+    lib.bs_otf_backward_f(
+        g.data_ptr(), *win.args(), out.data_ptr(), M, N, A, B, _BACKWARD_BLOCK,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def otf_backward_c_param(
+    lib: ctypes.CDLL, f: torch.Tensor, g: torch.Tensor, win: Windows, boxcar: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_c (N, A), grad_param 0-d), float32, from contiguous float32 f and g.
+
+    A boxcar's derivatives are zero almost everywhere: zeros without a kernel call.
+    """
+    M, N, B = f.shape
+    A = g.shape[-1]
+    gc = torch.zeros(N, A, dtype=torch.float32)
+    gp = torch.zeros(N, A, dtype=torch.float32)
+    if not boxcar:
+        lib.bs_otf_backward_cp(
+            f.data_ptr(), g.data_ptr(), *win.args(), gc.data_ptr(), gp.data_ptr(), M, N, A, B,
+            win.wmax, torch.get_num_threads(),
+        )  # fmt: skip
+    return gc, gp.sum(dtype=torch.float64).float()

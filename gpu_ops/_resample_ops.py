@@ -173,6 +173,26 @@ def on_the_fly_forward(
     return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
 
 
+def _c_windows(
+    x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
+) -> _resample_c.Windows:
+    spec = responses.named(response)
+    value = float(param)
+    return _resample_c.Windows(x, c, spec.code, value, spec.half_width(value, support))
+
+
+@on_the_fly_forward.register_kernel("cpu")
+def _(
+    f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
+) -> Tensor:
+    lib = _resample_c.kernels()
+    if lib is None or _wide(f, c):
+        spec = responses.named(response)
+        return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
+    win = _c_windows(x, c, param, response, support)
+    return _resample_c.otf_forward(lib, _f32(f), win).to(f.dtype)
+
+
 @on_the_fly_forward.register_fake
 def _(
     f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
@@ -191,6 +211,20 @@ def on_the_fly_backward_f(
     return out.to(grad.dtype)
 
 
+@on_the_fly_backward_f.register_kernel("cpu")
+def _(
+    grad: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
+    num_fine: int,
+) -> Tensor:  # fmt: skip
+    lib = _resample_c.kernels()
+    if lib is None or _wide(grad, c):
+        spec = responses.named(response)
+        out = _resample_torch.otf_backward_f(grad, x, c, spec, param, support, num_fine)
+        return out.to(grad.dtype)
+    win = _c_windows(x, c, param, response, support)
+    return _resample_c.otf_backward_f(lib, _f32(grad), win, num_fine).to(grad.dtype)
+
+
 @on_the_fly_backward_f.register_fake
 def _(
     grad: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
@@ -207,6 +241,23 @@ def on_the_fly_backward_c_param(
     """(grad_c (N, A) in c's dtype, grad_param 0-d in param's dtype) from grad and f."""
     spec = responses.named(response)
     gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, spec, param, support)
+    return gc.to(c.dtype), gp.to(param.dtype)
+
+
+@on_the_fly_backward_c_param.register_kernel("cpu")
+def _(
+    grad: Tensor, f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
+    support: float | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    lib = _resample_c.kernels()
+    if lib is None or _wide(grad, f, c):
+        spec = responses.named(response)
+        gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, spec, param, support)
+    else:
+        win = _c_windows(x, c, param, response, support)
+        gc, gp = _resample_c.otf_backward_c_param(
+            lib, _f32(f), _f32(grad), win, response == "boxcar"
+        )
     return gc.to(c.dtype), gp.to(param.dtype)
 
 

@@ -16,6 +16,8 @@ RESPONSES: dict[str, tuple[dict[str, float], Callable[[torch.Tensor], torch.Tens
     "lorentzian": ({"gamma": 0.7}, lambda d: (d.abs() <= 7.0) / (1 + (d / 0.7) ** 2)),
 }
 
+PARAMS = {name: params for name, (params, _) in RESPONSES.items()}
+
 
 def grid(B: int, gen: torch.Generator) -> torch.Tensor:
     """An uneven sorted fine grid on [0, 100]."""

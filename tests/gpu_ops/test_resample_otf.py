@@ -12,9 +12,8 @@ import torch
 
 from gpu_ops import BandedResampler, OnTheFlyResampler
 from tests.common_utils import needs_triton
-from tests.gpu_ops.resample_cases import RESPONSES, assert_close, coarse, dense_ref, grid
+from tests.gpu_ops.resample_cases import PARAMS, RESPONSES, assert_close, coarse, dense_ref, grid
 
-PARAMS = {name: params for name, (params, _) in RESPONSES.items()}
 SMOOTH = ["gaussian", "lorentzian", "triangle"]  # boxcar: derivatives are 0 almost everywhere
 
 
