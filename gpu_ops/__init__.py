@@ -8,7 +8,6 @@ from gpu_ops.resample import BandedResampler, OnTheFlyResampler, banded_resample
 from gpu_ops.transfer import (
     StagingBuffer,
     StagingPool,
-    StagingStats,
     from_dlpack,
     to_device,
     to_dlpack,
@@ -20,7 +19,6 @@ __all__: list[str] = [
     "OnTheFlyResampler",
     "StagingBuffer",
     "StagingPool",
-    "StagingStats",
     "banded_resample",
     "from_dlpack",
     "packbits",
