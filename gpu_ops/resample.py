@@ -33,7 +33,7 @@ from gpu_ops.responses import Response
 __all__ = ["BandedResampler", "OnTheFlyResampler", "banded_resample", "load"]
 
 _CHUNK_ITEMS = 1 << 22  # weights evaluated per chunk while building an operator
-_DENSE_CHUNK_ITEMS = 1 << 22  # entries of T examined at once by from_dense
+_DENSE_CHUNK_ITEMS = 1 << 20  # entries of T (or of the band) handled at once by from_dense
 
 
 def _check_band(
