@@ -1,151 +1,221 @@
-"""Banded response operator vs dense einsum / matmul / sparse bmm (issue 3).
+"""Banded response operator against what its users run today (issues 3 and 15).
 
-Run as ``python -m benchmarks.bench_resample [--smoke]``. N functions on B fine points, A
-coarse points each, Gaussian response cut so W is about 1500 at full size; M input sets.
+Run as ``python -m benchmarks.bench_resample [--smoke] [--device cuda]``. N functions on B fine
+points, A coarse points each, a Gaussian response cut so that W is about 1500 fine points at
+full size, M input sets. The baselines are the users' own code from the seed question:
+
+- ``torch.einsum("nab,nb->na", T, f)`` with the dense T (N, A, B), called once per input set
+  (for M sets: their loop of M calls);
+- ``T.to_sparse()`` + ``torch.bmm``, the sparse attempt the seed describes, at M=1 and batched;
+- ``torch.einsum("nab,mnb->mna", T, f)``, the batched dense form a user could switch to.
+
+fwd+bwd is the gradient w.r.t. f (on the fly: also w.r.t. c and sigma). Every row is timed
+in this process, in this run; ratios are against the rows above them of the same M.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from benchmarks._common import copy_bandwidth, markdown_table, median_time, parse_args, report
+from benchmarks._common import markdown_table, median_time, parse_args, report
 from gpu_ops import BandedResampler, OnTheFlyResampler
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+INTRO = """\
+Baselines, the users' own code: `torch.einsum("nab,nb->na", T, f)` with the dense T,
+called once per input set (for M sets, their loop of M calls, timed as such), and
+`T.to_sparse()` + `torch.bmm` per set (M = 1 only: a loop of it takes minutes here); for
+M > 1 also the batched `torch.einsum("nab,mnb->mna", T, f)`. Medians of a few runs in one
+process (the dense and sparse baselines: 2, they take seconds each); every ratio is against
+the users' einsum row of the same M in the same run. fwd+bwd is the gradient w.r.t. f (on
+the fly: also w.r.t. c and sigma)."""
 
 
 def _bytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], f: torch.Tensor) -> Callable[[], None]:
+def _fwd_bwd(fn: Fn, f: torch.Tensor, params: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
     fr = f.detach().clone().requires_grad_()
 
     def run() -> None:
-        fn(fr).sum().backward()
+        fn(fr).sum().backward()  # type: ignore[no-untyped-call]
         fr.grad = None
+        for p in params:
+            p.grad = None
 
     return run
 
 
-def _ratio(base: float | None, t: float) -> float | str:
-    return base / t if base else ""
+def _loop(fn: Fn) -> Fn:
+    """The users' loop: one call per input set."""
+    return lambda f: torch.stack([fn(f[m]) for m in range(f.shape[0])])
+
+
+@dataclass(frozen=True)
+class _Row:
+    M: int
+    method: str
+    fwd: float  # seconds
+    fwd_bwd: float
+    nbytes: int  # what the method keeps resident for the operator
+
+
+def _time(fn: Fn, f: torch.Tensor, device: str, repeat: int, params: Sequence[torch.Tensor] = ()
+          ) -> tuple[float, float]:  # fmt: skip
+    t_f = median_time(lambda: fn(f), device=device, repeat=repeat, warmup=1)
+    t_fb = median_time(_fwd_bwd(fn, f, params), device=device, repeat=repeat, warmup=1)
+    return t_f, t_fb
+
+
+def _from_dense_peak(N: int, A: int, B: int, sigma: float) -> float:
+    """Peak resident memory of ``from_dense`` above T, in units of T (a fresh process, CPU)."""
+    code = f"""
+import resource, torch
+from gpu_ops import BandedResampler
+x = torch.linspace(0, 1, {B}, dtype=torch.float64)
+c = torch.rand({N}, {A}, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+starts, weights = BandedResampler.from_response(x, c, "gaussian", sigma={sigma!r}).band()
+T = torch.zeros({N}, {A}, {B})
+for n in range({N}):
+    T[n].scatter_(-1, starts[n].long()[:, None] + torch.arange(weights.shape[-1]), weights[n])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+BandedResampler.from_dense(T)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024 / (T.numel() * T.element_size()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout)
+
+
+def _section(device: str, smoke: bool) -> str:
+    Ms: tuple[int, ...] = (1, 4) if smoke else (1, 16, 64)
+    N, A, B = (2, 20, 2000) if smoke else (20, 500, 50000)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.linspace(0.0, 1.0, B, dtype=torch.float64)
+    c = torch.rand(N, A, generator=gen, dtype=torch.float64)
+    sigma = 1500 / (B - 1) / 8  # cut at 4 sigma: W ~ 1500 fine points at full size
+    f32 = BandedResampler.from_response(x, c, "gaussian", sigma=sigma, device=device)
+    bf16 = BandedResampler.from_response(
+        x, c, "gaussian", sigma=sigma, dtype=torch.bfloat16, device=device
+    )
+    otf = OnTheFlyResampler.from_response(x, c, "gaussian", sigma=sigma, device=device)
+    T = f32.to_dense()  # (N, A, B) float32: the users' operator
+    Ts = T.to_sparse()
+    ours: dict[str, tuple[Fn, int, Sequence[torch.Tensor]]] = {
+        "ours f32": (f32, f32.nbytes, ()),
+        "ours bf16": (bf16, bf16.nbytes, ()),
+        "ours on-the-fly": (otf, otf.nbytes, list(otf.parameters())),
+    }
+    users: dict[str, tuple[Fn, int]] = {
+        'users: einsum("nab,nb->na") per set': (
+            _loop(lambda f: torch.einsum("nab,nb->na", T, f)), _bytes(T)
+        ),
+        "users: T.to_sparse() + bmm per set": (
+            _loop(lambda f: torch.bmm(Ts, f[..., None])[..., 0]), _bytes(Ts.indices(), Ts.values())
+        ),
+        'batched: einsum("nab,mnb->mna")': (
+            lambda f: torch.einsum("nab,mnb->mna", T, f), _bytes(T)
+        ),
+    }  # fmt: skip
+    rows: list[_Row] = []
+    heavy = 1 if smoke else 2  # repeats of the dense and sparse baselines (seconds each)
+    for M in Ms:
+        f = torch.randn(M, N, B, generator=gen).to(device)
+        for name, (fn, nbytes) in users.items():
+            sparse_loop = "sparse" in name and M > 1 and not smoke
+            if sparse_loop or (name.startswith("batched") and M == 1):
+                continue  # the sparse loop: minutes at M=16; batched is the users' row at M=1
+            rows.append(_Row(M, name, *_time(fn, f, device, heavy), nbytes))
+        for name, (fn, nbytes, params) in ours.items():
+            rows.append(_Row(M, name, *_time(fn, f, device, 3 if smoke else 7, params), nbytes))
+    table = _table(rows)
+    targets = _targets(rows, Ms, smoke, device, (N, A, B, sigma))
+    return (
+        f"### {device}: N={N}, A={A}, B={B}, W={f32.band_width}, "
+        f"dense T {_bytes(T) / 2**30:.2f} GiB, {torch.get_num_threads()} threads\n\n"
+        + table
+        + "\n\nTargets (issue 15):\n\n"
+        + targets
+    )
+
+
+def _table(rows: list[_Row]) -> str:
+    out = []
+    for r in rows:
+        base = next(b for b in rows if b.M == r.M and b.method.startswith("users: einsum"))
+        out.append([
+            r.M, r.method, r.fwd * 1e3, base.fwd / r.fwd, r.fwd_bwd * 1e3,
+            base.fwd_bwd / r.fwd_bwd, r.nbytes,
+        ])  # fmt: skip
+    headers = [
+        "M", "method", "fwd ms", "fwd x users' einsum", "fwd+bwd ms",
+        "fwd+bwd x users' einsum", "operator bytes",
+    ]  # fmt: skip
+    return markdown_table(headers, out)
+
+
+def _targets(
+    rows: list[_Row], Ms: Sequence[int], smoke: bool, device: str,
+    size: tuple[int, int, int, float],
+) -> str:  # fmt: skip
+    def get(M: int, prefix: str) -> _Row:
+        return next(r for r in rows if r.M == M and r.method.startswith(prefix))
+
+    users, f32, bf16, otf = (
+        get(1, p) for p in ("users: einsum", "ours f32", "ours bf16", "ours on-the-fly")
+    )
+    sparse = get(1, "users: T.to_sparse")
+    checks = [
+        ("f32, M=1: fwd >= 50x users' einsum", users.fwd / f32.fwd, 50.0, True),
+        ("f32, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / f32.fwd_bwd, 50.0, True),
+        ("bf16, M=1: fwd >= 50x users' einsum", users.fwd / bf16.fwd, 50.0, True),
+        ("bf16, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / bf16.fwd_bwd, 50.0, True),
+        ("f32, M=1: fwd x T.to_sparse() + bmm", sparse.fwd / f32.fwd, 1.0, True),
+        ("bf16 fwd time / f32 fwd time, M=1 (<= 0.7)", bf16.fwd / f32.fwd, 0.7, False),
+        ("on-the-fly, M=1: fwd >= 1.0x users' einsum", users.fwd / otf.fwd, 1.0, True),
+        ("on-the-fly, M=1: fwd+bwd x users' einsum", users.fwd_bwd / otf.fwd_bwd, 1.0, True),
+    ]
+    for M in Ms[1:]:
+        loop, batched = get(M, "users: einsum"), get(M, "batched: einsum")
+        mine, fly = get(M, "ours f32"), get(M, "ours on-the-fly")
+        checks += [
+            (f"f32, M={M}: fwd >= 50x the users' loop", loop.fwd / mine.fwd, 50.0, True),
+            (
+                f"f32, M={M}: fwd+bwd >= 50x the users' loop",
+                loop.fwd_bwd / mine.fwd_bwd,
+                50.0,
+                True,
+            ),
+            (f"on-the-fly, M={M}: fwd >= 1.0x batched einsum", batched.fwd / fly.fwd, 1.0, True),
+        ]
+    if device == "cpu":
+        N, A, B, sigma = size
+        peak = _from_dense_peak(N, A, B, sigma)
+        checks.append(("from_dense: peak memory above T, in T (<= 0.2)", peak, 0.2, False))
+    out = []
+    for what, value, goal, higher in checks:
+        ok = value >= goal if higher else value <= goal
+        out.append([what, f"{value:.3g}", "yes" if ok else "no"])
+    return markdown_table(["target", "measured", "met"], out)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__ or "", argv)
-    if args.smoke:
-        N, A, B, Ms = 2, 20, 2000, (1, 16)
-    else:
-        N, A, B, Ms = 20, 500, 50000, (1, 16, 64)
-    sections = []
-    for device in args.device:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.linspace(0.0, 1.0, B, dtype=torch.float64)
-        c = torch.rand(N, A, generator=gen, dtype=torch.float64)
-        sigma = 1500 / (B - 1) / 8  # cut at 4 sigma: W ~ 1500 fine points at full size
-        ops = {
-            "ours f32": BandedResampler.from_response(x, c, "gaussian", sigma=sigma, device=device),
-            "ours bf16": BandedResampler.from_response(
-                x, c, "gaussian", sigma=sigma, dtype=torch.bfloat16, device=device
-            ),
-            "ours on-the-fly": OnTheFlyResampler.from_response(
-                x, c, "gaussian", sigma=sigma, device=device
-            ),
-        }
-        T = ops["ours f32"].to_dense()  # (N, A, B) float32, the users' current operator
-        Ts = T.to_sparse()
-        bw = copy_bandwidth(device)
-        W = ops["ours f32"].band_width
-        rows: list[list[object]] = []
-        # (M, variant) -> (fwd s, fwd+bwd s), for the targets table
-        seen: dict[tuple[int, str], tuple[float, float]] = {}
-        slow = 1 if args.smoke else 2
-        for M in Ms:
-            f = torch.randn(M, N, B, device=device)
-            methods: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
-                "dense einsum": (lambda f, T=T: torch.einsum("nab,mnb->mna", T, f), _bytes(T)),
-                "dense matmul": (lambda f, T=T: torch.matmul(T, f.permute(1, 2, 0)), _bytes(T)),
-                "T.to_sparse() + bmm": (
-                    lambda f, Ts=Ts: torch.bmm(Ts, f.permute(1, 2, 0).contiguous()),
-                    _bytes(Ts.indices(), Ts.values()),
-                ),
-            }
-            for name, op in ops.items():
-                methods[name] = (op, op.nbytes)
-            for name, (fn, nbytes) in methods.items():
-                dense = not name.startswith("ours")
-                if "sparse" in name and M > 1 and device == "cpu" and not args.smoke:
-                    # Seconds per call here on CPU at M >= 16; measured at M = 1 only.
-                    rows.append([device, M, name, "not run (slow)", "", "", "", "", nbytes])
-                    continue
-                rep, warm = (slow, 1) if dense else (1 if args.smoke else 5, 1)
-                t_f = median_time(lambda fn=fn, f=f: fn(f), device=device, repeat=rep, warmup=warm)
-                t_fb = median_time(_fwd_bwd(fn, f), device=device, repeat=rep, warmup=warm)
-                seen[M, name] = (t_f, t_fb)
-                e_f, e_fb = seen[M, "dense einsum"]
-                mm_fb = seen.get((M, "dense matmul"), (0.0, 0.0))[1]
-                rows.append(
-                    [
-                        device, M, name, t_f * 1e3, e_f / t_f, t_fb * 1e3, e_fb / t_fb,
-                        _ratio(mm_fb, t_fb), nbytes,
-                    ]
-                )  # fmt: skip
-            for variant in ("ours f32", "ours bf16"):
-                floor = (ops[variant].nbytes + _bytes(f)) / bw
-                seen[M, "floor " + variant] = (floor, floor)
-                label = f"floor: ({variant[5:]} operator + f bytes) / copy bw"
-                rows.append([device, M, label, floor * 1e3, "", "", "", "", ""])
-        headers = [
-            "device", "M", "method", "fwd ms", "fwd x einsum", "fwd+bwd ms", "fwd+bwd x einsum",
-            "fwd+bwd x matmul", "operator bytes",
-        ]  # fmt: skip
-        sections.append(
-            f"N={N}, A={A}, B={B}, W={W}; copy bandwidth {bw / 1e9:.2f} GB/s on {device}.\n\n"
-            + markdown_table(headers, rows)
-            + "\n\nTargets (issue 3), per variant:\n\n"
-            + _targets(seen, ops, T, Ms[1])
-        )
-    note = (
-        "Medians of a few runs (dense baselines: 2). Speed-ups are against the dense einsum / "
-        "dense matmul of the same M in the same run. The floor counts operator and input "
-        "bytes once at the measured copy bandwidth (a copy reads and writes, so a read-only "
-        "kernel may beat it). fwd+bwd is the gradient w.r.t. f (on-the-fly: also c and sigma)."
-    )
+    sections = [_section(device, args.smoke) for device in args.device]
     report(
         "resample",
-        "Banded response operator (gpu_ops.resample)",
-        note + "\n\n" + "\n\n".join(sections),
+        "Banded response operator (gpu_ops.resample) against the users' einsum",
+        INTRO + "\n\n" + "\n\n".join(sections),
         smoke=args.smoke,
         devices=args.device,
     )
-
-
-def _targets(
-    seen: dict[tuple[int, str], tuple[float, float]],
-    ops: dict[str, BandedResampler | OnTheFlyResampler],
-    T: torch.Tensor,
-    m_big: int,
-) -> str:
-    """A table saying which variant meets which of the issue's targets, from measured times."""
-    rows: list[list[object]] = []
-    e_f, e_fb = seen[1, "dense einsum"]
-    mm_fb = seen[m_big, "dense matmul"][1]
-    for v in ("ours f32", "ours bf16", "ours on-the-fly"):
-        t_f, t_fb = seen[1, v]
-        floor = seen[1, "floor " + (v if v != "ours on-the-fly" else "ours bf16")][0]
-        big_fb = seen[m_big, v][1]
-        checks = [
-            ("M=1 fwd >= 50x einsum", e_f / t_f, 50.0, True),
-            ("M=1 fwd within 3x of its floor", t_f / floor, 3.0, False),
-            ("M=1 fwd+bwd >= 30x einsum", e_fb / t_fb, 30.0, True),
-            (f"M={m_big} fwd+bwd >= 5x dense matmul", mm_fb / big_fb, 5.0, True),
-            ("operator bytes <= dense T / 30", _bytes(T) / ops[v].nbytes, 30.0, True),
-        ]
-        for what, value, goal, higher in checks:
-            ok = value >= goal if higher else value <= goal
-            rows.append([v, what, f"{value:.3g}", "yes" if ok else "no"])
-    return markdown_table(["variant", "target", "measured", "met"], rows)
 
 
 if __name__ == "__main__":
