@@ -3,89 +3,116 @@
 Run as ``python -m benchmarks.bench_resample [--smoke] [--device cuda]``. N functions on B fine
 points, A coarse points each, a Gaussian response cut so that W is about 1500 fine points at
 full size, M input sets. The baselines are the users' own code from the seed question:
-
-- ``torch.einsum("nab,nb->na", T, f)`` with the dense T (N, A, B), called once per input set
-  (for M sets: their loop of M calls);
-- ``T.to_sparse()`` + ``torch.bmm``, the sparse attempt the seed describes, at M=1 and batched;
-- ``torch.einsum("nab,mnb->mna", T, f)``, the batched dense form a user could switch to.
-
-fwd+bwd is the gradient w.r.t. f (on the fly: also w.r.t. c and sigma). Every row is timed
-in this process, in this run; ratios are against the rows above them of the same M.
+``torch.einsum("nab,nb->na", T, f)`` with the dense T (N, A, B), one call per input set, and
+``T.to_sparse()`` + ``torch.bmm``; for M > 1 their batched forms.
 """
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from benchmarks._common import markdown_table, median_time, parse_args, report
+from benchmarks._common import markdown_table, parse_args, report, synchronize
 from gpu_ops import BandedResampler, OnTheFlyResampler
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 INTRO = """\
-Baselines, the users' own code: `torch.einsum("nab,nb->na", T, f)` with the dense T,
-called once per input set (for M sets, their loop of M calls, timed as such), and
-`T.to_sparse()` + `torch.bmm` per set (M = 1 only: a loop of it takes minutes here); for
-M > 1 also the batched `torch.einsum("nab,mnb->mna", T, f)`. Medians of a few runs in one
-process (the dense and sparse baselines: 2, they take seconds each); every ratio is against
-the users' einsum row of the same M in the same run. fwd+bwd is the gradient w.r.t. f (on
-the fly: also w.r.t. c and sigma)."""
+Baselines, the users' own code: `torch.einsum("nab,nb->na", T, f)` with the dense T (their
+loop makes one such call per input set) and `T.to_sparse()` + `torch.bmm`, at M = 1; for
+M > 1 their batched forms, `torch.einsum("nab,mnb->mna", T, f)` and the sparse `bmm` of all
+M sets at once (M = 16 only: at M = 64 a call takes minutes here). "x loop" compares with the
+users' loop of M single-set calls, counted as M times their M = 1 call. fwd+bwd is the
+gradient w.r.t. f (on the fly: also w.r.t. c and sigma).
+
+Timing: the methods of one M are timed in interleaved rounds (every method once per round),
+so a change of load on the shared machine hits all of them alike; each row is the median of
+its rounds (the dense and sparse baselines, seconds per call, take part in fewer rounds)."""
 
 
 def _bytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _fwd_bwd(fn: Fn, f: torch.Tensor, params: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
+@dataclass
+class _Method:
+    name: str
+    fn: Fn
+    nbytes: int  # what the method keeps resident for the operator
+    heavy: bool = False  # seconds per call: fewer rounds
+    params: Sequence[torch.Tensor] = ()
+    fwd: float = 0.0  # median seconds
+    fwd_bwd: float = 0.0
+
+
+def _fwd(m: _Method, f: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        m.fn(f)
+
+    return run
+
+
+def _fwd_bwd(m: _Method, f: torch.Tensor) -> Callable[[], None]:
     fr = f.detach().clone().requires_grad_()
 
     def run() -> None:
-        fn(fr).sum().backward()  # type: ignore[no-untyped-call]
+        m.fn(fr).sum().backward()  # type: ignore[no-untyped-call]
         fr.grad = None
-        for p in params:
+        for p in m.params:
             p.grad = None
 
     return run
 
 
-def _loop(fn: Fn) -> Fn:
-    """The users' loop: one call per input set."""
-    return lambda f: torch.stack([fn(f[m]) for m in range(f.shape[0])])
+def _measure(
+    methods: list[_Method], f: torch.Tensor, device: str, rounds: int, heavy: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:  # fmt: skip
+    """Median fwd and fwd+bwd times, every method once per round (heavy ones: ``heavy`` rounds).
 
-
-@dataclass(frozen=True)
-class _Row:
-    M: int
-    method: str
-    fwd: float  # seconds
-    fwd_bwd: float
-    nbytes: int  # what the method keeps resident for the operator
-
-
-def _time(fn: Fn, f: torch.Tensor, device: str, repeat: int, params: Sequence[torch.Tensor] = ()
-          ) -> tuple[float, float]:  # fmt: skip
-    t_f = median_time(lambda: fn(f), device=device, repeat=repeat, warmup=1)
-    t_fb = median_time(_fwd_bwd(fn, f, params), device=device, repeat=repeat, warmup=1)
-    return t_f, t_fb
+    ``clock``: wall time by default; ``time.process_time`` gives the CPU time this process
+    spent, which a shared machine's other load does not inflate (one thread only).
+    """
+    runs = [(m, _fwd(m, f), _fwd_bwd(m, f)) for m in methods]
+    for _, fwd, fwd_bwd in runs:  # warm-up: first-call costs (allocations, kernel builds)
+        fwd()
+        fwd_bwd()
+    times: dict[str, tuple[list[float], list[float]]] = {m.name: ([], []) for m in methods}
+    for r in range(rounds):
+        for m, fwd, fwd_bwd in runs:
+            if m.heavy and r >= heavy:
+                continue
+            for fn, out in ((fwd, times[m.name][0]), (fwd_bwd, times[m.name][1])):
+                synchronize(device)
+                t0 = clock()
+                fn()
+                synchronize(device)
+                out.append(clock() - t0)
+    for m in methods:
+        m.fwd, m.fwd_bwd = (statistics.median(t) for t in times[m.name])
 
 
 def _from_dense_peak(N: int, A: int, B: int, sigma: float) -> float:
-    """Peak resident memory of ``from_dense`` above T, in units of T (a fresh process, CPU)."""
+    """Peak resident memory during ``from_dense`` above the resident size before it (T and
+    the interpreter), in units of T: a fresh process, Linux (/proc). An upper bound: a peak
+    from building T (one function at a time, small) would count too."""
     code = f"""
 import resource, torch
 from gpu_ops import BandedResampler
 x = torch.linspace(0, 1, {B}, dtype=torch.float64)
 c = torch.rand({N}, {A}, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-starts, weights = BandedResampler.from_response(x, c, "gaussian", sigma={sigma!r}).band()
 T = torch.zeros({N}, {A}, {B})
 for n in range({N}):
-    T[n].scatter_(-1, starts[n].long()[:, None] + torch.arange(weights.shape[-1]), weights[n])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    s, w = BandedResampler.from_response(x, c[n : n + 1], "gaussian", sigma={sigma!r}).band()
+    T[n].scatter_(-1, s[0].long()[:, None] + torch.arange(w.shape[-1]), w[0])
+    del s, w
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024
 BandedResampler.from_dense(T)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((after - before) * 1024 / (T.numel() * T.element_size()))
@@ -97,6 +124,7 @@ print((after - before) * 1024 / (T.numel() * T.element_size()))
 def _section(device: str, smoke: bool) -> str:
     Ms: tuple[int, ...] = (1, 4) if smoke else (1, 16, 64)
     N, A, B = (2, 20, 2000) if smoke else (20, 500, 50000)
+    rounds, heavy = (3, 1) if smoke else (15, 3)
     gen = torch.Generator().manual_seed(0)
     x = torch.linspace(0.0, 1.0, B, dtype=torch.float64)
     c = torch.rand(N, A, generator=gen, dtype=torch.float64)
@@ -108,91 +136,106 @@ def _section(device: str, smoke: bool) -> str:
     otf = OnTheFlyResampler.from_response(x, c, "gaussian", sigma=sigma, device=device)
     T = f32.to_dense()  # (N, A, B) float32: the users' operator
     Ts = T.to_sparse()
-    ours: dict[str, tuple[Fn, int, Sequence[torch.Tensor]]] = {
-        "ours f32": (f32, f32.nbytes, ()),
-        "ours bf16": (bf16, bf16.nbytes, ()),
-        "ours on-the-fly": (otf, otf.nbytes, list(otf.parameters())),
-    }
-    users: dict[str, tuple[Fn, int]] = {
-        'users: einsum("nab,nb->na") per set': (
-            _loop(lambda f: torch.einsum("nab,nb->na", T, f)), _bytes(T)
-        ),
-        "users: T.to_sparse() + bmm per set": (
-            _loop(lambda f: torch.bmm(Ts, f[..., None])[..., 0]), _bytes(Ts.indices(), Ts.values())
-        ),
-        'batched: einsum("nab,mnb->mna")': (
-            lambda f: torch.einsum("nab,mnb->mna", T, f), _bytes(T)
-        ),
-    }  # fmt: skip
-    rows: list[_Row] = []
-    heavy = 1 if smoke else 2  # repeats of the dense and sparse baselines (seconds each)
+    dense, sparse = _bytes(T), _bytes(Ts.indices(), Ts.values())
+    rows: list[tuple[int, _Method]] = []
     for M in Ms:
         f = torch.randn(M, N, B, generator=gen).to(device)
-        for name, (fn, nbytes) in users.items():
-            sparse_loop = "sparse" in name and M > 1 and not smoke
-            if sparse_loop or (name.startswith("batched") and M == 1):
-                continue  # the sparse loop: minutes at M=16; batched is the users' row at M=1
-            rows.append(_Row(M, name, *_time(fn, f, device, heavy), nbytes))
-        for name, (fn, nbytes, params) in ours.items():
-            rows.append(_Row(M, name, *_time(fn, f, device, 3 if smoke else 7, params), nbytes))
-    table = _table(rows)
-    targets = _targets(rows, Ms, smoke, device, (N, A, B, sigma))
-    return (
+        if M == 1:
+            base = [
+                _Method('users: einsum("nab,nb->na", T, f)',
+                        lambda f: torch.einsum("nab,nb->na", T, f[0])[None], dense, True),
+                _Method("users: T.to_sparse() + bmm",
+                        lambda f: torch.bmm(Ts, f[0][..., None])[None, ..., 0], sparse, True),
+            ]  # fmt: skip
+        else:
+            base = [
+                _Method('batched: einsum("nab,mnb->mna", T, f)',
+                        lambda f: torch.einsum("nab,mnb->mna", T, f), dense, True),
+            ]  # fmt: skip
+            if M <= 16 or smoke:
+                base.append(_Method("batched: T.to_sparse() + bmm",
+                                    lambda f: torch.bmm(Ts, f.permute(1, 2, 0)).permute(2, 0, 1),
+                                    sparse, True))  # fmt: skip
+        ours = [
+            _Method("ours f32", f32, f32.nbytes),
+            _Method("ours bf16", bf16, bf16.nbytes),
+            _Method("ours on-the-fly", otf, otf.nbytes, params=list(otf.parameters())),
+        ]
+        _measure(base + ours, f, device, rounds, heavy)
+        rows += [(M, m) for m in base + ours]
+    threads = torch.get_num_threads()
+    text = (
         f"### {device}: N={N}, A={A}, B={B}, W={f32.band_width}, "
-        f"dense T {_bytes(T) / 2**30:.2f} GiB, {torch.get_num_threads()} threads\n\n"
-        + table
+        f"dense T {dense / 2**30:.2f} GiB, {threads} threads\n\n"
+        + _table(rows)
         + "\n\nTargets (issue 15):\n\n"
-        + targets
+        + _targets(rows, Ms, device, (N, A, B, sigma))
     )
+    if device == "cpu":
+        # The same M = 1 rows on one thread in CPU time (process_time): what the kernels cost,
+        # without the time other processes take the cores away.
+        one = [_Method(m.name, m.fn, m.nbytes, m.heavy, m.params) for k, m in rows if k == 1]
+        torch.set_num_threads(1)
+        try:
+            _measure(one, torch.randn(1, N, B, generator=gen), device, rounds, heavy,
+                     clock=time.process_time)  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        text += (
+            "\n\nM = 1 on one thread, CPU time of this process:\n\n"
+            + _table([(1, m) for m in one])
+            + "\n\n"
+            + _targets([(1, m) for m in one], (1,), "", (N, A, B, sigma))
+        )
+    return text
 
 
-def _table(rows: list[_Row]) -> str:
+def _users(rows: list[tuple[int, _Method]]) -> _Method:
+    return next(m for M, m in rows if M == 1 and m.name.startswith("users: einsum"))
+
+
+def _table(rows: list[tuple[int, _Method]]) -> str:
+    users = _users(rows)
     out = []
-    for r in rows:
-        base = next(b for b in rows if b.M == r.M and b.method.startswith("users: einsum"))
+    for M, m in rows:
+        # The users' loop over M sets: M single-set calls.
+        loop_f, loop_fb = M * users.fwd, M * users.fwd_bwd
         out.append([
-            r.M, r.method, r.fwd * 1e3, base.fwd / r.fwd, r.fwd_bwd * 1e3,
-            base.fwd_bwd / r.fwd_bwd, r.nbytes,
+            M, m.name, m.fwd * 1e3, loop_f / m.fwd, m.fwd_bwd * 1e3, loop_fb / m.fwd_bwd,
+            m.nbytes,
         ])  # fmt: skip
     headers = [
-        "M", "method", "fwd ms", "fwd x users' einsum", "fwd+bwd ms",
-        "fwd+bwd x users' einsum", "operator bytes",
+        "M", "method", "fwd ms", "fwd x loop", "fwd+bwd ms", "fwd+bwd x loop",
+        "operator bytes",
     ]  # fmt: skip
     return markdown_table(headers, out)
 
 
 def _targets(
-    rows: list[_Row], Ms: Sequence[int], smoke: bool, device: str,
+    rows: list[tuple[int, _Method]], Ms: Sequence[int], device: str,
     size: tuple[int, int, int, float],
 ) -> str:  # fmt: skip
-    def get(M: int, prefix: str) -> _Row:
-        return next(r for r in rows if r.M == M and r.method.startswith(prefix))
+    def get(M: int, prefix: str) -> _Method:
+        return next(m for k, m in rows if k == M and m.name.startswith(prefix))
 
-    users, f32, bf16, otf = (
-        get(1, p) for p in ("users: einsum", "ours f32", "ours bf16", "ours on-the-fly")
-    )
-    sparse = get(1, "users: T.to_sparse")
+    users, sparse = _users(rows), get(1, "users: T.to_sparse")
+    f32, bf16, otf = (get(1, p) for p in ("ours f32", "ours bf16", "ours on-the-fly"))
     checks = [
         ("f32, M=1: fwd >= 50x users' einsum", users.fwd / f32.fwd, 50.0, True),
         ("f32, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / f32.fwd_bwd, 50.0, True),
         ("bf16, M=1: fwd >= 50x users' einsum", users.fwd / bf16.fwd, 50.0, True),
         ("bf16, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / bf16.fwd_bwd, 50.0, True),
         ("f32, M=1: fwd x T.to_sparse() + bmm", sparse.fwd / f32.fwd, 1.0, True),
+        ("f32, M=1: fwd+bwd x T.to_sparse() + bmm", sparse.fwd_bwd / f32.fwd_bwd, 1.0, True),
         ("bf16 fwd time / f32 fwd time, M=1 (<= 0.7)", bf16.fwd / f32.fwd, 0.7, False),
         ("on-the-fly, M=1: fwd >= 1.0x users' einsum", users.fwd / otf.fwd, 1.0, True),
-        ("on-the-fly, M=1: fwd+bwd x users' einsum", users.fwd_bwd / otf.fwd_bwd, 1.0, True),
+        ("on-the-fly, M=1: fwd+bwd >= 1.0x users' einsum", users.fwd_bwd / otf.fwd_bwd, 1.0, True),
     ]
     for M in Ms[1:]:
-        loop, batched = get(M, "users: einsum"), get(M, "batched: einsum")
-        mine, fly = get(M, "ours f32"), get(M, "ours on-the-fly")
+        batched, mine, fly = (get(M, p) for p in ("batched: einsum", "ours f32", "ours on-the-fly"))
         checks += [
-            (f"f32, M={M}: fwd >= 50x the users' loop", loop.fwd / mine.fwd, 50.0, True),
-            (
-                f"f32, M={M}: fwd+bwd >= 50x the users' loop",
-                loop.fwd_bwd / mine.fwd_bwd,
-                50.0,
-                True,
-            ),
+            (f"f32, M={M}: fwd x batched einsum", batched.fwd / mine.fwd, 1.0, True),
+            (f"f32, M={M}: fwd+bwd x batched einsum", batched.fwd_bwd / mine.fwd_bwd, 1.0, True),
             (f"on-the-fly, M={M}: fwd >= 1.0x batched einsum", batched.fwd / fly.fwd, 1.0, True),
         ]
     if device == "cpu":
@@ -208,11 +251,10 @@ def _targets(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__ or "", argv)
-    sections = [_section(device, args.smoke) for device in args.device]
     report(
         "resample",
         "Banded response operator (gpu_ops.resample) against the users' einsum",
-        INTRO + "\n\n" + "\n\n".join(sections),
+        INTRO + "\n\n" + "\n\n".join(_section(d, args.smoke) for d in args.device),
         smoke=args.smoke,
         devices=args.device,
     )

@@ -71,19 +71,9 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         self.register_parameter(self.spec.param, param)
 
     @classmethod
-    def from_response(
-        cls,
-        x: torch.Tensor,
-        c: torch.Tensor,
-        response: str,
-        support: float | None = None,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        **params: float,
-    ) -> OnTheFlyResampler:
-        """The same as the constructor (the name mirrors :class:`gpu_ops.BandedResampler`)."""
-        return cls(x, c, response, support, dtype=dtype, device=device, **params)
+    def from_response(cls, *args: Any, **kwargs: Any) -> OnTheFlyResampler:
+        """The constructor (same arguments), under the name BandedResampler's has."""
+        return cls(*args, **kwargs)
 
     @property
     def param(self) -> torch.Tensor:

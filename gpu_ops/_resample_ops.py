@@ -173,12 +173,17 @@ def on_the_fly_forward(
     return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
 
 
+def _cut(param: Tensor, response: str, support: float | None) -> tuple[int, float, float]:
+    """(response code, parameter value, window half-width) for the compiled kernels."""
+    spec = responses.named(response)
+    value = float(param)
+    return spec.code, value, spec.half_width(value, support)
+
+
 def _c_windows(
     x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
 ) -> _resample_c.Windows:
-    spec = responses.named(response)
-    value = float(param)
-    return _resample_c.Windows(x, c, spec.code, value, spec.half_width(value, support))
+    return _resample_c.Windows(x, c, *_cut(param, response, support))
 
 
 @on_the_fly_forward.register_kernel("cpu")
@@ -323,9 +328,7 @@ if _triton_otf is not None:
     _otf = _triton_otf
 
     def _geometry(x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None) -> Any:
-        spec = responses.named(response)
-        value = float(param)
-        return _otf.prepare(x, c, spec.code, value, spec.half_width(value, support))
+        return _otf.prepare(x, c, *_cut(param, response, support))
 
     @on_the_fly_forward.register_kernel("cuda")
     def _(
