@@ -92,7 +92,9 @@ INLINE const void *wrow(const void *w, const int wdt, int64_t r, int64_t W) {
 /* --- forward ----------------------------------------------------------------------------- */
 
 /* o[k * os] = sum_j w[j] * fr[k * fs + j] for k < mb: one coarse point, mb inputs sharing
- * each weight load, two vectors per input for ILP. */
+ * each weight load, two vectors per input for ILP. The tail uses an explicit fmaf: left to
+ * the compiler, it was contracted for some weight dtypes and not others, and the half-precision
+ * paths (fused, or widened first for M > 4) then differed in the last bit. */
 INLINE void dot_mb(const float *fr, int64_t fs, const void *w, const int wdt, int64_t W,
                    float *o, int64_t os, const int mb) {
     vf acc[4][2];
@@ -107,26 +109,34 @@ INLINE void dot_mb(const float *fr, int64_t fs, const void *w, const int wdt, in
     }
     for (int k = 0; k < mb; k++) {
         float t = hsum(acc[k][0] + acc[k][1]);
-        for (int64_t i = j; i < W; i++) t += wload(w, wdt, i) * fr[k * fs + i];
+        for (int64_t i = j; i < W; i++) t = __builtin_fmaf(wload(w, wdt, i), fr[k * fs + i], t);
         o[k * os] = t;
     }
 }
 
-/* sum_j w[j] * fr[j] for a single input: four independent sums, so that the adds are not
- * one chain of FMA latencies, and the weights prefetched 16 vectors ahead (measured, bfloat16
- * weights at M = 1: 0.61x the float32 time with both, 0.71x with neither). */
+/* dot_mb for a single input, with the weights prefetched 16 vectors ahead (measured, bfloat16
+ * weights at M = 1: 0.61x the float32 time with the prefetch, 0.71x without). The additions
+ * happen in exactly dot_mb's order (two sums, alternate vectors), so an input's result does
+ * not depend on which other inputs share its batch: the server batches requests together,
+ * and the same request must give the same bits. */
 INLINE float dot_1(const float *fr, const void *w, const int wdt, int64_t W) {
-    vf acc[4] = {{0}};
-    int64_t j = 0;
+    vf acc0 = {0}, acc1 = {0};
     const int es = wdt == 0 ? 4 : 2;
+    int64_t j = 0;
     for (; j + 4 * VL <= W; j += 4 * VL) {
         __builtin_prefetch((const char *)w + (j + 16 * VL) * es);
         if (es == 4) __builtin_prefetch((const char *)w + (j + 16 * VL) * es + 64);
-        for (int k = 0; k < 4; k++) acc[k] += wloadv(w, wdt, j + k * VL) * fload(fr + j + k * VL);
+        acc0 += wloadv(w, wdt, j) * fload(fr + j);
+        acc1 += wloadv(w, wdt, j + VL) * fload(fr + j + VL);
+        acc0 += wloadv(w, wdt, j + 2 * VL) * fload(fr + j + 2 * VL);
+        acc1 += wloadv(w, wdt, j + 3 * VL) * fload(fr + j + 3 * VL);
     }
-    for (; j + VL <= W; j += VL) acc[0] += wloadv(w, wdt, j) * fload(fr + j);
-    float t = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    for (; j < W; j++) t += wload(w, wdt, j) * fr[j];
+    for (; j + 2 * VL <= W; j += 2 * VL) {
+        acc0 += wloadv(w, wdt, j) * fload(fr + j);
+        acc1 += wloadv(w, wdt, j + VL) * fload(fr + j + VL);
+    }
+    float t = hsum(acc0 + acc1);
+    for (; j < W; j++) t = __builtin_fmaf(wload(w, wdt, j), fr[j], t);
     return t;
 }
 
