@@ -488,18 +488,21 @@ def test_from_dense_peak_memory_stays_near_the_size_of_the_dense_operator() -> N
     assert from_dense_peak(4, 400, 40000, 100 / 40000) <= 0.2
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_an_inputs_result_does_not_depend_on_its_batch(wdtype: torch.dtype) -> None:
+def test_an_inputs_result_does_not_depend_on_its_batch(device: str, wdtype: torch.dtype) -> None:
     """The server batches requests together: each input gets the same bits whatever M is and
     wherever it sits (the C forward handles inputs in blocks of 4 and one at a time, and
-    widens half-precision weights first from M = 5 on). W is not a multiple of the vector
-    loop's 16, and the weights are not small at the window's end: the scalar tail counts."""
+    widens half-precision weights first from M = 5 on; Triton takes blocks of 16 to 64). W is
+    not a multiple of the vector loop's 16, and the weights are not small at the window's
+    end: the scalar tail counts."""
     gen = torch.Generator().manual_seed(16)
     x, c = _grid(3000, gen), _coarse(3, 40, gen) * 0.8
-    op = BandedResampler.from_response(x, c, lambda d: torch.cos(d) + 2, 12.0, dtype=wdtype)
+    r = lambda d: torch.cos(d) + 2  # noqa: E731
+    op = BandedResampler.from_response(x, c, r, 12.0, dtype=wdtype, device=device)
     assert op.band_width % 16
-    fly = OnTheFlyResampler.from_response(x, c, "gaussian", sigma=3.0)
-    f = torch.randn(9, 3, 3000, generator=gen)
+    fly = OnTheFlyResampler.from_response(x, c, "gaussian", sigma=3.0, device=device)
+    f = torch.randn(9, 3, 3000, generator=gen).to(device)
     for module in (op, fly):
         alone = torch.cat([module(f[i : i + 1]) for i in range(9)])
         for M in (2, 4, 5, 9):
