@@ -317,6 +317,8 @@ def _size(n: int) -> str:
 
 def _load_model(path: Path, fmt: str) -> Any:
     if fmt == "torch_export":
+        import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*, which programs may call
+
         return torch.export.load(str(path))
     with warnings.catch_warnings():
         # TorchScript is deprecated in favour of torch.export but still the common format.
