@@ -127,6 +127,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         http=http,
+        ws="none",  # no WebSocket routes: an upgrade request is plain HTTP (JSON answers)
         loop="auto",
         lifespan="on",
         log_config=log_config,

@@ -36,6 +36,7 @@ from service.errors import (
     ServiceError,
     Unauthorized,
 )
+from service.observability import printable_path
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
 
@@ -161,7 +162,8 @@ class InferRoute:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
             level = logging.WARNING if e.status_code >= 500 else logging.INFO
-            log.log(level, "%s %s -> %d: %s", "POST", scope["path"], e.status_code, e)
+            path = printable_path(scope["path"])
+            log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
             await send_json_error(send, e, request_id)
             return e.status_code
         finally:

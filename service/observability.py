@@ -16,6 +16,8 @@ import os
 import re
 from typing import Any
 
+from service.config import safe_text
+
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 
@@ -36,6 +38,12 @@ class RequestIds:
         if sent is not None and _VALID_ID.fullmatch(sent):
             return sent.decode("ascii")
         return f"{self._prefix}{next(self._count):x}"
+
+
+def printable_path(path: str) -> str:
+    """A request path for a log line or an error message: control characters escaped (a
+    percent-encoded newline must not forge a log line), at most 256 characters."""
+    return safe_text(path, 256)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
