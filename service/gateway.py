@@ -17,6 +17,7 @@ never send that body, and whatever it sends next could not be told apart from it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +51,24 @@ def _close_if_unread(receive: Receive, send: Send) -> tuple[Receive, Send]:
         await send(message)
 
     return receive_body, send_closing
+
+
+async def _last_answer(send: Send, status: int, message: str, request_id: str) -> None:
+    """A JSON error for a request whose handler failed, closing the connection; nothing if
+    the handler had begun its own answer (uvicorn refuses a second start) or the client
+    left."""
+    body = error_body(message)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+        (b"connection", b"close"),
+    ]
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    except (RuntimeError, OSError):
+        pass
 
 
 class HeaderLimit(ServiceError):
@@ -165,19 +184,17 @@ class Gateway:
             error_log.exception("unhandled error in %s %s", scope["method"], printable_path(path))
             if not started and status == 0:
                 status = 500
-                body = error_body(f"internal error (request id {rid})")
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 500,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"x-request-id", rid.encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                await _last_answer(send, 500, f"internal error (request id {rid})", rid)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when graceful_shutdown_s is over;
+            # it would answer them with a plain-text 500 and log a traceback each. The task
+            # ends here either way: nothing awaits it.
+            log.warning(
+                "%s %s cancelled: the server is stopping", scope["method"], printable_path(path)
+            )
+            if not started and status == 0:
+                status = 503
+                await _last_answer(send, 503, "the server is shutting down; retry later", rid)
         finally:
             if self.access_log:
                 log.info(

@@ -35,10 +35,15 @@ WAIT_S = 10.0
 
 @contextlib.contextmanager
 def serving(
-    *, max_connections: int = 0, head_timeout_s: float = HEAD_TIMEOUT_S, keep_alive_s: int = 5
+    *,
+    max_connections: int = 0,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
+    keep_alive_s: int = 5,
+    graceful_s: int = 5,
+    stopped: list[uvicorn.Server] | None = None,
 ) -> Iterator[int]:
     """A uvicorn server as ``bitserve serve`` configures it, over the fake repository, on a
-    free loopback port (yielded)."""
+    free loopback port (yielded); the server object is appended to ``stopped`` if given."""
     settings = Settings(access_log=False, max_header_bytes=MAX_HEAD, log_level="warning")
     app = create_app(settings, FakeRepository())
     http = protocol_class(
@@ -54,8 +59,11 @@ def serving(
         log_config=None,
         log_level="warning",
         timeout_keep_alive=keep_alive_s,
+        timeout_graceful_shutdown=graceful_s,
     )
     server = uvicorn.Server(config)
+    if stopped is not None:
+        stopped.append(server)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
@@ -363,6 +371,18 @@ def test_a_connection_with_a_pipelined_request_running_is_not_evicted() -> None:
         assert json.loads(answer)["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
         for s in (first, *others):
             s.close()
+
+
+def test_a_request_cut_by_the_end_of_the_graceful_shutdown_gets_a_json_503() -> None:
+    servers: list[uvicorn.Server] = []
+    with serving(graceful_s=1, stopped=servers) as port, connect(port) as s:
+        s.sendall(echo_request(body=b"{}")[:-2])  # waits for a body that never comes
+        time.sleep(0.2)
+        servers[0].should_exit = True
+        raw = read_until_closed(s)
+    [(status, body)] = parse_all(raw)
+    assert status == 503
+    assert "shutting down" in error_of(body)
 
 
 # --- Expect: 100-continue -----------------------------------------------------------------
