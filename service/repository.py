@@ -232,6 +232,7 @@ class ModelRepository:
                     max_batch_size=cfg.max_batch_size,
                     max_queue_delay_us=cfg.max_queue_delay_us,
                     max_queue_size=cfg.max_queue_size,
+                    queue_timeout_us=cfg.queue_timeout_us,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
