@@ -15,9 +15,10 @@ than h11. On top of it, :class:`BitserveHttpProtocol` adds what uvicorn leaves o
   read or many: the parser's callbacks count each part as it completes, and the bytes of a
   head not yet complete are counted as they arrive.
 - **A connection cap.** Beyond ``max_connections`` open connections, a new one first evicts
-  the connection that has been waiting longest for a request head (a slow client, an idle
-  keep-alive one, or one whose early-answered body is being skipped); only when every
-  connection is busy with a request is the new one answered 503 and closed.
+  the connection that has been waiting longest for a request head among those never
+  answered (a slow client), else among those answered before (an idle keep-alive client,
+  or one whose early-answered body is being skipped); only when every connection is busy
+  with a request is the new one answered 503 and closed.
 - **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason
   (uvicorn writes a fixed plain-text line).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -61,6 +63,49 @@ class _HeadTooLarge(Exception):
     """Raised in a parser callback to stop parsing a head past ``max_header_bytes``."""
 
 
+class _Waiting:
+    """One server's connections waiting for a request head, oldest first, in two classes:
+    those that were never answered (slowloris holds only these) and those that were (a
+    keep-alive client between requests). The first are evicted first."""
+
+    _LOG_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.fresh: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
+        self.served: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
+        self._evictions = 0
+        self._logged_at = -math.inf
+
+    def add(self, conn: BitserveHttpProtocol, *, served: bool) -> None:
+        """Add ``conn`` as the newest of its class."""
+        self.remove(conn)
+        (self.served if served else self.fresh)[conn] = None
+
+    def remove(self, conn: BitserveHttpProtocol) -> None:
+        self.fresh.pop(conn, None)
+        self.served.pop(conn, None)
+
+    def oldest(self) -> BitserveHttpProtocol | None:
+        """The connection to evict first, if any."""
+        for group in (self.fresh, self.served):
+            if group:
+                return next(iter(group))
+        return None
+
+    def evicted(self, cap: int, now: float) -> None:
+        """Count an eviction; log the count at most every 10 s (a flood of connections must
+        not become a flood of log lines)."""
+        self._evictions += 1
+        if now - self._logged_at >= self._LOG_EVERY_S:
+            log.warning(
+                "connection cap %d reached: closed %d connection(s) waiting for a request head",
+                cap,
+                self._evictions,
+            )
+            self._evictions = 0
+            self._logged_at = now
+
+
 class BitserveHttpProtocol(HttpToolsProtocol):
     """One HTTP/1.1 connection (see the module docstring for what is added to uvicorn's)."""
 
@@ -82,26 +127,24 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         self._began_in_this_read = False
         self._message_done = True
         """The current request's body has been received whole."""
+        self._served = False
+        """A response has been sent on this connection."""
 
-    # --- connections waiting for a head, oldest first (one registry per server) -----------
+    # --- connections waiting for a head (one registry per server) --------------------------
 
-    def _waiting(self) -> OrderedDict[BitserveHttpProtocol, None]:
+    def _registry(self) -> _Waiting:
         state = self.server_state
-        waiting: OrderedDict[BitserveHttpProtocol, None] | None = getattr(
-            state, "bitserve_waiting", None
-        )
-        if waiting is None:
-            waiting = OrderedDict()
-            state.bitserve_waiting = waiting  # type: ignore[attr-defined]
-        return waiting
+        registry: _Waiting | None = getattr(state, "bitserve_waiting", None)
+        if registry is None:
+            registry = _Waiting()
+            state.bitserve_waiting = registry  # type: ignore[attr-defined]
+        return registry
 
     def _wait_for_head(self, *, clock: bool) -> None:
         """Join the connections waiting for a head, as the newest; ``clock``: start the
         head's clock now (else it starts at the head's first byte)."""
         self._waiting_for_head = True
-        waiting = self._waiting()
-        waiting.pop(self, None)
-        waiting[self] = None
+        self._registry().add(self, served=self._served)
         if clock:
             self._start_clock()
 
@@ -112,7 +155,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
     def _stop_waiting(self) -> None:
         self._waiting_for_head = False
         self._head_begun = False
-        self._waiting().pop(self, None)
+        self._registry().remove(self)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -150,10 +193,10 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         cap = self.max_connections
         if cap and len(self.connections) > cap:
-            waiting = self._waiting()
-            if waiting:
-                oldest = next(iter(waiting))
-                log.warning("connection cap %d reached: closing one waiting for its head", cap)
+            registry = self._registry()
+            oldest = registry.oldest()
+            if oldest is not None:
+                registry.evicted(cap, self.loop.time())
                 oldest._close_waiting("closed to admit another connection: request head too slow")
             else:
                 self.transport.write(
@@ -226,6 +269,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._served = True
         if self.transport.is_closing() or self._waiting_for_head:
             return
         if self.cycle is not None and self.cycle.response_complete:

@@ -312,29 +312,33 @@ def test_pipelined_requests_are_answered_in_order(port: int) -> None:
 # --- the connection cap -------------------------------------------------------------------
 
 
-def test_at_the_cap_the_connection_waiting_longest_is_evicted() -> None:
+def test_at_the_cap_never_answered_connections_are_evicted_first_oldest_first() -> None:
     with serving(max_connections=3, head_timeout_s=WAIT_S) as port:
-        oldest = connect(port)
-        oldest.sendall(b"GET /v2 HTTP/1.1\r\n")  # part of a head: evicted with a 408
-        time.sleep(0.05)
-        idle = connect(port)  # never sent a byte: evicted silently
-        time.sleep(0.05)
-        keep = connect(port)
+        keep = connect(port)  # the oldest, but a client that was answered
         keep.sendall(LIVE)
-        assert read_response(keep)[0] == 200  # now the newest waiting connection
-        newcomer = connect(port)
-        newcomer.sendall(LIVE)
-        assert read_response(newcomer)[0] == 200
-        [(status, body)] = parse_all(read_until_closed(oldest))
+        assert read_response(keep)[0] == 200
+        slow = connect(port)
+        slow.sendall(b"GET /v2 HTTP/1.1\r\n")  # part of a head: evicted with a 408
+        time.sleep(0.05)
+        silent = connect(port)  # never sent a byte: evicted without an answer
+        time.sleep(0.05)
+        new = []
+        for _ in range(2):
+            new.append(connect(port))
+            new[-1].sendall(LIVE)
+            assert read_response(new[-1])[0] == 200
+        [(status, body)] = parse_all(read_until_closed(slow))
         assert status == 408
         assert "to admit another connection" in error_of(body)
-        late = connect(port)
-        late.sendall(LIVE)
-        assert read_response(late)[0] == 200
-        assert read_until_closed(idle) == b""
-        keep.sendall(LIVE)  # the keep-alive connection served before is still open
+        assert read_until_closed(silent) == b""
+        keep.sendall(LIVE)  # still open: the never-answered ones went first
         assert read_response(keep)[0] == 200
-        for s in (oldest, idle, keep, newcomer, late):
+        # Now only answered connections wait: the one idle longest goes.
+        last = connect(port)
+        last.sendall(LIVE)
+        assert read_response(last)[0] == 200
+        assert read_until_closed(new[0]) == b""
+        for s in (keep, slow, silent, *new, last):
             s.close()
 
 
