@@ -217,10 +217,12 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            # No upgrade is served (no WebSocket routes): the request was answered as plain
+            # HTTP. uvicorn would log two warnings per such request, which anyone could flood.
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
-                self._unsupported_upgrade_warning()
+                log.debug("upgrade request answered as plain HTTP")
             return
         except httptools.HttpParserError as e:
             if isinstance(e.__context__, _HeadTooLarge):

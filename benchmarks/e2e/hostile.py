@@ -1,0 +1,489 @@
+"""Hostile and measuring clients of the hardening benchmark and tests, on raw asyncio sockets.
+
+- :func:`trickle`: N connections trickling request heads a byte at a time (slowloris),
+  reconnecting when the server cuts them; also a command (``python -m
+  benchmarks.e2e.hostile trickle ...``) so the tricklers run in their own process;
+- :func:`side_client`: a closed-loop client measuring the latency of real requests meanwhile;
+- :func:`uploads`: concurrent slow uploads of big bodies, each answered or not;
+- :func:`open_loop`: requests at a fixed rate whatever the answers (open loop), each timed
+  from when it was due to be sent;
+- :class:`RssPeak`: the peak resident memory of a process tree, sampled in a thread.
+
+Raw sockets, not an HTTP library, so the clients cost little CPU beside the server and do
+exactly what they say (partial heads, bodies cut short, no retries of their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import resource
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.e2e.loadgen import tree_rss_bytes
+
+HOST = "127.0.0.1"
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft file-descriptor limit to its hard limit; returns it (child
+    processes started afterwards inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+@dataclass
+class Answer:
+    """One HTTP response as read off the socket."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def closes(self) -> bool:
+        return "close" in self.headers.get("connection", "").lower()
+
+    def is_json_error(self) -> bool:
+        """The body is ``{"error": "<non-empty text>"}``."""
+        try:
+            doc = json.loads(self.body)
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and isinstance(doc.get("error"), str) and bool(doc["error"])
+
+
+async def read_answer(reader: asyncio.StreamReader) -> Answer:
+    """Read one response with a ``Content-Length`` body.
+
+    Raises:
+        asyncio.IncompleteReadError, ConnectionError: the server closed first.
+    """
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return Answer(status, headers, body)
+
+
+def http_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    """A keep-alive ``POST`` with a ``Content-Length`` body."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+
+# --- one raw exchange ----------------------------------------------------------------------
+
+
+async def raw_exchange(port: int, data: bytes, *, answer_s: float = 3.0) -> tuple[bytes, bool]:
+    """Send ``data`` on a new connection and read until the server closes it or
+    ``answer_s`` passes; returns what came and whether the server closed."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    out = bytearray()
+    closed = False
+    try:
+        writer.write(data)
+        async with asyncio.timeout(answer_s):
+            while part := await reader.read(65536):
+                out += part
+            closed = True
+    except TimeoutError:
+        pass
+    except OSError:
+        closed = True  # reset: the server closed with bytes of ours unread
+    finally:
+        await _close(writer)
+    return bytes(out), closed
+
+
+@dataclass
+class FuzzStats:
+    """What a batch of hostile requests got."""
+
+    sent: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    """The first answer's status per request; ``"none"``: no answer (incomplete request)."""
+    problems: list[str] = field(default_factory=list)
+    """What :func:`benchmarks.e2e.fuzzcases.judge_raw` found wrong, with the case's name."""
+
+
+async def send_all(
+    port: int,
+    cases: Sequence[tuple[str, bytes]],
+    judge: Callable[[bytes], str | None],
+    *,
+    concurrency: int = 8,
+    answer_s: float = 3.0,
+) -> FuzzStats:
+    """Send each ``(name, request)`` on its own connection, ``concurrency`` at a time, and
+    judge each answer."""
+    stats = FuzzStats()
+    todo = iter(cases)
+
+    async def worker() -> None:
+        for name, data in todo:
+            try:
+                answer, _ = await raw_exchange(port, data, answer_s=answer_s)
+            except OSError as e:
+                stats.problems.append(f"{name}: could not connect: {e!r}")
+                continue
+            stats.sent += 1
+            stats.statuses[answer[9:12].decode("latin-1") if answer else "none"] += 1
+            problem = judge(answer)
+            if problem is not None:
+                stats.problems.append(f"{name} {data[:120]!r}: {problem}")
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return stats
+
+
+# --- slowloris ------------------------------------------------------------------------------
+
+
+@dataclass
+class TrickleStats:
+    """What the tricklers saw."""
+
+    connections: int
+    """Tricklers."""
+    connects: int = 0
+    """Connections opened (first ones and reconnections)."""
+    connect_errors: int = 0
+    cut_408: int = 0
+    """Connections the server closed after a 408 (part of a head had come)."""
+    cut_silent: int = 0
+    """Connections the server closed without an answer."""
+    cut_reset: int = 0
+    """Connections reset before an answer was read (the server closed with bytes unread)."""
+    cut_other: Counter[int] = field(default_factory=Counter)
+    """Closed after another status (none expected)."""
+    most_open: int = 0
+    """Most tricklers connected at one time."""
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["cut_other"] = {str(k): v for k, v in self.cut_other.items()}
+        return d
+
+
+async def trickle(
+    port: int,
+    connections: int,
+    seconds: float,
+    *,
+    interval_s: float = 1.0,
+    ramp_s: float = 2.0,
+    path: str = "/v2/models/demo/infer",
+) -> TrickleStats:
+    """``connections`` clients that each send a partial request head, then one more byte every
+    ``interval_s``, for ``seconds``; a client cut off by the server reconnects after
+    ``interval_s`` (as slowloris tools do). They start spread over ``ramp_s``."""
+    stats = TrickleStats(connections)
+    deadline = time.monotonic() + seconds
+    open_now = 0
+
+    async def one(i: int) -> None:
+        nonlocal open_now
+        await asyncio.sleep(ramp_s * i / connections)
+        while time.monotonic() < deadline:
+            try:
+                reader, writer = await asyncio.open_connection(HOST, port)
+            except OSError:
+                stats.connect_errors += 1
+                await asyncio.sleep(interval_s)
+                continue
+            stats.connects += 1
+            open_now += 1
+            stats.most_open = max(stats.most_open, open_now)
+            answer = b""
+            reset = False
+            try:
+                writer.write(f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nX-Slow-{i}: ".encode())
+                while time.monotonic() < deadline:
+                    try:
+                        part = await asyncio.wait_for(reader.read(4096), interval_s)
+                    except TimeoutError:
+                        writer.write(b"a")
+                        continue
+                    if not part:
+                        break
+                    answer += part
+            except OSError:
+                reset = True
+            finally:
+                open_now -= 1
+                await _close(writer)
+            if time.monotonic() >= deadline:
+                break
+            if not answer:
+                if reset:
+                    stats.cut_reset += 1
+                else:
+                    stats.cut_silent += 1
+            elif answer.startswith(b"HTTP/1.1 408"):
+                stats.cut_408 += 1
+            else:
+                stats.cut_other[int(answer[9:12] or b"0")] += 1
+            await asyncio.sleep(interval_s)
+
+    await asyncio.gather(*(one(i) for i in range(connections)))
+    return stats
+
+
+# --- a client measuring latency meanwhile ---------------------------------------------------
+
+
+@dataclass
+class SideStats:
+    """Latencies of a closed-loop client's requests."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    statuses: Counter[str] = field(default_factory=Counter)
+    """By status; ``"transport"`` for a connection that failed or closed without an answer."""
+
+
+async def side_client(
+    port: int,
+    request: bytes,
+    seconds: float,
+    *,
+    pause_s: float = 0.05,
+    check: Callable[[Answer], bool] | None = None,
+    timeout_s: float = 30.0,
+) -> SideStats:
+    """Send ``request`` on one keep-alive connection (reopened when the server closes it),
+    one at a time with ``pause_s`` between, for ``seconds``; time each from send to answer,
+    connecting included. ``check`` says whether a 200 is right (a wrong one is counted as
+    ``"wrong"``)."""
+    stats = SideStats()
+    deadline = time.monotonic() + seconds
+    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        try:
+            if conn is None:
+                conn = await asyncio.open_connection(HOST, port)
+            conn[1].write(request)
+            answer = await asyncio.wait_for(read_answer(conn[0]), timeout_s)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            stats.statuses["transport"] += 1
+            if conn is not None:
+                await _close(conn[1])
+            conn = None
+            continue
+        stats.latencies_s.append(time.perf_counter() - t0)
+        ok = answer.status != 200 or check is None or check(answer)
+        stats.statuses[str(answer.status) if ok else "wrong"] += 1
+        if answer.closes:
+            await _close(conn[1])
+            conn = None
+        await asyncio.sleep(pause_s)
+    if conn is not None:
+        await _close(conn[1])
+    return stats
+
+
+# --- big uploads ----------------------------------------------------------------------------
+
+
+@dataclass
+class UploadResult:
+    """How one upload ended."""
+
+    status: int
+    """The answer's status; 0: none (the connection closed or failed first)."""
+    sent: int
+    """Body bytes sent before the answer came (or the upload ended)."""
+    retry_after: bool = False
+    json_error: bool = False
+
+
+async def upload(
+    port: int,
+    head: bytes,
+    body_size: int,
+    *,
+    rate_bps: float,
+    chunk: int = 64 << 10,
+    timeout_s: float = 120.0,
+) -> UploadResult:
+    """Send ``head`` then ``body_size`` filler bytes at about ``rate_bps``; stop sending when
+    the server answers (a refused upload is not finished)."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    sent = 0
+    answered: asyncio.Task[Answer] = asyncio.ensure_future(read_answer(reader))
+    try:
+        writer.write(head)
+        block = b"\x00" * chunk
+        t0 = time.perf_counter()
+        while sent < body_size and not answered.done():
+            n = min(chunk, body_size - sent)
+            writer.write(block[:n])
+            await writer.drain()
+            sent += n
+            ahead = sent / rate_bps - (time.perf_counter() - t0)
+            if ahead > 0:
+                await asyncio.wait({answered}, timeout=ahead)
+        answer = await asyncio.wait_for(answered, timeout_s)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError):
+        return UploadResult(0, sent)
+    finally:
+        answered.cancel()
+        await _close(writer)
+    retry = "retry-after" in answer.headers
+    return UploadResult(answer.status, sent, retry, answer.is_json_error())
+
+
+# --- open loop ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One open-loop request: its status (0: no answer in time, or the connection failed)
+    and its latency from when it was due to be sent."""
+
+    status: int
+    latency_s: float
+    retry_after: bool = False
+    json_error: bool = True
+    wrong: bool = False
+
+
+async def open_loop(
+    port: int,
+    requests: Sequence[bytes],
+    rate: float,
+    seconds: float,
+    *,
+    give_up_s: float = 10.0,
+    check: Callable[[int, Answer], bool] | None = None,
+) -> list[Outcome]:
+    """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``, each on an idle
+    keep-alive connection or a new one, whatever the answers so far. ``check(i, answer)``
+    says whether the 200 to ``requests[i]`` is right."""
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    outcomes: list[Outcome] = []
+    tasks: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int, due: float) -> None:
+        conn = idle.pop() if idle else None
+        try:
+            async with asyncio.timeout_at(due + give_up_s):
+                if conn is None:
+                    conn = await asyncio.open_connection(HOST, port)
+                conn[1].write(requests[i % len(requests)])
+                answer = await read_answer(conn[0])
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            outcomes.append(Outcome(0, loop.time() - due))
+            if conn is not None:
+                await _close(conn[1])
+            return
+        wrong = answer.status == 200 and check is not None and not check(i, answer)
+        outcomes.append(
+            Outcome(
+                answer.status,
+                loop.time() - due,
+                "retry-after" in answer.headers,
+                answer.status == 200 or answer.is_json_error(),
+                wrong,
+            )
+        )
+        if answer.closes:
+            await _close(conn[1])
+        else:
+            idle.append(conn)
+
+    start = loop.time() + 0.05
+    total = int(rate * seconds)
+    for i in range(total):
+        due = start + i / rate
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.ensure_future(one(i, due))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    for _, writer in idle:
+        await _close(writer)
+    return outcomes
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+class RssPeak:
+    """Samples the resident memory of process ``pid`` and its children every ``every_s``
+    in a thread, from ``with`` to its end; ``peak`` and ``start`` are in bytes."""
+
+    def __init__(self, pid: int, every_s: float = 0.05) -> None:
+        self.pid = pid
+        self.every_s = every_s
+        self.start = self.peak = tree_rss_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss_bytes(self.pid))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="tricklers in their own process; prints JSON stats")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("trickle")
+    t.add_argument("--port", type=int, required=True)
+    t.add_argument("--connections", type=int, required=True)
+    t.add_argument("--seconds", type=float, required=True)
+    t.add_argument("--interval-s", type=float, default=1.0)
+    t.add_argument("--ramp-s", type=float, default=2.0)
+    args = p.parse_args(argv)
+    raise_fd_limit()
+    stats = asyncio.run(
+        trickle(
+            args.port,
+            args.connections,
+            args.seconds,
+            interval_s=args.interval_s,
+            ramp_s=args.ramp_s,
+        )
+    )
+    print(json.dumps(stats.to_json()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
