@@ -7,7 +7,7 @@
 - :func:`uploads`: concurrent slow uploads of big bodies, each answered or not;
 - :func:`open_loop`: requests at a fixed rate whatever the answers (open loop), each timed
   from when it was due to be sent;
-- :class:`RssPeak`: the peak resident memory of a process tree, sampled in a thread.
+- :class:`Peak`: the peak of a process's resident memory or open files, sampled in a thread.
 
 Raw sockets, not an HTTP library, so the clients cost little CPU beside the server and do
 exactly what they say (partial heads, bodies cut short, no retries of their own).
@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import resource
 import threading
 import time
@@ -92,6 +93,32 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _exchange(port: int, conn: Conn | None, request: bytes) -> tuple[Answer, Conn]:
+    """``request`` on ``conn`` (a kept-alive connection) or a new one; a kept-alive one the
+    server closed meanwhile (its keep-alive timeout) is replaced once, as HTTP clients do.
+    On failure the connection is closed and the error raised."""
+    for attempt in (1, 2):
+        reused = conn is not None
+        if conn is None:
+            conn = await asyncio.open_connection(HOST, port)
+        try:
+            conn[1].write(request)
+            return await read_answer(conn[0]), conn
+        except (OSError, asyncio.IncompleteReadError) as e:
+            await _close(conn[1])
+            conn = None
+            stale = isinstance(e, OSError) or not e.partial
+            if not (reused and stale and attempt == 1):
+                raise
+        except BaseException:
+            await _close(conn[1])
+            raise
+    raise AssertionError("unreachable")
 
 
 # --- one raw exchange ----------------------------------------------------------------------
@@ -279,18 +306,13 @@ async def side_client(
     ``"wrong"``)."""
     stats = SideStats()
     deadline = time.monotonic() + seconds
-    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    conn: Conn | None = None
     while time.monotonic() < deadline:
         t0 = time.perf_counter()
         try:
-            if conn is None:
-                conn = await asyncio.open_connection(HOST, port)
-            conn[1].write(request)
-            answer = await asyncio.wait_for(read_answer(conn[0]), timeout_s)
+            answer, conn = await asyncio.wait_for(_exchange(port, conn, request), timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             stats.statuses["transport"] += 1
-            if conn is not None:
-                await _close(conn[1])
             conn = None
             continue
         stats.latencies_s.append(time.perf_counter() - t0)
@@ -322,30 +344,42 @@ class UploadResult:
 
 async def upload(
     port: int,
-    head: bytes,
-    body_size: int,
+    path: str,
+    headers: dict[str, str],
+    prefix: bytes,
+    filler: int,
     *,
     rate_bps: float,
+    chunked: bool = False,
     chunk: int = 64 << 10,
     timeout_s: float = 120.0,
 ) -> UploadResult:
-    """Send ``head`` then ``body_size`` filler bytes at about ``rate_bps``; stop sending when
-    the server answers (a refused upload is not finished)."""
+    """POST a body of ``prefix`` then ``filler`` zero bytes at about ``rate_bps``, with a
+    ``Content-Length`` or ``chunked``; stop sending when the server answers (a refused
+    upload is not finished)."""
+    size = len(prefix) + filler
+    framing = {"Transfer-Encoding": "chunked"} if chunked else {"Content-Length": str(size)}
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}"]
+    lines += [f"{k}: {v}" for k, v in {**headers, **framing}.items()]
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     reader, writer = await asyncio.open_connection(HOST, port)
     sent = 0
     answered: asyncio.Task[Answer] = asyncio.ensure_future(read_answer(reader))
     try:
         writer.write(head)
-        block = b"\x00" * chunk
+        zeros = bytes(chunk)
         t0 = time.perf_counter()
-        while sent < body_size and not answered.done():
-            n = min(chunk, body_size - sent)
-            writer.write(block[:n])
+        while sent < size and not answered.done():
+            n = min(chunk, size - sent)
+            data = zeros[:n] if sent >= len(prefix) else (prefix[sent:] + zeros)[:n]
+            writer.write(b"%x\r\n%b\r\n" % (n, data) if chunked else data)
             await writer.drain()
             sent += n
             ahead = sent / rate_bps - (time.perf_counter() - t0)
             if ahead > 0:
                 await asyncio.wait({answered}, timeout=ahead)
+        if chunked and not answered.done():
+            writer.write(b"0\r\n\r\n")
         answer = await asyncio.wait_for(answered, timeout_s)
     except (OSError, asyncio.IncompleteReadError, TimeoutError):
         return UploadResult(0, sent)
@@ -354,6 +388,31 @@ async def upload(
         await _close(writer)
     retry = "retry-after" in answer.headers
     return UploadResult(answer.status, sent, retry, answer.is_json_error())
+
+
+async def closed_loop(
+    port: int, requests: Sequence[bytes], concurrency: int, seconds: float
+) -> float:
+    """Requests per second answered 200 by ``concurrency`` clients sending ``requests``
+    (cycled) back to back on keep-alive connections for ``seconds``: the server's capacity
+    when ``concurrency`` covers its batch."""
+    done = 0
+    deadline = time.monotonic() + seconds
+
+    async def client(k: int) -> None:
+        nonlocal done
+        conn: Conn | None = None
+        i = k
+        while time.monotonic() < deadline:
+            answer, conn = await _exchange(port, conn, requests[i % len(requests)])
+            done += answer.status == 200
+            i += concurrency
+        if conn is not None:
+            await _close(conn[1])
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return done / (time.monotonic() - t0)
 
 
 # --- open loop ------------------------------------------------------------------------------
@@ -383,7 +442,7 @@ async def open_loop(
     """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``, each on an idle
     keep-alive connection or a new one, whatever the answers so far. ``check(i, answer)``
     says whether the 200 to ``requests[i]`` is right."""
-    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    idle: list[Conn] = []
     outcomes: list[Outcome] = []
     tasks: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
@@ -392,14 +451,9 @@ async def open_loop(
         conn = idle.pop() if idle else None
         try:
             async with asyncio.timeout_at(due + give_up_s):
-                if conn is None:
-                    conn = await asyncio.open_connection(HOST, port)
-                conn[1].write(requests[i % len(requests)])
-                answer = await read_answer(conn[0])
+                answer, conn = await _exchange(port, conn, requests[i % len(requests)])
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             outcomes.append(Outcome(0, loop.time() - due))
-            if conn is not None:
-                await _close(conn[1])
             return
         wrong = answer.status == 200 and check is not None and not check(i, answer)
         outcomes.append(
@@ -436,29 +490,41 @@ async def open_loop(
 # --- memory ---------------------------------------------------------------------------------
 
 
-class RssPeak:
-    """Samples the resident memory of process ``pid`` and its children every ``every_s``
-    in a thread, from ``with`` to its end; ``peak`` and ``start`` are in bytes."""
+class Peak:
+    """The peak of ``measure()`` (a process's resident bytes, its open files...), sampled
+    every ``every_s`` in a thread from ``with`` to its end; ``start`` is the first sample."""
 
-    def __init__(self, pid: int, every_s: float = 0.05) -> None:
-        self.pid = pid
+    def __init__(self, measure: Callable[[], int], every_s: float = 0.05) -> None:
+        self.measure = measure
         self.every_s = every_s
-        self.start = self.peak = tree_rss_bytes(pid)
+        self.start = self.peak = measure()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, self.measure())
 
-    def __enter__(self) -> RssPeak:
+    def __enter__(self) -> Peak:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, tree_rss_bytes(self.pid))
+        with contextlib.suppress(OSError):
+            self.peak = max(self.peak, self.measure())
+
+
+def rss_of(pid: int) -> Callable[[], int]:
+    """Resident bytes of process ``pid`` and its children, for :class:`Peak`."""
+    return lambda: tree_rss_bytes(pid)
+
+
+def open_files_of(pid: int) -> Callable[[], int]:
+    """Open file descriptors of process ``pid`` (sockets included), for :class:`Peak`."""
+    return lambda: len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
