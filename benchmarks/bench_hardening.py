@@ -42,13 +42,11 @@ import httpx
 import numpy as np
 
 from benchmarks._common import markdown_table, parse_args, report
-from benchmarks.e2e import wire
 from benchmarks.e2e.fuzzcases import INFER, RAW_CASES, bad_requests, examples, judge_raw
 from benchmarks.e2e.fuzzcases import raw_requests as raw_strategy
 from benchmarks.e2e.hostile import (
-    Answer,
+    DemoRequests,
     Peak,
-    UploadResult,
     closed_loop,
     http_request,
     open_files_of,
@@ -57,10 +55,10 @@ from benchmarks.e2e.hostile import (
     rss_of,
     send_all,
     side_client,
-    upload,
+    upload_crowd,
 )
-from benchmarks.e2e.probes import write_repository
-from benchmarks.e2e.workload import Pool, check
+from benchmarks.e2e.probes import metric, write_repository
+from benchmarks.e2e.workload import Pool
 from tests.e2e.conftest import BitserveServer, start_server
 
 MiB = 1 << 20
@@ -95,23 +93,6 @@ def ms(seconds: float) -> str:
 
 def yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
-
-
-class Demo:
-    """The demo's requests and the check of its answers."""
-
-    def __init__(self, items: int) -> None:
-        self.pool = Pool.make(items)
-        self.bodies = [wire.encode("packed", item) for item in self.pool.items]
-
-    def requests(self, model: str) -> list[bytes]:
-        return [
-            http_request(f"/v2/models/{model}/infer", b.content, b.headers) for b in self.bodies
-        ]
-
-    def right(self, i: int, answer: Answer) -> bool:
-        got = wire.decode("packed", answer.headers, answer.body)[0].astype(np.float64)
-        return check(got, self.pool.expected[i % len(self.bodies)]) is None
 
 
 def alive(server: BitserveServer) -> bool:
@@ -164,7 +145,7 @@ def fuzz_row(server: BitserveServer, sizes: Sizes) -> list[Any]:
 # --- 2. tricklers ---------------------------------------------------------------------------
 
 
-def trickle_row(server: BitserveServer, sizes: Sizes, demo: Demo) -> list[Any]:
+def trickle_row(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> list[Any]:
     request = demo.requests("demo")[0]
     right = functools.partial(demo.right, 0)
     fresh = request.replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\nConnection: close\r\n", 1)
@@ -212,46 +193,19 @@ def trickle_row(server: BitserveServer, sizes: Sizes, demo: Demo) -> list[Any]:
 
 
 def upload_row(server: BitserveServer, sizes: Sizes, *, chunked: bool) -> list[Any]:
-    items = sizes.upload_mib * MiB // 125_000
-    filler = items * 125_000
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "spikes",
-                    "datatype": "UINT8",
-                    "shape": [items, 20, 6250],
-                    "parameters": {"binary_data_size": filler},
-                }
-            ]
-        }
-    ).encode()
-    results: list[UploadResult] = []
-
-    async def uploader() -> None:
-        deadline = time.monotonic() + sizes.upload_s
-        while time.monotonic() < deadline:
-            r = await upload(
+    with Peak(rss_of(server.process.pid)) as rss:
+        results = asyncio.run(
+            upload_crowd(
                 server.port,
-                INFER,
-                {"Inference-Header-Content-Length": str(len(header))},
-                header,
-                filler,
+                sizes.uploads,
+                sizes.upload_mib * MiB,
                 rate_bps=sizes.upload_bps,
+                seconds=sizes.upload_s,
                 chunked=chunked,
             )
-            results.append(r)
-            if r.status == 503:
-                await asyncio.sleep(1.0)  # its Retry-After
-
-    async def everyone() -> None:
-        await asyncio.gather(*(uploader() for _ in range(sizes.uploads)))
-
-    with Peak(rss_of(server.process.pid)) as rss:
-        asyncio.run(everyone())
+        )
     growth = rss.peak - rss.start
     statuses = Counter(r.status for r in results)
-    whole = sum(r.sent == len(header) + filler for r in results)
     bad = sum(
         r.status not in (400, 503) or (r.status == 503 and not r.retry_after) for r in results
     )
@@ -262,9 +216,9 @@ def upload_row(server: BitserveServer, sizes: Sizes, *, chunked: bool) -> list[A
         f"{sizes.upload_bps / 1e6:.1f} MB/s each for {sizes.upload_s:.0f} s, retrying after 503",
         "RSS stays within max_inflight_bytes + 300 MiB",
         f"RSS {rss.start / MiB:.0f} -> peak {rss.peak / MiB:.0f} MiB: +{growth / MiB:.0f} MiB "
-        f"(limit +{(BUDGET + 300 * MiB) / MiB:.0f}); {whole} uploads read whole (answered 400: "
-        f"too big a batch for the demo), {statuses.get(503, 0)} refused 503 with Retry-After, "
-        f"{bad} other",
+        f"(limit +{(BUDGET + 300 * MiB) / MiB:.0f}); {statuses.get(400, 0)} uploads read whole "
+        f"(answered 400: too big a batch for the demo), {statuses.get(503, 0)} refused 503 "
+        f"with Retry-After, {bad} other",
         yes(ok),
     ]
 
@@ -272,7 +226,18 @@ def upload_row(server: BitserveServer, sizes: Sizes, *, chunked: bool) -> list[A
 # --- 4. overload ----------------------------------------------------------------------------
 
 
-def overload_rows(server: BitserveServer, sizes: Sizes, demo: Demo) -> list[list[Any]]:
+def server_latency(server: BitserveServer, model: str) -> dict[str, float]:
+    """The server's own count of ``model``'s requests handled within 1 s and 2.5 s (its
+    latency histogram's buckets; ``""``: all of them)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    name = "bitserve_request_latency_seconds"
+    out = {"": metric(text, f"{name}_count", 0.0, model=model)}
+    for le in ("1.0", "2.5"):
+        out[le] = metric(text, f"{name}_bucket", 0.0, model=model, le=le)
+    return out
+
+
+def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> list[list[Any]]:
     requests = demo.requests("demo")
     asyncio.run(closed_loop(server.port, requests, 32, sizes.capacity_s / 2))  # warm-up
     capacity = asyncio.run(closed_loop(server.port, requests, 32, sizes.capacity_s))
@@ -283,9 +248,13 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: Demo) -> list[list
         ("demo", "as built in"),
         ("demo_qt", f"queue_timeout_us {QUEUE_TIMEOUT_US}"),
     ):
+        before = server_latency(server, model)
         outs = asyncio.run(
             open_loop(server.port, demo.requests(model), rate, sizes.overload_s, check=demo.right)
         )
+        after = server_latency(server, model)
+        inside = {k: (after[k] - before[k]) / max(1.0, after[""] - before[""]) for k in after}
+        lag99 = float(np.percentile([o.lag_s for o in outs], 99))
         lat = np.array([o.latency_s for o in outs])
         status = np.array([o.status for o in outs])
         answered = np.isin(status, (200, 503))
@@ -305,7 +274,9 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: Demo) -> list[list
                 f"{int(np.sum(status == 503))} x 503, {int(np.sum(~answered))} other or none; "
                 f"{within:.1%} answered within 2 s (slowest {ms(float(lat.max()))}); 200s p50 "
                 f"{ms(float(np.percentile(good, 50))) if len(good) else '-'}, p99 {ms(p99)}; "
-                f"{wrong} wrong answers, {unlabelled} 503s without Retry-After",
+                f"{wrong} wrong answers, {unlabelled} 503s without Retry-After. Inside the "
+                f"server: {inside['1.0']:.1%} handled within 1 s, {inside['2.5']:.1%} within "
+                f"2.5 s; the client started requests up to {ms(lag99)} late (p99)",
                 yes(ok),
             ]
         )
@@ -317,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv)
     sizes = SMOKE if args.smoke else FULL
     fd_limit = raise_fd_limit()  # the server and the tricklers inherit it
-    demo = Demo(4 if args.smoke else 16)
+    demo = DemoRequests(Pool.make(4 if args.smoke else 16))
     rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-hardening-") as tmp:
         root = Path(tmp) / "repo"

@@ -4,7 +4,7 @@
   reconnecting when the server cuts them; also a command (``python -m
   benchmarks.e2e.hostile trickle ...``) so the tricklers run in their own process;
 - :func:`side_client`: a closed-loop client measuring the latency of real requests meanwhile;
-- :func:`uploads`: concurrent slow uploads of big bodies, each answered or not;
+- :func:`upload`, :func:`upload_crowd`: slow uploads of big bodies, many at once;
 - :func:`open_loop`: requests at a fixed rate whatever the answers (open loop), each timed
   from when it was due to be sent;
 - :class:`Peak`: the peak of a process's resident memory or open files, sampled in a thread.
@@ -29,7 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from benchmarks.e2e import wire
 from benchmarks.e2e.loadgen import tree_rss_bytes
+from benchmarks.e2e.workload import Pool, check
 
 HOST = "127.0.0.1"
 
@@ -330,6 +334,26 @@ async def side_client(
 # --- big uploads ----------------------------------------------------------------------------
 
 
+class DemoRequests:
+    """Requests for the demo model (one packed item each, from a pool with float64
+    references) and the check of their answers."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.bodies = [wire.encode("packed", item) for item in pool.items]
+
+    def requests(self, model: str = "demo") -> list[bytes]:
+        """One keep-alive request per pool item, to ``model``."""
+        return [
+            http_request(f"/v2/models/{model}/infer", b.content, b.headers) for b in self.bodies
+        ]
+
+    def right(self, i: int, answer: Answer) -> bool:
+        """Whether ``answer`` (a 200) is the reference answer to request ``i`` (cycled)."""
+        got = wire.decode("packed", answer.headers, answer.body)[0].astype(np.float64)
+        return check(got, self.pool.expected[i % len(self.bodies)]) is None
+
+
 @dataclass
 class UploadResult:
     """How one upload ended."""
@@ -415,6 +439,46 @@ async def closed_loop(
     return done / (time.monotonic() - t0)
 
 
+async def upload_crowd(
+    port: int,
+    uploads: int,
+    size: int,
+    *,
+    rate_bps: float,
+    seconds: float,
+    chunked: bool = False,
+    retry_s: float = 1.0,
+) -> list[UploadResult]:
+    """``uploads`` clients each uploading a demo request of about ``size`` bytes (a batch too
+    big for the model: a body read whole is answered 400) at ``rate_bps``, again and again
+    for ``seconds``, waiting ``retry_s`` after each 503."""
+    items = size // 125_000  # packed bytes of one demo item
+    filler = items * 125_000
+    spec = {"name": "spikes", "datatype": "UINT8", "shape": [items, 20, 6250]}
+    header = json.dumps({"inputs": [{**spec, "parameters": {"binary_data_size": filler}}]})
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+    results: list[UploadResult] = []
+
+    async def uploader() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            r = await upload(
+                port,
+                "/v2/models/demo/infer",
+                headers,
+                header.encode(),
+                filler,
+                rate_bps=rate_bps,
+                chunked=chunked,
+            )
+            results.append(r)
+            if r.status == 503:
+                await asyncio.sleep(retry_s)
+
+    await asyncio.gather(*(uploader() for _ in range(uploads)))
+    return results
+
+
 # --- open loop ------------------------------------------------------------------------------
 
 
@@ -425,6 +489,8 @@ class Outcome:
 
     status: int
     latency_s: float
+    lag_s: float
+    """How late the client itself started it (a busy client's share of the latency)."""
     retry_after: bool = False
     json_error: bool = True
     wrong: bool = False
@@ -448,18 +514,21 @@ async def open_loop(
     loop = asyncio.get_running_loop()
 
     async def one(i: int, due: float) -> None:
+        lag = loop.time() - due
         conn = idle.pop() if idle else None
         try:
             async with asyncio.timeout_at(due + give_up_s):
                 answer, conn = await _exchange(port, conn, requests[i % len(requests)])
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            outcomes.append(Outcome(0, loop.time() - due))
+            outcomes.append(Outcome(0, loop.time() - due, lag))
             return
+        latency = loop.time() - due
         wrong = answer.status == 200 and check is not None and not check(i, answer)
         outcomes.append(
             Outcome(
                 answer.status,
-                loop.time() - due,
+                latency,
+                lag,
                 "retry-after" in answer.headers,
                 answer.status == 200 or answer.is_json_error(),
                 wrong,

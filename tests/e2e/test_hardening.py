@@ -32,24 +32,21 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.fuzzcases import INFER, RAW_CASES, examples, judge_raw, raw_requests
+from benchmarks.e2e.fuzzcases import RAW_CASES, examples, judge_raw, raw_requests
 from benchmarks.e2e.hostile import (
-    Answer,
+    DemoRequests,
     Peak,
-    UploadResult,
     closed_loop,
-    http_request,
     open_files_of,
     open_loop,
     raise_fd_limit,
     rss_of,
     send_all,
     side_client,
-    upload,
+    upload_crowd,
 )
 from benchmarks.e2e.probes import write_repository
-from benchmarks.e2e.workload import Pool, check
+from benchmarks.e2e.workload import Pool
 from tests.e2e.conftest import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
@@ -73,18 +70,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]
 
 
 @pytest.fixture(scope="module")
-def pool() -> Pool:
-    return Pool.make(4)
-
-
-def requests_of(pool: Pool) -> list[bytes]:
-    bodies = [wire.encode("packed", item) for item in pool.items]
-    return [http_request(INFER, b.content, b.headers) for b in bodies]
-
-
-def right(pool: Pool, i: int, answer: Answer) -> bool:
-    got = wire.decode("packed", answer.headers, answer.body)[0].astype(np.float64)
-    return check(got, pool.expected[i % len(pool.items)]) is None
+def demo() -> DemoRequests:
+    return DemoRequests(Pool.make(4))
 
 
 def test_hostile_http_requests_get_json_answers_under_500(server: BitserveServer) -> None:
@@ -98,17 +85,17 @@ def test_hostile_http_requests_get_json_answers_under_500(server: BitserveServer
 
 
 def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
-    server: BitserveServer, pool: Pool
+    server: BitserveServer, demo: DemoRequests
 ) -> None:
     n = 10 * CAP
     cmd = [sys.executable, "-m", "benchmarks.e2e.hostile", "trickle", "--port", str(server.port)]
     cmd += ["--connections", str(n), "--seconds", "7", "--ramp-s", "1"]
-    request = requests_of(pool)[0]
+    request = demo.requests()[0]
     with Peak(open_files_of(server.process.pid), every_s=0.2) as files:
         tricklers = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         time.sleep(1.5)
         side = asyncio.run(
-            side_client(server.port, request, 4.5, check=functools.partial(right, pool, 0))
+            side_client(server.port, request, 4.5, check=functools.partial(demo.right, 0))
         )
         out, _ = tricklers.communicate(timeout=120)
     stats = json.loads(out)
@@ -132,34 +119,18 @@ def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
 def test_concurrent_big_uploads_stay_within_the_budget(
     server: BitserveServer, chunked: bool
 ) -> None:
-    uploads, size = 16, 24 * MiB  # 384 MiB at once without the budget
-    items = size // 125_000
-    filler = items * 125_000
-    spec = {"name": "spikes", "datatype": "UINT8", "shape": [items, 20, 6250]}
-    header = json.dumps({"inputs": [{**spec, "parameters": {"binary_data_size": filler}}]}).encode()
-    results: list[UploadResult] = []
-
-    async def uploader() -> None:
-        deadline = time.monotonic() + 4
-        while time.monotonic() < deadline:
-            r = await upload(
-                server.port,
-                INFER,
-                {"Inference-Header-Content-Length": str(len(header))},
-                header,
-                filler,
-                rate_bps=24e6,
-                chunked=chunked,
-            )
-            results.append(r)
-            if r.status == 503:
-                await asyncio.sleep(0.5)
-
-    async def everyone() -> None:
-        await asyncio.gather(*(uploader() for _ in range(uploads)))
-
     with Peak(rss_of(server.process.pid)) as rss:
-        asyncio.run(everyone())
+        results = asyncio.run(
+            upload_crowd(
+                server.port,
+                16,
+                24 * MiB,  # 384 MiB at once without the budget
+                rate_bps=24e6,
+                seconds=4.0,
+                chunked=chunked,
+                retry_s=0.5,
+            )
+        )
     growth = rss.peak - rss.start
     statuses = Counter(r.status for r in results)
     print(f"RSS +{growth / MiB:.0f} MiB (budget {BUDGET / MiB:.0f} MiB); answers {statuses}")
@@ -172,14 +143,12 @@ def test_concurrent_big_uploads_stay_within_the_budget(
 
 
 def test_open_loop_overload_answers_every_request_200_or_503(
-    server: BitserveServer, pool: Pool
+    server: BitserveServer, demo: DemoRequests
 ) -> None:
-    requests = requests_of(pool)
+    requests = demo.requests()
     asyncio.run(closed_loop(server.port, requests, 32, 1.0))  # warm-up
     capacity = asyncio.run(closed_loop(server.port, requests, 32, 2.0))
-    outcomes = asyncio.run(
-        open_loop(server.port, requests, 3 * capacity, 5.0, check=functools.partial(right, pool))
-    )
+    outcomes = asyncio.run(open_loop(server.port, requests, 3 * capacity, 5.0, check=demo.right))
     statuses = Counter(o.status for o in outcomes)
     lat = np.array([o.latency_s for o in outcomes])
     good = np.array([o.latency_s for o in outcomes if o.status == 200])
