@@ -3,7 +3,7 @@
 # bitserve on a CUDA host.
 #
 #   docker build -t bitserve .
-#   docker run --gpus device=0 -p 8000:8000 -v "$PWD/models:/models:ro" bitserve
+#   docker run --gpus all -p 8000:8000 -v "$PWD/models:/models:ro" bitserve   # workers over all GPUs
 #   docker run --gpus device=0 -p 8000:8000 bitserve serve        # the built-in demo model
 #
 # The base image brings CUDA, cuDNN, torch and the Triton that torch was built with; the
@@ -54,7 +54,9 @@ EXPOSE 8000
 # Ready = every model is loaded and warm; start-period covers loading onto the device.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('BITSERVE_PORT', '8000'), timeout=2)"]
-# Exec form: bitserve is PID 1 and receives SIGTERM itself, so it drains in-flight requests
-# (give it time: docker stop -t / compose stop_grace_period / k8s terminationGracePeriodSeconds).
+# Exec form: bitserve is PID 1 and receives SIGTERM itself; with several workers (the default
+# on more than one core) it is their supervisor and passes the SIGTERM on, and every worker
+# drains its in-flight requests (give it time: docker stop -t / compose stop_grace_period /
+# k8s terminationGracePeriodSeconds). The workers' run directory is in /tmp.
 ENTRYPOINT ["bitserve"]
 CMD ["serve", "--model-repository", "/models"]

@@ -36,7 +36,7 @@ from service.observability import printable_path
 from service.protocol.response import error_body
 from service.settings import Settings
 
-log = logging.getLogger("bitserve.app")
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -39,7 +39,7 @@ from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceE
 from service.metrics import Metrics
 from service.observability import request_id_var
 
-log = logging.getLogger("bitserve.batcher")
+log = logging.getLogger(__name__)
 
 _MAX_TIMEOUT_US = 86_400 * 10**6  # a day
 P = TypeVar("P")

@@ -12,18 +12,23 @@ Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
+import socket
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def _flag(name: str) -> str:
@@ -107,22 +112,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def serve(settings: Settings) -> int:
-    """Run uvicorn until SIGINT/SIGTERM, which let in-flight requests finish first."""
+def uvicorn_config(
+    settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
+) -> uvicorn.Config:
+    """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
     import uvicorn
 
-    from service.app import create_app
     from service.http_protocol import max_connections, protocol_class
-    from service.observability import configure_logging
 
-    log_config = configure_logging(settings.log_level)
-    app = create_app(settings)
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,
         max_header_bytes=settings.max_header_bytes,
         max_connections=max_connections(settings.max_connections),
     )
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -136,8 +139,16 @@ def serve(settings: Settings) -> int:
         server_header=False,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        **extra,
     )
-    server = uvicorn.Server(config)
+
+
+def run_server(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> int:
+    """Run a uvicorn server until SIGINT/SIGTERM, which let in-flight requests finish first.
+
+    Returns:
+        0 after a drain that SIGTERM started, 130 after SIGINT, 1 if it never started.
+    """
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
     # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
     # Then it restores the handlers it found and raises the signal again, which by default
@@ -153,7 +164,7 @@ def serve(settings: Settings) -> int:
 
     previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -161,6 +172,38 @@ def serve(settings: Settings) -> int:
         return 1
     # Ctrl-C keeps the shell's convention; SIGTERM (a supervisor's stop) is a clean exit.
     return 128 + signal.SIGINT if signal.SIGINT in received else 0
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM: in this process, or as ``settings.workers``
+    worker processes under a supervisor (:mod:`service.workers`)."""
+    import uvicorn
+
+    from service.observability import configure_logging
+
+    log_config = configure_logging(settings.log_level)
+    if settings.workers != 1:
+        from service import workers
+
+        gpus = workers.gpu_count(settings.device)
+        try:
+            plan = workers.plan_workers(
+                settings.workers,
+                cores=workers.available_cores(),
+                gpus=gpus,
+                omp_threads=os.environ.get("OMP_NUM_THREADS"),
+                linux=sys.platform == "linux",
+            )
+        except ValueError as e:
+            print(f"bitserve serve: workers: {e}", file=sys.stderr)
+            return 2
+        if plan.workers > 1:
+            return workers.supervise(settings, plan, gpus)
+        logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
+    from service.app import create_app
+
+    app = create_app(settings)
+    return run_server(uvicorn.Server(uvicorn_config(settings, app, log_config)))
 
 
 def _operator_limit(flag: str | None) -> int:

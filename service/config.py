@@ -15,14 +15,23 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from service.protocol.types import DATATYPES
+from service.devices import parse_device
+from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
 
 
 def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
@@ -57,18 +66,25 @@ CONFIG_FILE = "config.toml"
 DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
 """Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
-Datatype = Literal[
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64",
-]  # fmt: skip
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """A check that a value is one of ``allowed`` (a view of the datatype registry)."""
+
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"Input should be one of {', '.join(allowed)}")
+        return value
+
+    return check
+
+
+InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
+OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
 ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
 Response = Literal["gaussian", "lorentzian", "boxcar", "triangle", "tabulated"]
 # Suffix of a [model] file -> how it is loaded (never with pickle).
 MODEL_FORMATS = {".pt2": "torch_export", ".pt": "torchscript", ".ts": "torchscript"}
-
-assert set(Datatype.__args__) == set(DATATYPES)  # type: ignore[attr-defined]
 
 
 class ConfigError(Exception):
@@ -109,7 +125,7 @@ class InputConfig(_Strict):
 
     name: str = Field(min_length=1, max_length=128)
     """Tensor name clients use."""
-    datatype: Datatype
+    datatype: InputDatatype
     """Logical V2 datatype; ``"BOOL"`` with ``packing = "bits"`` for bit-packed features."""
     shape: list[int] = Field(min_length=1, max_length=8)
     """Logical shape of one item, without the batch dimension, e.g. ``[20, 50000]``."""
@@ -223,7 +239,7 @@ class OutputConfig(_Strict):
     """One output tensor; its shape is found at load time when not given."""
 
     name: str = Field(min_length=1, max_length=128)
-    datatype: Literal["FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8"]
+    datatype: OutputDatatype
     shape: list[int] | None = None
     """Shape of one item without the batch dimension; checked against the warm-up run."""
 
@@ -254,8 +270,7 @@ class ModelConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if not _DEVICE_RE.fullmatch(value):
-            raise ValueError(f'{value!r} is not "auto", "cpu", "cuda" or "cuda:N"')
+        parse_device(value)
         return value
 
     @model_validator(mode="after")

@@ -28,7 +28,6 @@ from service.protocol import (
     InferRequest,
     InferResponse,
     ResponseOutput,
-    compress,
     decode_infer_request,
     decompress,
     encode_infer_response,
@@ -36,7 +35,7 @@ from service.protocol import (
     worth_compressing,
 )
 from service.protocol.compression import MIN_BYTES
-from service.protocol.response import wants_binary
+from service.protocol.response import compress_response, wants_binary
 
 T = TypeVar("T")
 
@@ -302,5 +301,4 @@ def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> E
     # every other connection) must not pay.
     if not worth_compressing(enc.body, enc.binary_from, mode):
         return enc
-    headers = {**enc.headers, "Content-Encoding": encoding}
-    return EncodedResponse(compress(enc.body, encoding), headers, enc.media_type, enc.binary_from)
+    return compress_response(enc, encoding)

@@ -50,7 +50,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-log = logging.getLogger("bitserve.app")
+log = logging.getLogger(__name__)
 
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"

@@ -27,8 +27,8 @@ from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_in
 from service.observability import RequestIds, printable_path, request_id_var
 from service.protocol.response import error_body
 
-log = logging.getLogger("bitserve.access")
-error_log = logging.getLogger("bitserve.error")
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(f"{__name__}.access")  # one line per request
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -146,7 +146,9 @@ class Gateway:
         if len(path) > 1 and path.endswith("/"):
             path = path.rstrip("/") or "/"
             scope["path"] = path
-            scope["raw_path"] = path.encode()
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
         status = 0
         started = False
         self.active += 1
@@ -181,7 +183,7 @@ class Gateway:
             else:
                 await self.fallback(scope, receive, send_with_id)
         except Exception:
-            error_log.exception("unhandled error in %s %s", scope["method"], printable_path(path))
+            log.exception("unhandled error in %s %s", scope["method"], printable_path(path))
             if not started and status == 0:
                 status = 500
                 await _last_answer(send, 500, f"internal error (request id {rid})", rid)
@@ -197,7 +199,7 @@ class Gateway:
                 await _last_answer(send, 503, "the server is shutting down; retry later", rid)
         finally:
             if self.access_log:
-                log.info(
+                request_log.info(
                     "%s %s %d %.1fms",
                     scope["method"],
                     printable_path(path),

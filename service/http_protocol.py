@@ -21,6 +21,9 @@ than h11. On top of it, :class:`BitserveHttpProtocol` adds what uvicorn leaves o
   with a request is the new one answered 503 and closed.
 - **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason
   (uvicorn writes a fixed plain-text line).
+- **One write per response.** uvicorn writes a response's head and its body separately: two
+  system calls (and on loopback two wake-ups of the client) where one does. The head is held
+  until the body's first write, or the end of the response (:class:`_HeldHead`).
 
 A connection closed while it had sent no byte of a request head (idle keep-alive, or never
 used) is closed without an answer, as uvicorn's keep-alive timeout does: an unsolicited 408
@@ -34,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import httptools
@@ -43,7 +46,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from service.config import safe_text
 from service.protocol.response import error_body
 
-log = logging.getLogger("bitserve.http")
+log = logging.getLogger(__name__)
 
 
 def _error_bytes(status: int, message: str) -> bytes:
@@ -57,6 +60,43 @@ def _error_bytes(status: int, message: str) -> bytes:
             body,
         ]
     )
+
+
+class _HeldHead:
+    """A connection's transport for one request's response: holds the head (the first write,
+    unless it is an interim ``100 Continue``) and sends it with the next write, or on
+    :meth:`flush` and :meth:`close`. Everything else goes to the real transport."""
+
+    __slots__ = ("_head", "_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+        self._held = False
+
+    def write(self, data: bytes) -> None:
+        if not self._held and not data.startswith(b"HTTP/1.1 100 "):
+            self._held = True
+            self._head = data
+            return
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class _HeadTooLarge(Exception):
@@ -129,6 +169,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         """The current request's body has been received whole."""
         self._served = False
         """A response has been sent on this connection."""
+        self._responses: deque[_HeldHead] = deque()
 
     # --- connections waiting for a head (one registry per server) --------------------------
 
@@ -212,6 +253,8 @@ class BitserveHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's data_received, answering malformed HTTP in JSON with the parser's reason.
+        if self.transport.is_closing():
+            return  # refused (or closing): what else arrives is not parsed
         self._began_in_this_read = False
         self._unset_keepalive_if_required()
         try:
@@ -264,12 +307,24 @@ class BitserveHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._stop_waiting()
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.transport is self.transport:
+            held = _HeldHead(self.transport)
+            self.cycle.transport = held  # type: ignore[assignment]
+            self._responses.append(held)  # answered in order, pipelined or not
+
+    def on_body(self, body: bytes) -> None:
+        if not self.transport.is_closing():  # a refused head's body is not kept
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._message_done = True
-        super().on_message_complete()
+        if not self.transport.is_closing():
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        if self._responses:
+            # A response without body bytes (to HEAD) has written only its head so far.
+            self._responses.popleft().flush()
         super().on_response_complete()
         self._served = True
         if self.transport.is_closing() or self._waiting_for_head:

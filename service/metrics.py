@@ -1,4 +1,11 @@
-"""Prometheus metrics, one registry per application (no module-level globals)."""
+"""Prometheus metrics, one registry per application (no module-level globals).
+
+With ``--workers N`` every worker writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus_client's multiprocess mode, chosen when prometheus_client is first imported: the
+supervisor sets the variable before it starts the workers), and ``/metrics`` on any worker
+renders the whole server: counters and histograms summed over every worker that ever ran,
+gauges summed over the live ones (a worker's own share disappears when it dies).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as _values
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -17,12 +25,27 @@ class Metrics:
     """The server's metrics.
 
     The data plane calls the ``observe_*`` methods; ``/metrics`` serves :meth:`render`.
+
+    Args:
+        multiprocess_dir: render every process's samples from this folder (it must be the
+            ``PROMETHEUS_MULTIPROC_DIR`` this process started with); None: this process's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         # Labelled children of the per-request series, looked up once per (model, outcome).
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.registry = CollectorRegistry()
+        self._render_registry = self.registry
+        if multiprocess_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            if _values.ValueClass is _values.MutexValue:
+                raise RuntimeError(
+                    "PROMETHEUS_MULTIPROC_DIR was not set when prometheus_client was imported"
+                )
+            self._render_registry = CollectorRegistry()
+            MultiProcessCollector(self._render_registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+        self._multiprocess = multiprocess_dir is not None
         r = self.registry
         self.requests = Counter(
             "bitserve_requests",
@@ -69,18 +92,21 @@ class Metrics:
             "bitserve_in_flight_requests",
             "Inference requests being handled now.",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_depth = Gauge(
             "bitserve_queue_depth",
             "Requests waiting in a model's queue.",
             ["model"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.device_memory = Gauge(
             "bitserve_device_memory_bytes",
             "Bytes held on the device by a loaded model (operator, model, buffers).",
             ["model", "device"],
             registry=r,
+            multiprocess_mode="livesum",
         )
 
     def observe_request(self, model: str, outcome: str, seconds: float) -> None:
@@ -116,11 +142,14 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop a model's per-model gauges when it is unloaded (by the repository, once, after
         its batchers have stopped; not on a reload, whose new batchers own the series)."""
-        with contextlib.suppress(KeyError):
-            self.queue_depth.remove(model)
+        if self._multiprocess:  # its file keeps the series: show it empty, not stale
+            self.queue_depth.labels(model).set(0)
+        else:
+            with contextlib.suppress(KeyError):
+                self.queue_depth.remove(model)
         for key in [k for k in self._request_children if k[0] == model]:
             del self._request_children[key]
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)

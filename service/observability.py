@@ -57,23 +57,27 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def logging_config(level: str) -> dict[str, Any]:
-    """A ``logging.config.dictConfig`` for the server and uvicorn, with request ids."""
+def logging_config(level: str, worker: int | None = None) -> dict[str, Any]:
+    """A ``logging.config.dictConfig`` for the server and uvicorn, with request ids (and the
+    worker's index after the logger name in a worker process of ``--workers``)."""
     handler = {
         "class": "logging.StreamHandler",
         "formatter": "default",
         "filters": ["request_id"],
         "stream": "ext://sys.stderr",
     }
+    tagged = LOG_FORMAT.replace("%(name)s", f"%(name)s w{worker}")
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "filters": {"request_id": {"()": RequestIdFilter}},
-        "formatters": {"default": {"format": LOG_FORMAT}},
+        "formatters": {"default": {"format": LOG_FORMAT if worker is None else tagged}},
         "handlers": {"default": handler},
         "loggers": {
-            "bitserve": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            # Every logger is named by its module (``logging.getLogger(__name__)``), so these
+            # two roots cover the server and the ops it runs.
             "service": {"handlers": ["default"], "level": level.upper(), "propagate": False},
+            "gpu_ops": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             "uvicorn": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             # Our own access log carries the request id; uvicorn's would duplicate it.
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
@@ -81,7 +85,7 @@ def logging_config(level: str) -> dict[str, Any]:
     }
 
 
-def configure_logging(level: str) -> dict[str, Any]:
+def configure_logging(level: str, worker: int | None = None) -> dict[str, Any]:
     """Apply :func:`logging_config` to this process; returns it (for uvicorn's ``Config``).
 
     Records skip what nobody formats here (caller's file and line, thread, process), each of
@@ -89,7 +93,7 @@ def configure_logging(level: str) -> dict[str, Any]:
     """
     import logging.config
 
-    config = logging_config(level)
+    config = logging_config(level, worker)
     logging.config.dictConfig(config)
     # The logging module's documented switches for this ("Optimization" in its HOWTO).
     logging._srcfile = None

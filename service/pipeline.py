@@ -22,37 +22,33 @@ from typing import Any
 import numpy as np
 import torch
 
+from service import devices
 from service.config import (
     ConfigError,
     InputConfig,
     ModelConfig,
     OperatorConfig,
 )
-from service.protocol.types import DATATYPES
+from service.protocol.types import DATATYPES, REGISTRY
 from service.signature import Bound
 
-COMPUTE_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
 }
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-}
+"""The operator's compute dtypes by their config names (``[operator] dtype``)."""
 
-_NUMPY_TO_TORCH = {DATATYPES[k]: v for k, v in TORCH_DTYPES.items()}
+
+def torch_dtype(datatype: str) -> torch.dtype:
+    """The torch dtype of a V2 datatype (from the one registry, ``REGISTRY``)."""
+    name = REGISTRY[datatype].torch
+    if name is None:
+        raise ValueError(f"{datatype} has no torch dtype")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+# The wire's NumPy dtype of an unpacked input -> the torch dtype to view its bytes as.
+_NUMPY_TO_TORCH = {wire: torch_dtype(name) for name, wire in DATATYPES.items()}
 
 
 @dataclass
@@ -70,25 +66,11 @@ class Artifacts:
 
 
 def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
-    """A concrete device string (``"cpu"`` or ``"cuda:N"``) for a config's ``device``.
-
-    ``"auto"`` in the config defers to ``default`` (the server's setting); ``"auto"`` there
-    means CUDA device 0 when available, else the CPU.
-
-    Raises:
-        ConfigError: a CUDA device that this host does not have.
-    """
-    if device == "auto":
-        device = default
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return "cpu"
-    index = int(device.partition(":")[2] or 0)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index >= count:
-        raise ConfigError([f"{source}: device: {device!r}, but this host has {count} CUDA devices"])
-    return f"cuda:{index}"
+    """:func:`service.devices.resolve_device` for a config, its problems as ConfigError."""
+    try:
+        return devices.resolve_device(device, default)
+    except ValueError as e:
+        raise ConfigError([f"{source}: device: {e}"]) from None
 
 
 def build_operator(
@@ -168,11 +150,11 @@ class Pipeline:
         # What each input is on the device: the operator's in its compute dtype, the others
         # in their logical datatype (bit-packed ones as bool).
         self._dtypes = [
-            self.compute_dtype if i == self.operator_input else TORCH_DTYPES[spec.datatype]
+            self.compute_dtype if i == self.operator_input else torch_dtype(spec.datatype)
             for i, spec in enumerate(self.inputs)
         ]
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
-        self._out_dtypes = [TORCH_DTYPES[o.datatype] for o in cfg.outputs]
+        self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
         with torch.inference_mode(), self._device_context():
             self.operator = (

@@ -35,7 +35,7 @@ from service.model_files import check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.signature import Bound
 
-log = logging.getLogger("bitserve.repository")
+log = logging.getLogger(__name__)
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 # CPU batches that take less CPU time than this run on the event loop, not in the device's
@@ -64,6 +64,8 @@ class ModelRepository:
         warmup: run a full-size batch through each model at load.
         max_operator_bytes: the most bytes a model's response operator may take once built
             (checked by :func:`service.model_files.load_version`, as ``check-repo`` does).
+        initial_models: the models :meth:`start` loads; None: every model of the repository
+            (``--workers``: the set the workers agreed on, see ``service.cluster``).
     """
 
     def __init__(
@@ -74,12 +76,14 @@ class ModelRepository:
         default_device: str = "auto",
         warmup: bool = True,
         max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
+        initial_models: list[str] | None = None,
     ) -> None:
         self.root = root
         self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
         self.default_device = default_device
         self.warmup = warmup
+        self._initial_models = initial_models
         self._models: dict[str, dict[str, _Entry]] = {}
         self._unloaded: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -96,7 +100,10 @@ class ModelRepository:
         A model that fails to load is recorded as UNAVAILABLE with the reason; the server is
         then not ready (see :attr:`ready`), as in Triton's strict readiness.
         """
-        names = ["demo"] if self.root is None else self._disk_names()
+        if self._initial_models is not None:
+            names = self._initial_models
+        else:
+            names = ["demo"] if self.root is None else self._disk_names()
         for name in names:
             try:
                 await self.load(name)

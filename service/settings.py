@@ -6,7 +6,6 @@ Precedence: command-line flag > environment variable > default.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -14,8 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.config import DEFAULT_MAX_OPERATOR_BYTES
-
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+from service.devices import cuda_count, parse_device
 
 
 class Settings(BaseSettings):
@@ -115,29 +113,45 @@ class Settings(BaseSettings):
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""
 
+    workers: int | Literal["auto"] = "auto"
+    """Server processes sharing the port, each with its own copy of the models: an integer
+    >= 1, or ``auto`` (from the cores and GPUs; the start-up log says what it chose). With a
+    GPU, worker i puts ``auto``-device models on ``cuda:(i mod GPUs)``. ``1`` runs the server
+    in this process alone."""
+
     @field_validator("model_repository", "auth_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:
         # `BITSERVE_AUTH_TOKEN=` in a compose file means "no token", not an empty token.
         return None if v == "" else v
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_syntax(cls, v: object) -> int | str:
+        # One message for every wrong form (pydantic's own would list both union branches).
+        text = str(v).strip()
+        if isinstance(v, bool) or not (text == "auto" or text.lstrip("+-").isdigit()):
+            raise ValueError(f"workers must be an integer >= 1 or 'auto', got {text[:64]!r}")
+        if text == "auto":
+            return "auto"
+        if int(text) < 1:
+            raise ValueError(f"workers must be an integer >= 1 or 'auto', got {int(text)}")
+        return int(text)
+
     @field_validator("device")
     @classmethod
     def _device_syntax(cls, v: str) -> str:
-        if not _DEVICE.match(v):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+        parse_device(v)
         return v
 
     @model_validator(mode="after")
     def _check_host_resources(self) -> Settings:
         if self.model_repository is not None and not self.model_repository.is_dir():
             raise ValueError(f"model_repository {str(self.model_repository)!r} is not a folder")
-        if self.device.startswith("cuda"):
-            import torch  # only here: settings stay importable and cheap otherwise
-
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = int(self.device.split(":", 1)[1]) if ":" in self.device else 0
-            if index >= count:
+        kind, index = parse_device(self.device)
+        if kind == "cuda":
+            count = cuda_count()
+            if (index or 0) >= count:
                 raise ValueError(
                     f"device {self.device!r} requested but this host has {count} CUDA "
                     "device(s); use device='auto' or 'cpu'"

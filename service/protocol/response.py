@@ -71,19 +71,16 @@ def wants_binary(request: InferRequest | None, name: str) -> bool:
     return request.binary_data_output
 
 
-def encode_infer_response(
-    response: InferResponse, request: InferRequest | None, *, encoding: str | None = None
-) -> EncodedResponse:
+def encode_infer_response(response: InferResponse, request: InferRequest | None) -> EncodedResponse:
     """Frame ``response`` for the client that sent ``request``.
 
     Args:
         response: the data plane's result.
         request: the decoded request (its output and binary preferences), or None for JSON.
-        encoding: ``"gzip"``/``"deflate"`` to compress the body (see ``choose_encoding``).
 
     Returns:
         the body and its headers (``Inference-Header-Content-Length`` when any output is
-        binary, ``Content-Encoding`` when compressed).
+        binary); :func:`compress_response` compresses it.
     """
     outs: list[dict[str, Any]] = []
     payloads: list[bytes | memoryview] = []
@@ -122,7 +119,12 @@ def encode_infer_response(
         body = b"".join([header, *payloads])  # the one copy of the output data
     else:
         body = header
-    if encoding:
-        body = compress(body, encoding)
-        headers["Content-Encoding"] = encoding
     return EncodedResponse(body, headers, media_type, len(header) if payloads else None)
+
+
+def compress_response(enc: EncodedResponse, encoding: str) -> EncodedResponse:
+    """``enc`` with its body compressed with ``gzip`` or ``deflate`` (see ``choose_encoding``);
+    ``Inference-Header-Content-Length`` keeps describing the uncompressed body, as Triton's
+    does."""
+    headers = {**enc.headers, "Content-Encoding": encoding}
+    return EncodedResponse(compress(enc.body, encoding), headers, enc.media_type, enc.binary_from)

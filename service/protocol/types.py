@@ -7,31 +7,65 @@ from typing import Any
 
 import numpy as np
 
-# V2 datatype -> NumPy dtype (little-endian on the wire). BYTES is length-prefixed strings
-# (an object array), handled separately by the framing.
-DATATYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
+
+@dataclass(frozen=True)
+class Datatype:
+    """One V2 datatype, as every layer sees it: the registry below is the only table of them.
+
+    Attributes:
+        name: the V2 name (``"FP32"``).
+        wire: the NumPy dtype of its elements on the wire, little-endian; for BF16, which
+            NumPy lacks, the raw bits as ``<u2``; None for BYTES (length-prefixed strings).
+        torch: the name of the matching ``torch`` dtype (``"float32"``), or None.
+        model_input: whether a model's ``[[inputs]]`` may declare it.
+        model_output: whether a model's ``[[outputs]]`` may declare it.
+    """
+
+    name: str
+    wire: np.dtype[Any] | None
+    torch: str | None
+    model_input: bool = True
+    model_output: bool = True
+
+
+def _fixed(name: str, wire: str, torch: str, *, output: bool = True) -> Datatype:
+    return Datatype(name, np.dtype(wire), torch, model_output=output)
+
+
 BYTES = "BYTES"
 BF16 = "BF16"
+REGISTRY: dict[str, Datatype] = {
+    d.name: d
+    for d in (
+        _fixed("BOOL", "?", "bool", output=False),
+        _fixed("UINT8", "<u1", "uint8"),
+        _fixed("UINT16", "<u2", "uint16", output=False),
+        _fixed("UINT32", "<u4", "uint32", output=False),
+        _fixed("UINT64", "<u8", "uint64", output=False),
+        _fixed("INT8", "<i1", "int8"),
+        _fixed("INT16", "<i2", "int16"),
+        _fixed("INT32", "<i4", "int32"),
+        _fixed("INT64", "<i8", "int64"),
+        _fixed("FP16", "<f2", "float16"),
+        _fixed("FP32", "<f4", "float32"),
+        _fixed("FP64", "<f8", "float64"),
+        # NumPy has no bfloat16: the framing carries BF16 elements as their raw bits in a
+        # ``<u2`` view (the NumPy dtype of UINT16 too), and no model declares it.
+        Datatype(BF16, np.dtype("<u2"), "bfloat16", model_input=False, model_output=False),
+        Datatype(BYTES, None, None, model_input=False, model_output=False),
+    )
+}
 
-# Every fixed-size datatype the framing parses and writes. BF16 is kept apart from DATATYPES
-# because NumPy has no bfloat16: its elements are carried as the raw bits in a ``<u2`` view,
-# the same NumPy dtype as UINT16, so a reverse map built from this table would be ambiguous.
-# Model configs and the pipeline use DATATYPES only; a BF16 input reaches the framing, then a
-# model's ``check_input`` refuses it by name (no model declares BF16).
-WIRE_DTYPES: dict[str, np.dtype[Any]] = {**DATATYPES, BF16: np.dtype("<u2")}
+# Views of the registry that the framing reads on every tensor.
+WIRE_DTYPES: dict[str, np.dtype[Any]] = {
+    n: d.wire for n, d in REGISTRY.items() if d.wire is not None
+}
+"""Every fixed-size datatype the framing parses and writes, BF16 included."""
+DATATYPES: dict[str, np.dtype[Any]] = {n: w for n, w in WIRE_DTYPES.items() if n != BF16}
+"""The fixed-size datatypes whose NumPy dtype is their own (no BF16): a reverse map from
+NumPy dtypes to these names is unambiguous."""
+MODEL_INPUT_DATATYPES = tuple(n for n, d in REGISTRY.items() if d.model_input)
+MODEL_OUTPUT_DATATYPES = tuple(n for n, d in REGISTRY.items() if d.model_output)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Real ``bitserve serve`` replicas on loopback, and a V2 binary client without retries.
+"""Real ``bitserve serve`` processes on loopback, and a V2 binary client without retries.
 
 The client is deliberately bare (httpx, no retries): a load-balancer test must see exactly
 what nginx answers, not what a retrying SDK makes of it.
@@ -31,7 +31,8 @@ _NP = {"UINT8": np.uint8, "BOOL": np.bool_, "FP32": np.float32, "FP64": np.float
 
 @dataclass
 class Replica:
-    """One ``bitserve serve`` process (the built-in demo model, CPU) on a fixed port."""
+    """One ``bitserve serve`` process (the built-in demo model, CPU) on a fixed port; with
+    ``BITSERVE_WORKERS`` in ``env``, a supervisor and its workers."""
 
     port: int
     log: Path
@@ -51,6 +52,7 @@ class Replica:
             "BITSERVE_PORT": str(self.port),
             "BITSERVE_DEVICE": "cpu",
             "BITSERVE_LOG_LEVEL": "warning",
+            "BITSERVE_WORKERS": "1",
             **self.env,
         }
         env.pop("TRITON_INTERPRET", None)
@@ -95,8 +97,13 @@ class Replica:
             self.proc.kill()
             self.proc.wait()
 
+    def worker_pids(self) -> dict[int, int]:
+        """Each worker index's current pid, from the supervisor's log (info level)."""
+        found = re.findall(r"worker (\d+) started: pid (\d+)", self.log.read_text())
+        return {int(i): int(pid) for i, pid in found}
+
     def successes(self, model: str) -> float:
-        """This process's ``bitserve_requests_total{model, outcome="success"}``."""
+        """The server's ``bitserve_requests_total{model, outcome="success"}`` (all workers)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         pattern = (
             r"^bitserve_requests_total\{(?=[^}]*model=\"" + re.escape(model) + r"\")"

@@ -22,9 +22,9 @@ from ._manifests import ROOT, compose_validator, format_errors, load_yaml_docume
 from ._nginx import upstream_servers
 
 COMPOSE = ROOT / "docker-compose.yml"
-GPU_REPLICAS = ["bitserve-gpu0", "bitserve-gpu1"]
-CPU_REPLICAS = ["bitserve-cpu0", "bitserve-cpu1"]
-REPLICAS = GPU_REPLICAS + CPU_REPLICAS
+MPS = ROOT / "deploy" / "compose.mps.yml"
+GPU, CPU = "bitserve-gpu", "bitserve-cpu"
+SERVERS = [GPU, CPU]
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +66,12 @@ def test_compose_file_matches_the_compose_specification(compose: dict[str, Any])
 @pytest.mark.parametrize(
     ("path", "value"),
     [
-        (("services", "bitserve-gpu0", "deploy", "resources", "reservations", "devices"), "gpu"),
+        (("services", GPU, "deploy", "resources", "reservations", "devices"), "gpu"),
+        (("services", GPU, "deploy", "resources", "reservations", "devices", 0, "count"), ["all"]),
         (("services", "nginx", "ports"), {"8000": 8080}),
-        (("services", "bitserve-cpu0", "stop_grace"), "40s"),
-        (("services", "bitserve-gpu1", "healthcheck", "test"), 42),
-        (("services", "bitserve-gpu1", "volumes", 0, "type"), "bindd"),
+        (("services", CPU, "stop_grace"), "40s"),
+        (("services", GPU, "healthcheck", "test"), 42),
+        (("services", GPU, "volumes", 0, "type"), "bindd"),
     ],
 )
 def test_schema_rejects_broken_variants(
@@ -93,11 +94,24 @@ def _docker_compose_available() -> bool:
 
 
 @pytest.mark.skipif(not _docker_compose_available(), reason="no docker compose plugin here")
-@pytest.mark.parametrize("profiles", [["gpu"], ["cpu"], ["gpu", "monitoring"]])
-def test_docker_compose_config_accepts_the_file(profiles: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("profiles", "files"),
+    [(["gpu"], [COMPOSE]), (["cpu"], [COMPOSE]), (["gpu", "monitoring"], [COMPOSE]),
+     (["gpu"], [COMPOSE, MPS])],
+)  # fmt: skip
+def test_docker_compose_config_accepts_the_file(
+    profiles: list[str], files: list[Path], tmp_path: Path
+) -> None:
     args = [a for p in profiles for a in ("--profile", p)]
     result = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), *args, "config", "--quiet"],
+        [
+            "docker",
+            "compose",
+            *(a for f in files for a in ("-f", str(f))),
+            *args,
+            "config",
+            "--quiet",
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -107,66 +121,64 @@ def test_docker_compose_config_accepts_the_file(profiles: list[str], tmp_path: P
 
 
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {*REPLICAS, "nginx", "prometheus", "grafana"}
-    assert active_services(compose, {"gpu"}) == {*GPU_REPLICAS, "nginx"}
-    assert active_services(compose, {"cpu"}) == {*CPU_REPLICAS, "nginx"}
+    assert set(compose["services"]) == {*SERVERS, "nginx", "prometheus", "grafana"}
+    # One bitserve service per profile, whatever the number of GPUs.
+    assert active_services(compose, {"gpu"}) == {GPU, "nginx"}
+    assert active_services(compose, {"cpu"}) == {CPU, "nginx"}
     assert active_services(compose, {"gpu", "monitoring"}) == {
-        *GPU_REPLICAS,
+        GPU,
         "nginx",
         "prometheus",
         "grafana",
     }
     assert active_services(compose, {"cpu", "monitoring"}) == {
-        *CPU_REPLICAS,
+        CPU,
         "nginx",
         "prometheus",
         "grafana",
     }
-    # nginx's dependencies of the inactive profile must not block it.
-    for dep, spec in compose["services"]["nginx"]["depends_on"].items():
-        assert dep in REPLICAS
+    # nginx's dependency of the inactive profile must not block it.
+    assert set(compose["services"]["nginx"]["depends_on"]) == set(SERVERS)
+    for spec in compose["services"]["nginx"]["depends_on"].values():
         assert spec["required"] is False
 
 
-def test_one_gpu_reserved_per_gpu_replica(compose: dict[str, Any]) -> None:
-    device_ids = []
-    for name in GPU_REPLICAS:
-        svc = compose["services"][name]
-        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia"
-        assert device["capabilities"] == ["gpu"]
-        assert "count" not in device, "count and device_ids are mutually exclusive"
-        assert len(device["device_ids"]) == 1
-        device_ids.append(device["device_ids"][0])
-        assert env(svc)["BITSERVE_DEVICE"] == "cuda"
-    assert device_ids == [str(i) for i in range(len(GPU_REPLICAS))]
+def test_the_gpu_service_takes_every_gpu_of_the_host(compose: dict[str, Any]) -> None:
+    svc = compose["services"][GPU]
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    # count: all, not device_ids: the same file on a host with 1 GPU or 8.
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    variables = env(svc)
+    # Workers spread over the GPUs (worker i on cuda:(i mod GPUs)); the count is auto.
+    assert variables["BITSERVE_DEVICE"] == "cuda"
+    assert variables["BITSERVE_WORKERS"] == "auto"
+    assert "gpus" not in svc
 
 
 def test_cpu_profile_reserves_no_gpu(compose: dict[str, Any]) -> None:
-    for name in CPU_REPLICAS:
-        svc = compose["services"][name]
-        assert "gpus" not in svc
-        assert "devices" not in svc.get("deploy", {}).get("resources", {}).get("reservations", {})
-        assert env(svc)["BITSERVE_DEVICE"] == "cpu"
+    svc = compose["services"][CPU]
+    assert "gpus" not in svc
+    assert "devices" not in svc.get("deploy", {}).get("resources", {}).get("reservations", {})
+    assert env(svc)["BITSERVE_DEVICE"] == "cpu"
+    assert env(svc)["BITSERVE_WORKERS"] == "auto"
 
 
-def test_profiles_expose_the_same_replica_aliases_as_nginx_and_prometheus(
+def test_both_profiles_answer_at_the_address_nginx_and_prometheus_use(
     compose: dict[str, Any],
 ) -> None:
     from .test_monitoring import prometheus_targets
 
-    def aliases(names: list[str]) -> list[str]:
-        return [a for n in names for a in compose["services"][n]["networks"]["default"]["aliases"]]
-
-    port = env(compose["services"]["bitserve-gpu0"])["BITSERVE_PORT"]
-    expected = [f"{a}:{port}" for a in aliases(GPU_REPLICAS)]
-    assert aliases(GPU_REPLICAS) == aliases(CPU_REPLICAS) == ["replica-0", "replica-1"]
-    assert upstream_servers() == expected
-    assert prometheus_targets() == expected
+    port = env(compose["services"][GPU])["BITSERVE_PORT"]
+    for name in SERVERS:
+        assert compose["services"][name]["networks"]["default"]["aliases"] == ["bitserve"]
+        assert env(compose["services"][name])["BITSERVE_PORT"] == port
+    # The same service twice in nginx's upstream (a retry's second path), once in Prometheus.
+    assert upstream_servers() == [f"bitserve:{port}"] * 2
+    assert prometheus_targets() == [f"bitserve:{port}"]
 
 
 def test_model_repository_mounted_read_only(compose: dict[str, Any]) -> None:
-    for name in REPLICAS:
+    for name in SERVERS:
         svc = compose["services"][name]
         (volume,) = svc["volumes"]
         assert volume["type"] == "bind"
@@ -175,13 +187,13 @@ def test_model_repository_mounted_read_only(compose: dict[str, Any]) -> None:
         assert interpolate(volume["source"]) == "./models"
 
 
-def test_replica_settings_are_valid_server_settings(
+def test_server_settings_are_valid_server_settings(
     compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # Every BITSERVE_* variable the compose file sets must be a setting the server knows,
     # with a value it accepts (Settings has extra="forbid" for unknown keyword names, and
     # would silently ignore an unknown variable: hence the explicit name check).
-    for name in REPLICAS:
+    for name in SERVERS:
         variables = env(compose["services"][name])
         for key in variables:
             assert key.startswith("BITSERVE_")
@@ -199,8 +211,9 @@ def test_replica_settings_are_valid_server_settings(
         assert grace > settings.graceful_shutdown_s
 
 
-def test_replica_health_check_probes_readiness_on_the_server_port(compose: dict[str, Any]) -> None:
-    for name in REPLICAS:
+def test_health_check_probes_readiness_on_the_server_port(compose: dict[str, Any]) -> None:
+    # Ready means every worker is ready (any worker answers for all).
+    for name in SERVERS:
         svc = compose["services"][name]
         command = " ".join(svc["healthcheck"]["test"])
         assert f"127.0.0.1:{env(svc)['BITSERVE_PORT']}/v2/health/ready" in command
@@ -215,10 +228,24 @@ def test_bind_mounted_files_exist(compose: dict[str, Any]) -> None:
 
 
 def test_nginx_is_the_only_published_entry_point(compose: dict[str, Any]) -> None:
-    for name in REPLICAS:
+    for name in SERVERS:
         assert "ports" not in compose["services"][name]
     (port,) = compose["services"]["nginx"]["ports"]
     assert interpolate(port) == "8000:8080"
     # Monitoring UIs listen on the host's loopback only.
     for name in ("prometheus", "grafana"):
         assert all(p.startswith("127.0.0.1:") for p in compose["services"][name]["ports"])
+
+
+def test_mps_override_adds_only_what_mps_needs(compose: dict[str, Any]) -> None:
+    (override,) = load_yaml_documents(MPS)
+    assert not list(compose_validator().iter_errors(override))
+    assert set(override["services"]) == {GPU}
+    svc = override["services"][GPU]
+    assert svc["ipc"] == "host"
+    pipes = svc["environment"]["CUDA_MPS_PIPE_DIRECTORY"]
+    (mount,) = svc["volumes"]
+    assert mount == {"type": "bind", "source": pipes, "target": pipes}
+    # Below the base file's tmpfs /tmp, which Docker mounts first (shallower target).
+    assert "/tmp" in compose["services"][GPU]["tmpfs"]
+    assert pipes.startswith("/tmp/")

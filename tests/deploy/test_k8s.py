@@ -77,13 +77,21 @@ def test_schemas_reject_broken_manifests() -> None:
     assert kserve_errors(isvc)
 
 
-def test_deployment_reserves_a_gpu_and_probes_the_v2_health_endpoints() -> None:
+def test_deployment_holds_a_nodes_gpus_and_probes_the_v2_health_endpoints() -> None:
     k8s = objects(K8S_FILES)
     pod = k8s["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    resources = container["resources"]
+    # One pod per GPU node, holding its GPUs (several), its workers spread over them.
+    gpus = int(resources["limits"]["nvidia.com/gpu"])
+    assert gpus > 1
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"]
     env = container_env(container)
     assert env["BITSERVE_DEVICE"] == "cuda"
+    assert Settings(workers=env["BITSERVE_WORKERS"]).workers == "auto"
+    # auto counts the CPU limit (the cgroup quota): enough for two workers per GPU.
+    assert int(resources["limits"]["cpu"]) >= 2 * gpus
+    assert resources["requests"]["cpu"] == resources["limits"]["cpu"]
     assert env["BITSERVE_HOST"] == "0.0.0.0"
     (port,) = container["ports"]
     assert port["containerPort"] == int(env["BITSERVE_PORT"])

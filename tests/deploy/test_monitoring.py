@@ -72,11 +72,12 @@ def expressions(dash: dict[str, Any]) -> list[str]:
     return [t["expr"] for p in panels(dash) for t in p["targets"]]
 
 
-def test_prometheus_scrapes_every_replica_directly() -> None:
+def test_prometheus_scrapes_bitserve_directly() -> None:
     from ._nginx import upstream_servers
 
-    # The same replicas nginx balances over, each scraped itself (not through nginx).
-    assert prometheus_targets() == upstream_servers()
+    # The service nginx sends to, scraped itself (not through nginx), once: any worker's
+    # /metrics adds up every worker.
+    assert prometheus_targets() == sorted(set(upstream_servers()))
     (config,) = load_yaml_documents(PROMETHEUS)
     assert config["global"]["scrape_interval"] == "5s"
 
@@ -272,38 +273,45 @@ def query(base: str, expr: str) -> list[dict[str, Any]]:
 
 @pytest.mark.e2e
 @needs_prometheus
-def test_prometheus_scrapes_real_replicas_and_the_dashboard_shows_them(
-    tmp_path: Path, replicas: list[Replica]
+def test_prometheus_scrapes_a_real_server_and_the_dashboard_shows_it(
+    tmp_path: Path, server: Replica
 ) -> None:
-    # The deployed config with loopback targets and a faster scrape, run by a real Prometheus.
+    # The deployed config with a loopback target and a faster scrape, run by a real
+    # Prometheus, against a real `bitserve serve --workers 2`.
     (config,) = load_yaml_documents(PROMETHEUS)
     port = free_port()
     config["global"]["scrape_interval"] = "1s"
     for job in config["scrape_configs"]:
         (static,) = job["static_configs"]
         if job["job_name"] == "bitserve":
-            assert len(static["targets"]) == len(replicas)
-            static["targets"] = [f"127.0.0.1:{r.port}" for r in replicas]
+            assert len(static["targets"]) == 1
+            static["targets"] = [f"127.0.0.1:{server.port}"]
         else:
             static["targets"] = [f"127.0.0.1:{port}"]
     with running_prometheus(config, tmp_path, port) as base:
-        wait_for(lambda: len(query(base, 'up{job="bitserve"} == 1')) == 2, None, 60)
-        # Traffic spread over a few scrapes, to every replica.
-        metadata = httpx.get(f"{replicas[0].url}/v2/models/demo", timeout=30).json()
+        wait_for(lambda: len(query(base, 'up{job="bitserve"} == 1')) == 1, None, 60)
+        success = 'sum(bitserve_requests_total{outcome="success"})'
+        before = query(base, success)
+        start = float(before[0]["value"][1]) if before else 0.0
+        # Traffic spread over a few scrapes and over both workers (a new connection each).
+        metadata = httpx.get(f"{server.url}/v2/models/demo", timeout=30).json()
         (spec,) = metadata["inputs"]
         x = np.random.default_rng(1).integers(0, 256, [1, *spec["shape"][1:]], dtype=np.uint8)
         body, headers = infer_body(spec["name"], x, "UINT8", metadata["outputs"][0]["name"])
-        with httpx.Client(timeout=60) as client:
-            for _ in range(4):
-                for r in replicas:
-                    for _ in range(3):
-                        ok = client.post(
-                            f"{r.url}/v2/models/demo/infer", content=body, headers=headers
-                        )
-                        assert ok.status_code == 200, ok.text
-                time.sleep(1.2)
-        total = 'sum(bitserve_requests_total{outcome="success"})'
-        wait_for(lambda: float(query(base, total)[0]["value"][1]) >= 24, None, 30)
+        workers: set[str] = set()
+        sent = 0
+        for _ in range(4):
+            for _ in range(6):
+                ok = httpx.post(
+                    f"{server.url}/v2/models/demo/infer", content=body, headers=headers, timeout=60
+                )
+                assert ok.status_code == 200, ok.text
+                workers.add(ok.headers["x-bitserve-worker"])
+                sent += 1
+            time.sleep(1.2)
+        assert workers == {"0", "1"}
+        # One target, and it counts what every worker served.
+        wait_for(lambda: float(query(base, success)[0]["value"][1]) - start == sent, None, 30)
 
         results = {}
         for p in panels(dashboard()):
@@ -316,14 +324,14 @@ def test_prometheus_scrapes_real_replicas_and_the_dashboard_shows_them(
             assert series, f"{title} / {legend}: no data"
             return float(series[0]["value"][1])
 
-        assert value("Replicas up", "up") == 2
+        assert value("Replicas up", "up") == 1
         assert value("Requests / s", "requests/s") > 0
-        assert len(results[("Request rate by replica", "{{instance}}")]) == 2
+        assert len(results[("Request rate by replica", "{{instance}}")]) == 1
         assert 0 < value("Latency percentiles", "p50") <= value("Latency percentiles", "p99")
         # Each request above is sent alone, so it waits out the demo model's whole batching
         # window before its batch starts: the queue-time panel must show at least that (it
         # fails on a panel without data, or on a queue time that misses the wait).
-        config = httpx.get(f"{replicas[0].url}/v2/models/demo/config", timeout=30).json()
+        config = httpx.get(f"{server.url}/v2/models/demo/config", timeout=30).json()
         window_s = config["dynamic_batching"]["max_queue_delay_microseconds"] / 1e6
         assert window_s > 0
         assert window_s <= value("Queue time", "p99")
@@ -331,7 +339,7 @@ def test_prometheus_scrapes_real_replicas_and_the_dashboard_shows_them(
         assert value("Compute time per batch", "p50") > 0
         assert value("Batch size", "mean items / batch") >= 1
         assert value("Batch size", "mean requests / batch") >= 1
-        memory = results[("Device memory", "{{device}} {{instance}}")]
-        assert len(memory) == 2
-        assert all(float(s["value"][1]) > 0 for s in memory)
+        # One series (device cpu): both workers' copies of the model, added up.
+        (memory,) = results[("Device memory", "{{device}} {{instance}}")]
+        assert float(memory["value"][1]) > 0
         assert value("Error ratio", "errors") == 0

@@ -128,6 +128,9 @@ def start_server(
         the running server; it is stopped with SIGTERM (then SIGKILL) on exit.
     """
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("BITSERVE_")}
+    # One process unless a test asks for workers (the default, auto, depends on the host):
+    # these tests watch the server process itself (its threads, memory, exit status).
+    child_env["BITSERVE_WORKERS"] = "1"
     # The server picks its own kernels; the test-only CPU interpreter would only slow it.
     child_env.pop("TRITON_INTERPRET", None)
     child_env.update(env or {})

@@ -430,7 +430,7 @@ async def test_request_id_is_on_log_records(
     from service.observability import RequestIdFilter
 
     caplog.handler.addFilter(RequestIdFilter())
-    with caplog.at_level("INFO", logger="bitserve"):
+    with caplog.at_level("INFO", logger="service"):
         await client.post("/v2/models/echo/infer", content=b"{", headers={"X-Request-ID": "rid-42"})
     records = [r for r in caplog.records if "-> 400" in r.getMessage()]
     assert records

@@ -124,7 +124,7 @@ async def test_paths_are_escaped_and_cut_in_messages_and_logs(
 ) -> None:
     forged = "/v2/x%0a2026-01-01 00:00:00 INFO bitserve.access [-] GET /forged 200"
     long = "/v2/" + "a" * 60_000
-    with caplog.at_level(logging.INFO, logger="bitserve"):
+    with caplog.at_level(logging.INFO, logger="service"):
         async with serve(Settings(), FakeRepository()) as client:
             r1 = await client.get(forged)
             r2 = await client.get(long)

@@ -44,7 +44,7 @@ def test_empty_env_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"device": "gpu"}, "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        ({"device": "gpu"}, '\'gpu\' is not "auto", "cpu", "cuda" or "cuda:N"'),
         ({"port": 70000}, "less than or equal to 65535"),
         ({"max_body_bytes": 0}, "greater than 0"),
         ({"model_repository": "/definitely/not/here"}, "is not a folder"),

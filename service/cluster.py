@@ -1,0 +1,457 @@
+"""What one worker of ``bitserve serve --workers N`` knows of its peers.
+
+The supervisor (:mod:`service.workers`) makes a private run directory (mode 0700) and hands
+every worker its path, the worker count, the worker's index and a per-server secret::
+
+    run_dir/
+      control.json    the model set every worker must serve: name -> last load/unload
+      control.lock    flock: one repository change at a time, server-wide
+      ready/w<i>      exists (holding the pid) while worker i is caught up and ready
+      w<i>.sock       worker i's private listener, for requests from its peers
+      metrics/        PROMETHEUS_MULTIPROC_DIR
+
+A repository change (``POST /v2/repository/models/{m}/load|unload``) taken by worker k is
+applied by k, recorded in ``control.json`` with the next sequence number, and forwarded
+unchanged (body and headers) to every peer's private socket with the secret in
+``X-Bitserve-Peer``, which tells the peer to apply it locally and not forward it again. k
+answers once every worker has, reporting any failure. A peer that is not listening (starting
+or restarting) is skipped: when it starts it loads the set in ``control.json``, and once it
+listens it re-reads the file under the lock and replays what changed meanwhile (a peer that
+listens before k's forward gets the forward; one that listens after reads k's record).
+
+Readiness: ``/v2/health/ready`` answers 503 on every worker until every worker has caught up
+and has its models ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import signal
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.control import ControlEntry, ControlState
+from service.protocol.response import dumps
+
+__all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]
+
+log = logging.getLogger(__name__)
+
+PEER_HEADER = "x-bitserve-peer"
+"""Carries the server's secret on requests one worker forwards to another."""
+SEQ_HEADER = "x-bitserve-control-seq"
+"""The ``control.json`` sequence number a forwarded change was recorded under."""
+WORKER_HEADER = "x-bitserve-worker"
+"""The index of the worker that answered, on every response (set by uvicorn)."""
+
+_CONTROL_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
+# Headers that describe one hop, not the request: never forwarded to a peer.
+_HOP_HEADERS = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"upgrade",
+        b"expect",
+        PEER_HEADER.encode(),
+        SEQ_HEADER.encode(),
+    }
+)
+# How long a peer may take to apply a forwarded change (a load builds and warms up models).
+_FORWARD_TIMEOUT_S = 600.0
+_HEARTBEAT_S = 0.25
+
+
+def socket_path(run_dir: Path, index: int) -> Path:
+    """Worker ``index``'s private listener."""
+    return run_dir / f"w{index}.sock"
+
+
+def ready_path(run_dir: Path, index: int) -> Path:
+    """The file that exists while worker ``index`` is ready."""
+    return run_dir / "ready" / f"w{index}"
+
+
+@dataclass
+class _Answer:
+    """A response captured from the local application or a peer."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    def error(self) -> str:
+        try:
+            message = json.loads(self.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = self.body[:200].decode("utf-8", "replace")
+        return str(message)
+
+
+class Cluster:
+    """One worker's view of the server: its peers, the shared model set, readiness.
+
+    Args:
+        run_dir: the supervisor's run directory.
+        index: this worker's index, 0 to ``workers - 1``.
+        workers: how many workers the server runs.
+        secret: the per-server secret that marks a request as forwarded by a peer.
+        repository_ready: whether this worker's own models are ready.
+        auth_token: the server's bearer token, for the changes this worker replays itself.
+        max_body_bytes: the largest repository request body accepted.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        index: int,
+        workers: int,
+        secret: str,
+        *,
+        repository_ready: Callable[[], bool],
+        auth_token: str | None = None,
+        max_body_bytes: int = 64 << 20,
+    ) -> None:
+        self.run_dir = run_dir
+        self.index = index
+        self.workers = workers
+        self.control = ControlState(run_dir)
+        self._secret = secret
+        self._repository_ready = repository_ready
+        self._auth_token = auth_token
+        self.max_body_bytes = max_body_bytes
+        self._applied: dict[str, int] = {}  # model -> seq of the change applied here
+        self._caught_up = False
+        self._app: ASGIApp | None = None
+        self._parent = os.getppid()
+
+    # --- start-up ------------------------------------------------------------------------
+
+    def initial_models(self) -> list[str]:
+        """The models to load at start: those whose last change was a plain load.
+
+        Loads that carried a body are replayed once the application runs (:meth:`catch_up`);
+        unloaded models are not loaded at all.
+        """
+        _, entries = self.control.read()
+        names = []
+        for name, entry in entries.items():
+            if entry.action == "unload" or not entry.body:
+                self._applied[name] = entry.seq
+            if entry.action == "load" and not entry.body:
+                names.append(name)
+        return sorted(names)
+
+    def install(self, app: Any) -> None:
+        """Put :class:`ClusterMiddleware` into a Starlette/FastAPI ``app``, innermost of the
+        user middleware (request ids and access logs still cover what it answers)."""
+        from starlette.middleware import Middleware
+
+        app.user_middleware.append(Middleware(ClusterMiddleware, cluster=self))
+        self._app = app
+
+    def private_socket(self) -> socket.socket:
+        """This worker's private listener, bound but not listening: peers are refused until
+        the server starts serving it (and so know to skip this worker)."""
+        path = socket_path(self.run_dir, self.index)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # left by this index's previous process
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        return sock
+
+    async def run(self) -> None:
+        """Once listening: catch up under the lock, then keep the ready file current."""
+        async with self.control.locked():
+            await self.catch_up()
+        self._caught_up = True
+        path = ready_path(self.run_dir, self.index)
+        shown: bool | None = None
+        while True:
+            if os.getppid() != self._parent:  # the supervisor is gone: drain and exit
+                log.error("the supervisor exited; worker %d stops", self.index)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            ready = self._repository_ready()
+            if ready != shown:
+                if ready:  # atomically: a reader never sees a half-written pid
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(str(os.getpid()))
+                    os.replace(tmp, path)
+                else:
+                    path.unlink(missing_ok=True)
+                shown = ready
+            await asyncio.sleep(_HEARTBEAT_S)
+
+    def leave(self) -> None:
+        """Not ready any more (the worker is draining)."""
+        self._caught_up = False
+        ready_path(self.run_dir, self.index).unlink(missing_ok=True)
+
+    async def catch_up(self) -> None:
+        """Replay, through this worker's own application, every recorded change it has not
+        applied yet (in the order they were made)."""
+        _, entries = self.control.read()
+        for name, entry in sorted(entries.items(), key=lambda kv: kv[1].seq):
+            if self._applied.get(name) == entry.seq:
+                continue
+            answer = await self._replay(name, entry)
+            self._applied[name] = entry.seq
+            level = logging.INFO if answer.status == 200 else logging.WARNING
+            log.log(level, "caught up: %s %s -> %d", entry.action, name, answer.status)
+
+    async def _replay(self, name: str, entry: ControlEntry) -> _Answer:
+        assert self._app is not None, "install() the cluster into the application first"
+        headers = {**entry.headers, PEER_HEADER: self._secret, SEQ_HEADER: str(entry.seq)}
+        if self._auth_token:
+            headers["authorization"] = f"Bearer {self._auth_token}"
+        transport = httpx.ASGITransport(app=self._app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+            r = await client.post(
+                f"/v2/repository/models/{name}/{entry.action}",
+                content=base64.b64decode(entry.body),
+                headers=headers,
+                timeout=None,
+            )
+        return _Answer(r.status_code, [], r.content)
+
+    # --- readiness -----------------------------------------------------------------------
+
+    def not_ready(self) -> list[int]:
+        """The workers that are not ready now (this one counts only its catching up: the
+        application itself answers for its models)."""
+        missing = []
+        for j in range(self.workers):
+            if j == self.index:
+                if not self._caught_up:
+                    missing.append(j)
+                continue
+            try:
+                pid = int(ready_path(self.run_dir, j).read_text())
+                os.kill(pid, 0)  # the supervisor removes the file of a dead worker; be sure
+            except (OSError, ValueError):
+                missing.append(j)
+        return missing
+
+    # --- repository changes --------------------------------------------------------------
+
+    def is_peer(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
+        """Whether a request was forwarded by a peer (right secret), and its sequence number."""
+        secret = seq = None
+        for k, v in headers:
+            if k == PEER_HEADER.encode():
+                secret = v
+            elif k == SEQ_HEADER.encode():
+                seq = v
+        if secret is None or not hmac.compare_digest(secret, self._secret.encode()):
+            return False, None
+        return True, int(seq) if seq is not None and seq.isdigit() else None
+
+    def applied(self, name: str, seq: int) -> None:
+        """Note that the change ``seq`` of ``name`` was applied here."""
+        self._applied[name] = seq
+
+    async def forward(
+        self,
+        name: str,
+        action: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        seq: int | None,
+        request_id: str | None = None,
+    ) -> list[tuple[int, _Answer | None]]:
+        """Send a change to every peer; ``(index, answer)``, None for a peer not running."""
+        sent = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        sent = [(k, v) for k, v in sent if k.encode() not in _HOP_HEADERS]
+        if request_id and not any(k.lower() == "x-request-id" for k, _ in sent):
+            sent.append(("x-request-id", request_id))  # one id in every worker's log
+        sent.append((PEER_HEADER, self._secret))
+        if seq is not None:
+            sent.append((SEQ_HEADER, str(seq)))
+        path = f"/v2/repository/models/{name}/{action}"
+
+        async def one(j: int) -> tuple[int, _Answer | None]:
+            transport = httpx.AsyncHTTPTransport(uds=str(socket_path(self.run_dir, j)))
+            try:
+                async with httpx.AsyncClient(transport=transport, base_url="http://peer") as c:
+                    r = await c.post(path, content=body, headers=sent, timeout=_FORWARD_TIMEOUT_S)
+            except httpx.ConnectError:
+                return j, None  # not listening: it reads control.json when it starts
+            except httpx.TimeoutException:
+                msg = dumps({"error": f"no answer within {_FORWARD_TIMEOUT_S:g} s"})
+                return j, _Answer(504, [], msg)
+            except httpx.TransportError:
+                return j, None  # it died with the request: its successor catches up
+            return j, _Answer(r.status_code, [], r.content)
+
+        peers = [j for j in range(self.workers) if j != self.index]
+        return list(await asyncio.gather(*(one(j) for j in peers)))
+
+
+class ClusterMiddleware:
+    """Cluster-wide readiness and repository changes, in front of one worker's routes.
+
+    Args:
+        app: the wrapped ASGI application.
+        cluster: this worker's :class:`Cluster`.
+    """
+
+    def __init__(self, app: ASGIApp, *, cluster: Cluster) -> None:
+        self.app = app
+        self.cluster = cluster
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == "/v2/health/ready":
+                missing = self.cluster.not_ready()
+                if missing:
+                    shown = ", ".join(map(str, missing))
+                    message = (
+                        f"server is not ready: worker(s) {shown} of {self.cluster.workers} "
+                        "are starting, catching up or not ready"
+                    )
+                    await _send(send, _Answer(503, [], dumps({"error": message})))
+                    return
+            elif (
+                path.startswith("/v2/repository/models/")  # cheap test first: infer is hot
+                and scope["method"] == "POST"
+                and (m := _CONTROL_PATH.match(path))
+            ):
+                await self._control(scope, receive, send, m.group(1), m.group(2))
+                return
+        elif scope["type"] == "lifespan":
+            await self.app(scope, receive, self._lifespan_send(send))
+            return
+        await self.app(scope, receive, send)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def send_(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                # Models loaded with a body are replayed before the worker takes traffic.
+                await self.cluster.catch_up()
+            await send(message)
+
+        return send_
+
+    async def _control(
+        self, scope: Scope, receive: Receive, send: Send, name: str, action: str
+    ) -> None:
+        headers: list[tuple[bytes, bytes]] = list(scope.get("headers", ()))
+        from_peer, seq = self.cluster.is_peer(headers)
+        if from_peer:
+            answer = await self._local(scope, receive)
+            if seq is not None:
+                self.cluster.applied(name, seq)
+            await _send(send, answer)
+            return
+        try:
+            body = await _read_all(receive, self.cluster.max_body_bytes)
+        except ConnectionError:
+            return  # the client left mid-body: nothing is applied, nobody to answer
+        if body is None:
+            message = f"request body exceeds the limit of {self.cluster.max_body_bytes} bytes"
+            await _send(send, _Answer(413, [], dumps({"error": message})))
+            return
+        async with self.cluster.control.locked():
+            local = await self._local(scope, _replay_receive(body))
+            # 200: applied; 400: the repository tried and failed (peers will fail the same
+            # way, but their index should say so too). Anything else (auth, unknown model,
+            # shutting down) changed nothing here and is not forwarded.
+            if local.status not in (200, 400):
+                await _send(send, local)
+                return
+            seq = None
+            if local.status == 200:
+                plain = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+                seq = self.cluster.control.record(name, action, body, plain)
+                self.cluster.applied(name, seq)
+            rid = scope.get("state", {}).get("request_id")
+            answers = await self.cluster.forward(name, action, body, headers, seq, rid)
+        failed = [(j, a) for j, a in answers if a is not None and a.status != 200]
+        skipped = [j for j, a in answers if a is None]
+        if skipped:
+            log.info("%s %s: worker(s) %s not running; they apply it when they start",
+                     action, name, skipped)  # fmt: skip
+        if local.status != 200 or not failed:
+            await _send(send, local)
+            return
+        message = "; ".join(f"worker {j}: {a.error()}" for j, a in failed)
+        log.warning("%s %s failed on %s", action, name, message)
+        await _send(send, _Answer(failed[0][1].status, [], dumps({"error": message})))
+
+    async def _local(self, scope: Scope, receive: Receive) -> _Answer:
+        answer = _Answer(500, [], b"")
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                answer.status = message["status"]
+                answer.headers = list(message.get("headers", ()))
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        answer.body = b"".join(chunks)
+        return answer
+
+
+async def _read_all(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None past ``limit`` bytes.
+
+    Raises:
+        ConnectionError: the client disconnected before the end of the body.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionError("client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay_receive(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # like a client that is still connected
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+async def _send(send: Send, answer: _Answer) -> None:
+    """Send a captured or made-up answer (its content headers rebuilt for its body)."""
+    kept = [(k, v) for k, v in answer.headers if k.lower() != b"content-length"]
+    if not any(k.lower() == b"content-type" for k, _ in kept):
+        kept.append((b"content-type", b"application/json"))
+    kept.append((b"content-length", b"%d" % len(answer.body)))
+    await send({"type": "http.response.start", "status": answer.status, "headers": kept})
+    await send({"type": "http.response.body", "body": answer.body})

@@ -1,0 +1,133 @@
+"""One worker process of ``bitserve serve --workers N`` (started by :mod:`service.workers`).
+
+A fresh interpreter (``spawn``): it sizes torch's threads, builds its own repository (its own
+copy of every model, on its device), application and :class:`~service.cluster.Cluster`, and
+runs uvicorn on two sockets: the server's port, shared with the other workers through
+``SO_REUSEPORT``, and its private unix socket for its peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from service.cluster import WORKER_HEADER, Cluster
+from service.settings import Settings
+
+__all__ = ["WorkerSpec", "bind_port", "run_worker"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process is started with (pickled to it by ``spawn``)."""
+
+    settings: Settings
+    port: int
+    index: int
+    workers: int
+    device: str
+    torch_threads: int | None
+    interop_threads: int
+    run_dir: str
+    secret: str
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket on ``host:port`` with ``SO_REUSEPORT``, bound and not listening: the
+    supervisor's hold on the port (and its number when ``port`` is 0); each worker's is the
+    same but listening, which puts it in the kernel's group that connections are spread over."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """A worker process: its own torch threads, models, uvicorn server and private socket."""
+    # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
+    # drains. (uvicorn takes SIGINT over again once it serves.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
+    torch.set_num_interop_threads(spec.interop_threads)
+    from service.observability import configure_logging
+
+    log_config = configure_logging(spec.settings.log_level, worker=spec.index)
+    code = _serve_worker(spec, log_config)
+    # Drained, models freed, sockets closed: what is left is the interpreter's teardown of
+    # torch, seconds (per worker, on shared cores) that would only delay the server's exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
+    # Imported here: the supervisor imports this module too, and stays without torch.
+    from service.app import create_app
+    from service.cli import run_server, uvicorn_config
+    from service.metrics import Metrics
+    from service.repository import ModelRepository
+
+    settings = spec.settings
+    run_dir = Path(spec.run_dir)
+    token = settings.auth_token.get_secret_value() if settings.auth_token else None
+    repository: ModelRepository | None = None
+    cluster = Cluster(
+        run_dir,
+        spec.index,
+        spec.workers,
+        spec.secret,
+        repository_ready=lambda: repository is not None and repository.ready,
+        auth_token=token,
+        max_body_bytes=settings.max_body_bytes,
+    )
+    metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    repository = ModelRepository(
+        settings.model_repository,
+        metrics=metrics,
+        default_device=spec.device,
+        warmup=settings.warmup,
+        initial_models=cluster.initial_models(),
+    )
+    app = create_app(settings, repository, metrics=metrics)
+    cluster.install(app)
+    config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
+    server = _WorkerServer(config, cluster)
+    # uvicorn listens on both once the models are loaded: until then the kernel sends this
+    # worker no connections, and its peers no repository changes.
+    sockets = [bind_port(settings.host, spec.port), cluster.private_socket()]
+    return run_server(server, sockets)
+
+
+class _WorkerServer(uvicorn.Server):
+    """uvicorn's server, plus the cluster's catch-up once it listens (see service.cluster)."""
+
+    def __init__(self, config: uvicorn.Config, cluster: Cluster) -> None:
+        super().__init__(config)
+        self.cluster = cluster
+        self._cluster_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._cluster_task = asyncio.create_task(self.cluster.run())
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.cluster.leave()
+        if self._cluster_task is not None:
+            self._cluster_task.cancel()
+        await super().shutdown(sockets)

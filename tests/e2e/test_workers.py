@@ -1,0 +1,330 @@
+"""``bitserve serve --workers 2``: real worker processes under the supervisor.
+
+Both workers answer, correctly; ``/metrics`` on either adds up both; readiness waits for
+every worker; repository loads and unloads reach every worker; a SIGKILLed worker is
+restarted, logged, and comes back with its peers' model set; SIGTERM under load drains every
+worker and the server exits 0. Which worker answered is in each response's
+``X-Bitserve-Worker``; a new connection is handed by the kernel to whichever worker accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from benchmarks.e2e.probes import metric
+from tests.e2e.conftest import BitserveServer, bitserve_command, free_port, start_server
+from tests.e2e.test_server import L, N, reference, write_model
+
+pytestmark = pytest.mark.e2e
+
+WORKERS = ("0", "1")
+_STARTED = re.compile(r"worker (\d+) started: pid (\d+)")
+
+
+def worker_pids(server: BitserveServer) -> dict[int, int]:
+    """Each worker index's current pid, from the supervisor's log."""
+    return {int(i): int(pid) for i, pid in _STARTED.findall(server.log())}
+
+
+def on_worker(
+    url: str, worker: str, method: str, path: str, tries: int = 200, **kwargs: object
+) -> httpx.Response:
+    """Send a request on fresh connections until worker ``worker`` answers it."""
+    for _ in range(tries):
+        with httpx.Client(timeout=60) as client:  # a new connection: any worker may take it
+            r = client.request(method, url + path, **kwargs)  # type: ignore[arg-type]
+        if r.headers["x-bitserve-worker"] == worker:
+            return r
+    raise AssertionError(f"worker {worker} never answered {method} {path} in {tries} tries")
+
+
+def infer_request(bits: npt.NDArray[np.bool_]) -> tuple[bytes, dict[str, str]]:
+    """A V2 binary request for model ``tri``: (m, N, L) bits packed, binary output."""
+    raw = np.packbits(bits, axis=-1).tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "bits",
+                    "datatype": "UINT8",
+                    "shape": [bits.shape[0], N, (L + 7) // 8],
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "outputs": [{"name": "out", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return header + raw, {"Inference-Header-Content-Length": str(len(header))}
+
+
+def answer_of(r: httpx.Response) -> npt.NDArray[np.float32]:
+    n = int(r.headers["Inference-Header-Content-Length"])
+    (out,) = json.loads(r.content[:n])["outputs"]
+    return np.frombuffer(r.content[n:], dtype=np.float32).reshape(out["shape"])
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    write_model(root, "tri", max_batch_size=8, delay_us=20_000)
+    write_model(root, "other", max_batch_size=8, delay_us=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path) -> Iterator[BitserveServer]:
+    with start_server(repo, args=["--workers", "2"]) as s:
+        yield s
+
+
+def test_both_workers_answer_correctly_and_metrics_add_up(
+    server: BitserveServer, repo: Path
+) -> None:
+    def success_count(text: str) -> float:
+        return metric(text, "bitserve_requests_total", 0.0, model="tri", outcome="success")
+
+    before = success_count(httpx.get(server.url + "/metrics", timeout=10).text)
+    rng = np.random.default_rng(0)
+    served: Counter[str] = Counter()
+    sent = 0
+    while set(served) != set(WORKERS) or sent < 12:
+        assert sent < 200, f"one worker took every connection: {served}"
+        bits = rng.random((2, N, L)) < 0.3
+        body, headers = infer_request(bits)
+        with httpx.Client(timeout=60) as client:
+            r = client.post(server.url + "/v2/models/tri/infer", content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(answer_of(r), reference(repo, "tri", bits), rtol=1e-5, atol=1e-4)
+        served[r.headers["x-bitserve-worker"]] += 1
+        sent += 1
+    # Each worker counted only what it served; /metrics on either shows the sum of both.
+    for w in WORKERS:
+        text = on_worker(server.url, w, "GET", "/metrics").text
+        assert success_count(text) - before == sent, (w, served)
+        latency = metric(text, "bitserve_request_latency_seconds_count", model="tri")
+        assert latency >= sent
+        assert metric(text, "bitserve_in_flight_requests") == 0
+        # Both workers hold the model: device memory is the sum of both copies.
+        memory = metric(text, "bitserve_device_memory_bytes", model="tri", device="cpu")
+        assert memory > 0
+
+
+def ready_models(url: str, worker: str) -> dict[str, str]:
+    index = on_worker(url, worker, "POST", "/v2/repository/index").json()
+    return {m["name"]: m["state"] for m in index}
+
+
+def control(url: str, model: str, action: str, **kwargs: object) -> httpx.Response:
+    """One repository change, sent once (to whichever worker takes the connection)."""
+    path = f"/v2/repository/models/{model}/{action}"
+    return httpx.post(url + path, timeout=120, **kwargs)  # type: ignore[arg-type]
+
+
+def test_load_and_unload_reach_every_worker(server: BitserveServer, repo: Path) -> None:
+    r = control(server.url, "other", "unload")
+    assert r.status_code == 200, r.text
+    # Whichever worker took it, both have applied it before the answer came.
+    for w in WORKERS:
+        assert ready_models(server.url, w) == {"tri": "READY", "other": "UNAVAILABLE"}, w
+        assert on_worker(server.url, w, "GET", "/v2/models/other/ready").status_code == 503
+    r = control(server.url, "other", "load", headers={"X-Request-ID": "load-everywhere-1"})
+    assert r.status_code == 200, r.text
+    for w in WORKERS:
+        assert ready_models(server.url, w) == {"tri": "READY", "other": "READY"}, w
+    # The forwarded change carries the caller's request id into every worker's log.
+    logged = re.findall(r"w(\d) \[load-everywhere-1\] model other loaded", server.log())
+    assert sorted(logged) == ["0", "1"]
+
+    # A failure is reported; READY versions keep serving on every worker.
+    config = repo / "other" / "1" / "config.toml"
+    good = config.read_text()
+    config.write_text(good.replace('response = "triangle"', 'response = "no-such-response"'))
+    try:
+        r = control(server.url, "other", "load")
+        assert r.status_code == 400
+        assert "failed to load" in r.json()["error"]
+        for w in WORKERS:
+            assert ready_models(server.url, w) == {"tri": "READY", "other": "READY"}, w
+    finally:
+        config.write_text(good)
+    # An unknown model changes nothing: answered by the worker that got it.
+    r = control(server.url, "nope", "load")
+    assert r.status_code == 404
+    assert "nope" in r.json()["error"]
+
+
+def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer) -> None:
+    r = control(server.url, "other", "unload")
+    assert r.status_code == 200, r.text
+
+    def get(path: str) -> httpx.Response:
+        # A connection the kernel queued on the dying worker's socket is reset (that is
+        # SO_REUSEPORT's price: see service/workers.py); a client retries it.
+        for _ in range(20):
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(server.url + path, timeout=10)
+            time.sleep(0.05)
+        raise AssertionError(f"GET {path} failed 20 times")
+
+    def memory() -> float:
+        text = get("/metrics").text
+        return metric(text, "bitserve_device_memory_bytes", model="tri", device="cpu")
+
+    both = memory()  # two workers' copies of 'tri'
+    victim = worker_pids(server)[1]
+    os.kill(victim, signal.SIGKILL)
+    # Worker 0 answers every probe now: readiness says who is missing, and the device memory
+    # gauge (summed over the live workers) has lost the dead worker's share.
+    deadline = time.monotonic() + 30
+    while True:
+        r = get("/v2/health/ready")
+        if r.status_code == 503:
+            assert "worker(s) 1 of 2" in r.json()["error"]
+            break
+        assert time.monotonic() < deadline, "readiness never noticed the dead worker"
+        time.sleep(0.05)
+    while memory() != both / 2:
+        assert time.monotonic() < deadline, (memory(), both)
+        time.sleep(0.05)
+    server.wait_ready()
+    assert memory() == both
+    assert f"worker 1 (pid {victim}) was killed by signal 9; restarting it" in server.log()
+    assert worker_pids(server)[1] != victim
+    # The new worker 1 serves what its peer serves: 'other' stays unloaded.
+    for w in WORKERS:
+        assert on_worker(server.url, w, "GET", "/v2/models/tri/ready").status_code == 200
+        assert on_worker(server.url, w, "GET", "/v2/models/other/ready").status_code != 200
+    r = control(server.url, "other", "load")
+    assert r.status_code == 200, r.text
+    for w in WORKERS:
+        assert on_worker(server.url, w, "GET", "/v2/models/other/ready").status_code == 200
+
+
+def test_readiness_waits_for_every_worker(repo: Path, tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BITSERVE_", "TRITON_"))}
+    cmd = [*bitserve_command(), "serve", "--port", str(port), "--workers", "2",
+           "--model-repository", str(repo)]  # fmt: skip
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = BitserveServer(proc, port, log_path, cmd)
+    try:
+        # Freeze worker 1 as soon as it is started: worker 0 alone becomes ready.
+        deadline = time.monotonic() + 30
+        while 1 not in worker_pids(server):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        frozen = worker_pids(server)[1]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 120
+            while "w0 [-] Application startup complete" not in server.log():
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.1)
+            for _ in range(10):
+                r = httpx.get(server.url + "/v2/health/ready", timeout=10)
+                assert r.status_code == 503, r.text
+                assert r.headers["x-bitserve-worker"] == "0"
+                assert "worker(s) 1 of 2" in r.json()["error"]
+                assert httpx.get(server.url + "/v2/health/live", timeout=10).status_code == 200
+                time.sleep(0.1)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        server.wait_ready()
+        assert "w1 [-] Application startup complete" in server.log()
+    finally:
+        assert server.terminate() == 0, server.log()[-3000:]
+
+
+def test_sigterm_under_load_drains_every_worker_and_exits_0(repo: Path, tmp_path: Path) -> None:
+    grace_s = 20
+    with start_server(
+        repo,
+        args=["--workers", "2"],
+        env={"BITSERVE_GRACEFUL_SHUTDOWN_S": str(grace_s)},
+        log_dir=tmp_path,
+    ) as server:
+        run_dir = re.search(r"run directory (\S+)", server.log())
+        assert run_dir, server.log()
+        assert Path(run_dir.group(1)).is_dir()
+        rng = np.random.default_rng(1)
+        items = [rng.random((1, N, L)) < 0.3 for _ in range(4)]
+        expected = [reference(repo, "tri", b) for b in items]
+        log: list[tuple[float, str, str]] = []  # (start, outcome, worker)
+        stop = threading.Event()
+        url = server.url + "/v2/models/tri/infer"
+        # Eight keep-alive connections (as the single-server drain test), opened until both
+        # workers hold some: the kernel hands each new connection to one worker.
+        clients: list[httpx.Client] = []
+        holders: set[str] = set()
+        while len(clients) < 8 or holders != set(WORKERS):
+            assert len(clients) < 64, "every connection went to one worker"
+            c = httpx.Client(timeout=60)
+            body, headers = infer_request(items[0])
+            r = c.post(url, content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            holders.add(r.headers["x-bitserve-worker"])
+            clients.append(c)
+
+        def client(k: int) -> None:
+            body, headers = infer_request(items[k % 4])
+            c = clients[k]
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = c.post(url, content=body, headers=headers)
+                except httpx.HTTPError as e:
+                    log.append((t0, f"transport {type(e).__name__}", ""))
+                    time.sleep(0.05)
+                    continue
+                outcome = str(r.status_code)
+                if r.status_code == 200 and not np.allclose(
+                    answer_of(r), expected[k % 4], rtol=1e-5, atol=1e-4
+                ):
+                    outcome = "wrong"
+                log.append((t0, outcome, r.headers.get("x-bitserve-worker", "")))
+
+        with ThreadPoolExecutor(len(clients)) as ex:
+            futures = [ex.submit(client, k) for k in range(len(clients))]
+            time.sleep(2.0)
+            t_term = time.monotonic()
+            code = server.terminate(timeout=grace_s + 20)
+            t_exit = time.monotonic()
+            stop.set()
+            for f in futures:
+                f.result()
+        for c in clients:
+            c.close()
+    text = server.log()
+    before = [(o, w) for t0, o, w in log if t0 < t_term - 0.25]
+    after = [o for t0, o, _ in log if t0 > t_term]
+    print(f"before SIGTERM {len(before)}: {Counter(before)}; after {len(after)}: {set(after)}")
+    assert code == 0, text[-3000:]
+    assert t_exit - t_term < grace_s + 5
+    assert {w for _, w in before} == set(WORKERS), "both workers were serving"
+    # Everything sent before the signal was answered, correctly, by either worker.
+    assert {o for o, _ in before} == {"200"}, text[-3000:]
+    assert all(o in {"200", "503"} or o.startswith("transport") for o in after), after
+    for w in WORKERS:
+        assert f"w{w} [-] Application shutdown complete" in text
+    assert "received SIGTERM: draining 2 workers" in text
+    assert not Path(run_dir.group(1)).exists(), "the run directory is removed at exit"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/v2/health/live", timeout=2)
