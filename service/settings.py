@@ -60,8 +60,8 @@ class Settings(BaseSettings):
     limit. The default, 1 GiB, is about 25 times the demo's operator."""
 
     max_inflight_bytes: int = Field(default=256 << 20, ge=0)
-    """Most bytes of inference request bodies held at once, over all connections, while they
-    arrive and are computed (as received, plus the inflated copy of a compressed body); a
+    """Most bytes of inference request bodies held at once (per worker process), over all
+    connections, while they arrive and are computed (as received, plus the inflated copy of a compressed body); a
     request whose ``Content-Length`` would pass it is answered 503 with ``Retry-After`` before
     its body is read, a chunked or compressed one when it would (0: no limit). Bounds the
     memory a crowd of slow or large uploads can take."""
