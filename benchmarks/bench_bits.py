@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import copy_bandwidth, markdown_table, median_time, parse_args, report
-from gpu_ops import _bits_cpu, packbits, unpackbits
+from gpu_ops import _bits_c, _bits_torch, packbits, unpackbits
 
 HEADERS = ("case", "median ms", "output GB/s", "% of copy", "speed-up vs baseline")
 
@@ -67,7 +67,7 @@ class _Table:
 
 def _torch_path(x: torch.Tensor, out: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """The chunked torch unpack (the fallback without a C compiler) into ``out``."""
-    _bits_cpu.unpack_into_torch(x, out, dim, "big")
+    _bits_torch.unpack_into(x, out, dim, "big")
     return out
 
 
@@ -79,7 +79,7 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
     bw = copy_bandwidth("cpu", n_out * 4)
     tab = _Table("cpu", bw, repeat)
     slow = max(2, repeat // 5)
-    ours = "ours (C kernel)" if _bits_cpu.kernels() is not None else "ours (no C compiler)"
+    ours = "ours (C kernel)" if _bits_c.kernels() is not None else "ours (no C compiler)"
     tp = "ours (torch path)"
     tab.add("numpy.unpackbits", lambda: np.unpackbits(a), n_out)
     tab.add(
@@ -92,7 +92,7 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
     # A fresh result's first touch (page faults, the OS zeroing pages) bounds every "new" row.
     tab.add(
         "fresh uint8 result, fill only (floor for new)",
-        lambda: _bits_cpu.empty([n_out], torch.uint8, x.device).fill_(0),
+        lambda: _bits_c.empty([n_out], torch.uint8, x.device).fill_(0),
         n_out,
         "numpy.unpackbits",
     )
@@ -113,7 +113,7 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
     f32 = torch.float32
     tab.add(
         "fresh float32 result, fill only (floor for new)",
-        lambda: _bits_cpu.empty([n_out], f32, x.device).fill_(0),
+        lambda: _bits_c.empty([n_out], f32, x.device).fill_(0),
         4 * n_out,
         base32,
         itemsize=4,
@@ -200,7 +200,7 @@ def _cpu_section(n_bytes: int, repeat: int) -> str:
 
 def _pack_torch(bits: torch.Tensor) -> torch.Tensor:
     out = torch.empty((bits.numel() + 7) // 8, dtype=torch.uint8, device=bits.device)
-    _bits_cpu.pack_into_torch(bits.view(torch.uint8), out, 0, "big")
+    _bits_torch.pack_into(bits.view(torch.uint8), out, 0, "big")
     return out
 
 
@@ -235,7 +235,7 @@ def _cuda_section(n_bytes: int, repeat: int, dev: str = "cuda") -> str:
         )
         tab.add(
             f"ours, torch-only path -> {name} (out=)",
-            lambda o=out: _bits_cpu.unpack_into(
+            lambda o=out: _bits_torch.unpack_into(
                 x, o.view(torch.uint8) if o.dtype == torch.bool else o, 0, "big"
             ),
             size,

@@ -1,151 +1,268 @@
-"""Banded response operator vs dense einsum / matmul / sparse bmm (issue 3).
+"""Banded response operator against what its users run today (issues 3 and 15).
 
-Run as ``python -m benchmarks.bench_resample [--smoke]``. N functions on B fine points, A
-coarse points each, Gaussian response cut so W is about 1500 at full size; M input sets.
+Run as ``python -m benchmarks.bench_resample [--smoke] [--device cuda]``. N functions on B fine
+points, A coarse points each, a Gaussian response cut so that W is about 1500 fine points at
+full size, M input sets. The baselines are the users' own code from the seed question:
+``torch.einsum("nab,nb->na", T, f)`` with the dense T (N, A, B), one call per input set, and
+``T.to_sparse()`` + ``torch.bmm``; for M > 1 their batched forms.
 """
 
 from __future__ import annotations
 
+import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from benchmarks._common import copy_bandwidth, markdown_table, median_time, parse_args, report
-from gpu_ops import BandedResampler
+from benchmarks._common import markdown_table, parse_args, report, synchronize
+from gpu_ops import BandedResampler, OnTheFlyResampler
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+INTRO = """\
+Baselines, the users' own code: `torch.einsum("nab,nb->na", T, f)` with the dense T (their
+loop makes one such call per input set) and `T.to_sparse()` + `torch.bmm`, at M = 1; for
+M > 1 their batched forms, `torch.einsum("nab,mnb->mna", T, f)` and the sparse `bmm` of all
+M sets at once (M = 16 only: at M = 64 a call takes minutes here). "x loop" compares with the
+users' loop of M single-set calls, counted as M times their M = 1 call. fwd+bwd is the
+gradient w.r.t. f (on the fly: also w.r.t. c and sigma).
+
+Timing: the methods of one M are timed in interleaved rounds (every method once per round),
+so a change of load on the shared machine hits all of them alike; each row is the median of
+its rounds (the dense and sparse baselines, seconds per call, take part in fewer rounds)."""
 
 
 def _bytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], f: torch.Tensor) -> Callable[[], None]:
-    fr = f.detach().clone().requires_grad_()
+@dataclass
+class _Method:
+    name: str
+    fn: Fn
+    nbytes: int  # what the method keeps resident for the operator
+    heavy: bool = False  # seconds per call: fewer rounds
+    params: Sequence[torch.Tensor] = ()
+    fwd: float = 0.0  # median seconds
+    fwd_bwd: float = 0.0
 
+
+def _fwd(m: _Method, f: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
-        fn(fr).sum().backward()
-        fr.grad = None
+        m.fn(f)
 
     return run
 
 
-def _ratio(base: float | None, t: float) -> float | str:
-    return base / t if base else ""
+def _fwd_bwd(m: _Method, f: torch.Tensor) -> Callable[[], None]:
+    fr = f.detach().clone().requires_grad_()
+
+    def run() -> None:
+        m.fn(fr).sum().backward()  # type: ignore[no-untyped-call]
+        fr.grad = None
+        for p in m.params:
+            p.grad = None
+
+    return run
+
+
+def _measure(
+    methods: list[_Method], f: torch.Tensor, device: str, rounds: int, heavy: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:  # fmt: skip
+    """Median fwd and fwd+bwd times, every method once per round (heavy ones: ``heavy`` rounds).
+
+    ``clock``: wall time by default; ``time.process_time`` gives the CPU time this process
+    spent, which a shared machine's other load does not inflate (one thread only).
+    """
+    runs = [(m, _fwd(m, f), _fwd_bwd(m, f)) for m in methods]
+    for _, fwd, fwd_bwd in runs:  # warm-up: first-call costs (allocations, kernel builds)
+        fwd()
+        fwd_bwd()
+    times: dict[str, tuple[list[float], list[float]]] = {m.name: ([], []) for m in methods}
+    for r in range(rounds):
+        for m, fwd, fwd_bwd in runs:
+            if m.heavy and r >= heavy:
+                continue
+            for fn, out in ((fwd, times[m.name][0]), (fwd_bwd, times[m.name][1])):
+                synchronize(device)
+                t0 = clock()
+                fn()
+                synchronize(device)
+                out.append(clock() - t0)
+    for m in methods:
+        m.fwd, m.fwd_bwd = (statistics.median(t) for t in times[m.name])
+
+
+_PEAK_SCRIPT = """
+import torch
+from gpu_ops import BandedResampler
+def status(key):  # kB, from this process's memory map (reset by exec, unlike ru_maxrss)
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1])
+x = torch.linspace(0, 1, {B}, dtype=torch.float64)
+c = torch.rand({N}, {A}, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+T = torch.zeros({N}, {A}, {B})
+for n in range({N}):  # one function at a time
+    s, w = BandedResampler.from_response(x, c[n : n + 1], "gaussian", sigma={sigma!r}).band()
+    T[n].scatter_(-1, s[0].long()[:, None] + torch.arange(w.shape[-1]), w[0])
+    del s, w
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := the resident size now
+before = status("VmRSS")
+op = BandedResampler.from_dense(T)
+print((status("VmHWM") - before) * 1024 / (T.numel() * T.element_size()))
+"""
+
+
+def from_dense_peak(N: int, A: int, B: int, sigma: float) -> float:
+    """Peak resident memory of ``from_dense`` above the resident size before it (T and the
+    interpreter), in units of T, for a Gaussian band; in a fresh process (Linux: /proc)."""
+    code = _PEAK_SCRIPT.format(N=N, A=A, B=B, sigma=sigma)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout)
+
+
+def _section(device: str, smoke: bool) -> str:
+    Ms: tuple[int, ...] = (1, 4) if smoke else (1, 16, 64)
+    N, A, B = (2, 20, 2000) if smoke else (20, 500, 50000)
+    rounds, heavy = (3, 1) if smoke else (15, 3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.linspace(0.0, 1.0, B, dtype=torch.float64)
+    c = torch.rand(N, A, generator=gen, dtype=torch.float64)
+    sigma = 1500 / (B - 1) / 8  # cut at 4 sigma: W ~ 1500 fine points at full size
+    f32 = BandedResampler.from_response(x, c, "gaussian", sigma=sigma, device=device)
+    bf16 = BandedResampler.from_response(
+        x, c, "gaussian", sigma=sigma, dtype=torch.bfloat16, device=device
+    )
+    otf = OnTheFlyResampler.from_response(x, c, "gaussian", sigma=sigma, device=device)
+    T = f32.to_dense()  # (N, A, B) float32: the users' operator
+    Ts = T.to_sparse()
+    dense, sparse = _bytes(T), _bytes(Ts.indices(), Ts.values())
+    rows: list[tuple[int, _Method]] = []
+    for M in Ms:
+        f = torch.randn(M, N, B, generator=gen).to(device)
+        if M == 1:
+            base = [
+                _Method('users: einsum("nab,nb->na", T, f)',
+                        lambda f: torch.einsum("nab,nb->na", T, f[0])[None], dense, True),
+                _Method("users: T.to_sparse() + bmm",
+                        lambda f: torch.bmm(Ts, f[0][..., None])[None, ..., 0], sparse, True),
+            ]  # fmt: skip
+        else:
+            base = [
+                _Method('batched: einsum("nab,mnb->mna", T, f)',
+                        lambda f: torch.einsum("nab,mnb->mna", T, f), dense, True),
+            ]  # fmt: skip
+            if M <= 16 or smoke:
+                base.append(_Method("batched: T.to_sparse() + bmm",
+                                    lambda f: torch.bmm(Ts, f.permute(1, 2, 0)).permute(2, 0, 1),
+                                    sparse, True))  # fmt: skip
+        ours = [
+            _Method("ours f32", f32, f32.nbytes),
+            _Method("ours bf16", bf16, bf16.nbytes),
+            _Method("ours on-the-fly", otf, otf.nbytes, params=list(otf.parameters())),
+        ]
+        _measure(base + ours, f, device, rounds, heavy)
+        rows += [(M, m) for m in base + ours]
+    threads = torch.get_num_threads()
+    text = (
+        f"### {device}: N={N}, A={A}, B={B}, W={f32.band_width}, "
+        f"dense T {dense / 2**30:.2f} GiB, {threads} threads\n\n"
+        + _table(rows)
+        + "\n\nTargets (issue 15):\n\n"
+        + _targets(rows, Ms, device, (N, A, B, sigma))
+    )
+    if device == "cpu":
+        # The same M = 1 rows on one thread in CPU time (process_time): what the kernels cost,
+        # without the time other processes take the cores away.
+        one = [_Method(m.name, m.fn, m.nbytes, m.heavy, m.params) for k, m in rows if k == 1]
+        torch.set_num_threads(1)
+        try:
+            _measure(one, torch.randn(1, N, B, generator=gen), device, rounds, heavy,
+                     clock=time.process_time)  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        text += (
+            "\n\nM = 1 on one thread, CPU time of this process:\n\n"
+            + _table([(1, m) for m in one])
+            + "\n\n"
+            + _targets([(1, m) for m in one], (1,), "", (N, A, B, sigma))
+        )
+    return text
+
+
+def _users(rows: list[tuple[int, _Method]]) -> _Method:
+    return next(m for M, m in rows if M == 1 and m.name.startswith("users: einsum"))
+
+
+def _table(rows: list[tuple[int, _Method]]) -> str:
+    users = _users(rows)
+    out = []
+    for M, m in rows:
+        # The users' loop over M sets: M single-set calls.
+        loop_f, loop_fb = M * users.fwd, M * users.fwd_bwd
+        out.append([
+            M, m.name, m.fwd * 1e3, loop_f / m.fwd, m.fwd_bwd * 1e3, loop_fb / m.fwd_bwd,
+            m.nbytes,
+        ])  # fmt: skip
+    headers = [
+        "M", "method", "fwd ms", "fwd x loop", "fwd+bwd ms", "fwd+bwd x loop",
+        "operator bytes",
+    ]  # fmt: skip
+    return markdown_table(headers, out)
+
+
+def _targets(
+    rows: list[tuple[int, _Method]], Ms: Sequence[int], device: str,
+    size: tuple[int, int, int, float],
+) -> str:  # fmt: skip
+    def get(M: int, prefix: str) -> _Method:
+        return next(m for k, m in rows if k == M and m.name.startswith(prefix))
+
+    users, sparse = _users(rows), get(1, "users: T.to_sparse")
+    f32, bf16, otf = (get(1, p) for p in ("ours f32", "ours bf16", "ours on-the-fly"))
+    checks = [
+        ("f32, M=1: fwd >= 50x users' einsum", users.fwd / f32.fwd, 50.0, True),
+        ("f32, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / f32.fwd_bwd, 50.0, True),
+        ("bf16, M=1: fwd >= 50x users' einsum", users.fwd / bf16.fwd, 50.0, True),
+        ("bf16, M=1: fwd+bwd >= 50x users' einsum", users.fwd_bwd / bf16.fwd_bwd, 50.0, True),
+        ("f32, M=1: fwd x T.to_sparse() + bmm", sparse.fwd / f32.fwd, 1.0, True),
+        ("f32, M=1: fwd+bwd x T.to_sparse() + bmm", sparse.fwd_bwd / f32.fwd_bwd, 1.0, True),
+        ("bf16 fwd time / f32 fwd time, M=1 (<= 0.7)", bf16.fwd / f32.fwd, 0.7, False),
+        ("on-the-fly, M=1: fwd >= 1.0x users' einsum", users.fwd / otf.fwd, 1.0, True),
+        ("on-the-fly, M=1: fwd+bwd >= 1.0x users' einsum", users.fwd_bwd / otf.fwd_bwd, 1.0, True),
+    ]
+    for M in Ms[1:]:
+        batched, mine, fly = (get(M, p) for p in ("batched: einsum", "ours f32", "ours on-the-fly"))
+        checks += [
+            (f"f32, M={M}: fwd x batched einsum", batched.fwd / mine.fwd, 1.0, True),
+            (f"f32, M={M}: fwd+bwd x batched einsum", batched.fwd_bwd / mine.fwd_bwd, 1.0, True),
+            (f"on-the-fly, M={M}: fwd >= 1.0x batched einsum", batched.fwd / fly.fwd, 1.0, True),
+        ]
+    if device == "cpu":
+        N, A, B, sigma = size
+        peak = from_dense_peak(N, A, B, sigma)
+        checks.append(("from_dense: peak memory above T, in T (<= 0.2)", peak, 0.2, False))
+    out = []
+    for what, value, goal, higher in checks:
+        ok = value >= goal if higher else value <= goal
+        out.append([what, f"{value:.3g}", "yes" if ok else "no"])
+    return markdown_table(["target", "measured", "met"], out)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__ or "", argv)
-    if args.smoke:
-        N, A, B, Ms = 2, 20, 2000, (1, 16)
-    else:
-        N, A, B, Ms = 20, 500, 50000, (1, 16, 64)
-    sections = []
-    for device in args.device:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.linspace(0.0, 1.0, B, dtype=torch.float64)
-        c = torch.rand(N, A, generator=gen, dtype=torch.float64)
-        sigma = 1500 / (B - 1) / 8  # cut at 4 sigma: W ~ 1500 fine points at full size
-        ops = {
-            "ours f32": BandedResampler.from_response(x, c, "gaussian", sigma=sigma, device=device),
-            "ours bf16": BandedResampler.from_response(
-                x, c, "gaussian", sigma=sigma, dtype=torch.bfloat16, device=device
-            ),
-            "ours on-the-fly": BandedResampler.from_response(
-                x, c, "gaussian", sigma=sigma, on_the_fly=True, device=device
-            ),
-        }
-        T = ops["ours f32"].to_dense()  # (N, A, B) float32, the users' current operator
-        Ts = T.to_sparse()
-        bw = copy_bandwidth(device)
-        W = ops["ours f32"].band_width
-        rows: list[list[object]] = []
-        # (M, variant) -> (fwd s, fwd+bwd s), for the targets table
-        seen: dict[tuple[int, str], tuple[float, float]] = {}
-        slow = 1 if args.smoke else 2
-        for M in Ms:
-            f = torch.randn(M, N, B, device=device)
-            methods: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
-                "dense einsum": (lambda f, T=T: torch.einsum("nab,mnb->mna", T, f), _bytes(T)),
-                "dense matmul": (lambda f, T=T: torch.matmul(T, f.permute(1, 2, 0)), _bytes(T)),
-                "T.to_sparse() + bmm": (
-                    lambda f, Ts=Ts: torch.bmm(Ts, f.permute(1, 2, 0).contiguous()),
-                    _bytes(Ts.indices(), Ts.values()),
-                ),
-            }
-            for name, op in ops.items():
-                methods[name] = (op, op.nbytes)
-            for name, (fn, nbytes) in methods.items():
-                dense = not name.startswith("ours")
-                if "sparse" in name and M > 1 and device == "cpu" and not args.smoke:
-                    # Seconds per call here on CPU at M >= 16; measured at M = 1 only.
-                    rows.append([device, M, name, "not run (slow)", "", "", "", "", nbytes])
-                    continue
-                rep, warm = (slow, 1) if dense else (1 if args.smoke else 5, 1)
-                t_f = median_time(lambda fn=fn, f=f: fn(f), device=device, repeat=rep, warmup=warm)
-                t_fb = median_time(_fwd_bwd(fn, f), device=device, repeat=rep, warmup=warm)
-                seen[M, name] = (t_f, t_fb)
-                e_f, e_fb = seen[M, "dense einsum"]
-                mm_fb = seen.get((M, "dense matmul"), (0.0, 0.0))[1]
-                rows.append(
-                    [
-                        device, M, name, t_f * 1e3, e_f / t_f, t_fb * 1e3, e_fb / t_fb,
-                        _ratio(mm_fb, t_fb), nbytes,
-                    ]
-                )  # fmt: skip
-            for variant in ("ours f32", "ours bf16"):
-                floor = (ops[variant].nbytes + _bytes(f)) / bw
-                seen[M, "floor " + variant] = (floor, floor)
-                label = f"floor: ({variant[5:]} operator + f bytes) / copy bw"
-                rows.append([device, M, label, floor * 1e3, "", "", "", "", ""])
-        headers = [
-            "device", "M", "method", "fwd ms", "fwd x einsum", "fwd+bwd ms", "fwd+bwd x einsum",
-            "fwd+bwd x matmul", "operator bytes",
-        ]  # fmt: skip
-        sections.append(
-            f"N={N}, A={A}, B={B}, W={W}; copy bandwidth {bw / 1e9:.2f} GB/s on {device}.\n\n"
-            + markdown_table(headers, rows)
-            + "\n\nTargets (issue 3), per variant:\n\n"
-            + _targets(seen, ops, T, Ms[1])
-        )
-    note = (
-        "Medians of a few runs (dense baselines: 2). Speed-ups are against the dense einsum / "
-        "dense matmul of the same M in the same run. The floor counts operator and input "
-        "bytes once at the measured copy bandwidth (a copy reads and writes, so a read-only "
-        "kernel may beat it). fwd+bwd is the gradient w.r.t. f (on-the-fly: also c and sigma)."
-    )
     report(
         "resample",
-        "Banded response operator (gpu_ops.resample)",
-        note + "\n\n" + "\n\n".join(sections),
+        "Banded response operator (gpu_ops.resample) against the users' einsum",
+        INTRO + "\n\n" + "\n\n".join(_section(d, args.smoke) for d in args.device),
         smoke=args.smoke,
         devices=args.device,
     )
-
-
-def _targets(
-    seen: dict[tuple[int, str], tuple[float, float]],
-    ops: dict[str, BandedResampler],
-    T: torch.Tensor,
-    m_big: int,
-) -> str:
-    """A table saying which variant meets which of the issue's targets, from measured times."""
-    rows: list[list[object]] = []
-    e_f, e_fb = seen[1, "dense einsum"]
-    mm_fb = seen[m_big, "dense matmul"][1]
-    for v in ("ours f32", "ours bf16", "ours on-the-fly"):
-        t_f, t_fb = seen[1, v]
-        floor = seen[1, "floor " + (v if v != "ours on-the-fly" else "ours bf16")][0]
-        big_fb = seen[m_big, v][1]
-        checks = [
-            ("M=1 fwd >= 50x einsum", e_f / t_f, 50.0, True),
-            ("M=1 fwd within 3x of its floor", t_f / floor, 3.0, False),
-            ("M=1 fwd+bwd >= 30x einsum", e_fb / t_fb, 30.0, True),
-            (f"M={m_big} fwd+bwd >= 5x dense matmul", mm_fb / big_fb, 5.0, True),
-            ("operator bytes <= dense T / 30", _bytes(T) / ops[v].nbytes, 30.0, True),
-        ]
-        for what, value, goal, higher in checks:
-            ok = value >= goal if higher else value <= goal
-            rows.append([v, what, f"{value:.3g}", "yes" if ok else "no"])
-    return markdown_table(["variant", "target", "measured", "met"], rows)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,20 @@ fi
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/device.txt"
 
-# 1. CUDA tests of gpu_ops (and the whole suite where the server's packages are present).
-timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
+# 1. CUDA tests of gpu_ops: the Triton kernels against the references, opcheck of every
+#    torch.ops.bitserve op on CUDA tensors, compile/export, the CUDA staging pool.
+timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
   -W error -m "not e2e" tests/gpu_ops 2>&1 | tee "$OUT/tests.txt"
+# The server's CUDA tests (the pipeline's CUDA timing, the NVML gauges) where its packages are.
+if "$PY" -c "import fastapi, prometheus_client, pynvml, safetensors" 2>/dev/null; then
+  timeout 180 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
+    -W error -m "needs_cuda" tests/service 2>&1 | tee "$OUT/tests_service.txt"
+fi
 
 # 2. GPU benchmarks (each writes benchmarks/results/<name>.md; copied to $OUT).
 for b in bench_bits bench_resample bench_loader; do
   [ -f "benchmarks/$b.py" ] || continue
-  timeout 150 "$PY" -m benchmarks.$b --device cuda 2>&1 | tee "$OUT/$b.txt"
+  timeout 120 "$PY" -m benchmarks.$b --device cuda 2>&1 | tee "$OUT/$b.txt"
   name="${b#bench_}"
   [ -f "benchmarks/results/$name.md" ] && cp "benchmarks/results/$name.md" "$OUT/${name}_gpu.md"
 done

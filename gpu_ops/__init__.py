@@ -4,11 +4,10 @@ Each op family lives in its own module; the public names are re-exported here.
 """
 
 from gpu_ops.bits import packbits, unpackbits
-from gpu_ops.resample import BandedResampler, banded_resample
+from gpu_ops.resample import BandedResampler, OnTheFlyResampler, banded_resample
 from gpu_ops.transfer import (
     StagingBuffer,
     StagingPool,
-    StagingStats,
     from_dlpack,
     to_device,
     to_dlpack,
@@ -17,9 +16,9 @@ from gpu_ops.transfer import (
 
 __all__: list[str] = [
     "BandedResampler",
+    "OnTheFlyResampler",
     "StagingBuffer",
     "StagingPool",
-    "StagingStats",
     "banded_resample",
     "from_dlpack",
     "packbits",

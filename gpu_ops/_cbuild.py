@@ -1,7 +1,7 @@
 """Small C libraries built on first use with the system compiler and loaded through ctypes.
 
-Used by the CPU kernels of ``gpu_ops`` (``_resample_cpu.c``, ``_bits_cpu.c``). A library is
-compiled once per machine (``cc -O3 -march=native -fopenmp``, falling back to plainer flag
+Used by the CPU kernels of ``gpu_ops`` (``_resample_c.c``, ``_bits_c.c``). A library is
+compiled once per machine (``cc -O3 -march=native -fopenmp ...``, falling back to plainer flag
 sets, the last one without OpenMP) into a cache folder (``$BITSERVE_CACHE_DIR``, else
 ``~/.cache/bitserve``, mode 0o700). The file name hashes the source, the compiler's version
 banner, the flags and the CPU (architecture and feature flags: ``-march=native`` code can
@@ -34,11 +34,14 @@ from pathlib import Path
 
 _log = logging.getLogger(__name__)
 
+# -fno-trapping-math: no kernel reads floating-point exception flags, and without it gcc will
+# not turn the conditional selects of the response loops into vector blends.
 FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
-    ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"],
-    ["-O3", "-fPIC", "-shared", "-fno-strict-aliasing"],  # no OpenMP runtime: one thread
-)
+    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing",
+     "-fno-trapping-math"],
+    ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-trapping-math"],
+    ["-O3", "-fPIC", "-shared", "-fno-strict-aliasing", "-fno-trapping-math"],  # no OpenMP
+)  # fmt: skip
 
 
 def cache_dir() -> Path:

@@ -10,12 +10,13 @@ into a preallocated ``out`` such as a slice of a batch buffer::
     >>> gpu_ops.unpackbits(packed, dim=-1, count=9, dtype=torch.float32)
     tensor([[1., 0., 1., 1., 0., 0., 0., 0., 1.]])
 
-Kernels: a fused Triton kernel per direction for CUDA tensors (``gpu_ops._triton.bits``);
-on the CPU a small compiled C kernel (``gpu_ops._bits_cpu.c``, built on first use) for
-unpacking and NumPy for packing; chunked lookup tables in plain torch elsewhere: on the CPU
-without a C compiler or with ``BITSERVE_CPU_KERNELS=0``, and on CUDA when Triton is not
-installed (``gpu_ops._bits_cpu``). ``gpu_ops._reference`` holds the slow reference the tests compare
-both with.
+The functions check and normalise their arguments, then call the torch operators
+``torch.ops.bitserve.packbits`` / ``unpackbits`` / ``unpackbits_into`` (``gpu_ops._bits_ops``),
+which the dispatcher sends to a kernel by device: fused Triton kernels on CUDA, a compiled C
+unpacker and NumPy's packbits on the CPU, chunked torch lookups elsewhere (and on the CPU
+without a C compiler, or with ``BITSERVE_CPU_KERNELS=0``). Being torch operators, they
+compile with ``torch.compile(fullgraph=True)`` and export with ``torch.export``.
+``gpu_ops._reference`` holds the slow reference the tests compare every kernel with.
 """
 
 from __future__ import annotations
@@ -24,13 +25,7 @@ import operator
 
 import torch
 
-from gpu_ops import _bits_cpu
-from gpu_ops._triton import use_triton
-
-try:  # Triton is optional: the CPU paths never need it.
-    from gpu_ops._triton import bits as _triton_bits
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton_bits = None  # type: ignore[assignment]
+from gpu_ops import _bits_ops
 
 __all__ = ["UNPACK_DTYPES", "packbits", "unpackbits"]
 
@@ -126,7 +121,8 @@ def _check_out(
         raise ValueError(f"out is on {out.device}, expected {device} (the input's device)")
     if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
         raise ValueError("out must not be an expanded tensor (a stride of 0 writes overlap)")
-    if _overlaps(out, x):
+    # Fake tensors (torch.compile, torch.export) have no memory to compare.
+    if not torch.compiler.is_compiling() and _overlaps(out, x):
         # The kernels read x while writing out: an overlap would read bits already overwritten.
         raise ValueError("out overlaps the input x (they share memory); pass a separate buffer")
     return out
@@ -158,17 +154,7 @@ def packbits(x: torch.Tensor, dim: int | None = None, bitorder: str = "big") -> 
         raise TypeError(f"packbits expects a bool or integer tensor, got dtype {x.dtype}")
     order = _check_bitorder(bitorder)
     x, d = _resolve_dim(x, dim)
-    shape = list(x.shape)
-    shape[d] = -(-shape[d] // 8)
-    out = torch.empty(shape, dtype=torch.uint8, device=x.device)
-    if out.numel() == 0:
-        return out
-    if x.dtype == torch.bool:  # the kernels read bytes; a bool is a 0/1 byte
-        x = x.view(torch.uint8)
-    if use_triton(x, _triton_bits):
-        _triton_bits.pack_into(x, out, d, order)
-    else:
-        _bits_cpu.pack_into(x, out, d, order)
+    out: torch.Tensor = _bits_ops.packbits(x, d, order)
     return out
 
 
@@ -228,18 +214,11 @@ def unpackbits(
                     f"count={n_bits} asks to drop more bits than the {total} along dim {d}"
                 )
             n_bits += total
+    if out is None:
+        result: torch.Tensor = _bits_ops.unpackbits(x, d, n_bits, order, dtype)
+        return result
     shape = list(x.shape)
     shape[d] = n_bits
-    fresh = out is None
-    if out is None:
-        out = _bits_cpu.empty(shape, dtype, x.device)
-    else:
-        out = _check_out(out, shape, dtype, x.device, source)
-    if out.numel() == 0:
-        return out
-    target = out.view(torch.uint8) if dtype == torch.bool else out
-    if use_triton(x, _triton_bits):
-        _triton_bits.unpack_into(x, target, d, order)
-    else:
-        _bits_cpu.unpack_into(x, target, d, order, fresh)
+    out = _check_out(out, shape, dtype, x.device, source)
+    _bits_ops.unpackbits_into(x, d, order, out)
     return out

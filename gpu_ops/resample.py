@@ -5,46 +5,35 @@ resampled at per-function coarse points ``c (N, A)``::
 
     out[n, a] = sum_b r(c[n, a] - x[b]) * f[n, b]
 
-r is (cut to) compact support, so each (n, a) reads one contiguous window of fine points. The
-operator is stored as ``starts (N, A) int32`` and ``weights (N, A, W)``, never as the dense
-``T (N, A, B)``; ``out[n, a] = sum_j weights[n, a, j] * f[n, starts[n, a] + j]``.
+r is (cut to) compact support, so each (n, a) reads one contiguous window of fine points.
+Two modules compute it:
 
-Kernels: Triton on CUDA, compiled C on the CPU (chunked torch where no compiler is found), a
-plain-torch reference elsewhere (``gpu_ops._reference``). See ``BandedResampler`` for storage.
+- :class:`BandedResampler` stores the band, ``starts (N, A) int32`` and ``weights
+  (N, A, W)``, never the dense ``T (N, A, B)``: ``out[n, a] = sum_j weights[n, a, j] *
+  f[n, starts[n, a] + j]``. Any response (named, tabulated, a callable, or a dense T).
+- :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
+  weights inside the kernels; gradients also flow to c and the parameter.
+
+Both call torch operators (``torch.ops.bitserve.*``, :mod:`gpu_ops._resample_ops`): Triton
+kernels on CUDA, compiled C on the CPU, chunked torch elsewhere, each compared in the tests
+with the plain references of :mod:`gpu_ops._reference`. Being torch operators, they run
+under ``torch.compile(fullgraph=True)`` and in ``torch.export`` programs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
-from gpu_ops import _reference, responses
-from gpu_ops._resample_autograd import banded_apply
-from gpu_ops._resample_otf import OnTheFlyFunction
+from gpu_ops import _resample_ops, _resampler_base, responses
+from gpu_ops._on_the_fly import OnTheFlyResampler
+from gpu_ops.responses import Response
 
-Response = Callable[[torch.Tensor], torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | str
-_FORMAT = "bitserve.BandedResampler"
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+__all__ = ["BandedResampler", "OnTheFlyResampler", "banded_resample", "load"]
+
 _CHUNK_ITEMS = 1 << 22  # weights evaluated per chunk while building an operator
-
-
-def _check_input(f: torch.Tensor, N: int, B: int, device: torch.device) -> torch.Tensor:
-    """f (N, B) or (M, N, B) -> (M, N, B), with clear errors."""
-    if not isinstance(f, torch.Tensor):
-        raise TypeError(f"f must be a torch.Tensor, got {type(f).__name__}")
-    if f.ndim not in (2, 3) or tuple(f.shape[-2:]) != (N, B):
-        raise ValueError(
-            f"f must have shape (N, B) or (M, N, B) with N={N}, B={B}; got {tuple(f.shape)}"
-        )
-    if f.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"f must be float32, bfloat16, float16 or float64; got {f.dtype}")
-    if f.device != device:
-        raise ValueError(f"f is on {f.device} but the operator is on {device}")
-    return f if f.ndim == 3 else f.unsqueeze(0)
+_DENSE_CHUNK_ITEMS = 1 << 20  # entries of T (or of the band) handled at once by from_dense
 
 
 def _check_band(
@@ -61,7 +50,7 @@ def _check_band(
         )
     if starts.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"starts must be int32 (or int64); got {starts.dtype}")
-    if weights.dtype not in _INPUT_DTYPES:
+    if weights.dtype not in _resampler_base.INPUT_DTYPES:
         raise TypeError(
             f"weights must be float32, bfloat16, float16 or float64; got {weights.dtype}"
         )
@@ -104,10 +93,11 @@ def banded_resample(
         weights: (N, A, W) float32, bfloat16 or float16 on f's device.
         validate: check that the starts lie in ``[0, B - W]`` and whether each row is sorted
             (sorted rows take the faster banded backward). Those checks read values: on
-            CUDA, a host sync per call. ``False`` skips them for hot loops: out-of-range
-            starts are then undefined behaviour (wrong values or a device fault) and the
-            backward assumes unsorted rows. Shapes, dtypes and devices are always checked.
-            A :class:`BandedResampler` validates once at construction and never here.
+            CUDA, a host sync per call, and under ``torch.compile`` a graph break. ``False``
+            skips them for hot loops and compiled code: out-of-range starts are then
+            undefined behaviour (wrong values or a device fault) and the backward assumes
+            unsorted rows. Shapes, dtypes and devices are always checked. A
+            :class:`BandedResampler` validates once at construction and never here.
 
     Returns:
         (N, A) or (M, N, A) in f's dtype (accumulated in float32). Differentiable in f and in
@@ -117,32 +107,85 @@ def banded_resample(
         raise TypeError(f"f must be a torch.Tensor, got {type(f).__name__}")
     B = f.shape[-1] if f.ndim >= 1 else -1
     _check_band(starts, weights, B, values=validate)
-    f3 = _check_input(f, starts.shape[0], B, weights.device)
-    s32 = starts.to(torch.int32).contiguous()
+    f3 = _resampler_base.check_input(f, starts.shape[0], B, weights.device)
+    s32 = starts.to(torch.int32)
     # Sorted starts let both the CUDA and the C backward use the banded transpose.
     sorted_starts = validate and bool((s32[:, 1:] >= s32[:, :-1]).all())
-    out = banded_apply(f3, s32, weights.contiguous(), sorted_starts=sorted_starts)
+    out: torch.Tensor = _resample_ops.banded_forward(f3, s32, weights, sorted_starts)
     return out if f.ndim == 3 else out.squeeze(0)
 
 
-class BandedResampler(nn.Module):
-    """The banded response operator as a module: ``forward(f)`` resamples f at c.
+def load(
+    path: str | Path, device: torch.device | str | None = None
+) -> BandedResampler | OnTheFlyResampler:
+    """Read a file written by either module's ``save`` (safetensors, no pickle)."""
+    meta, _ = _resampler_base.read(path, None, tensors=False)
+    if meta.get("mode") == "on_the_fly":
+        return OnTheFlyResampler.load(path, device)
+    return BandedResampler.load(path, device)
 
-    Stored mode keeps ``starts (N, A) int32`` and ``weights (N, A, W)`` (rows sorted by window
-    start, so the transposed band is banded too) plus ``inverse_order (N, A)`` when c was not
-    sorted, so the output keeps the caller's order. On-the-fly mode (named responses only)
-    keeps ``x (B,)``, ``c (N, A)`` and the response parameter as ``nn.Parameter``s, computes
-    the weights inside the forward and backward, and gives gradients w.r.t. c and the
-    parameter; ``.half()``/``.to(torch.bfloat16)`` leave those at their precision (they only
-    move devices): half or bfloat16 inputs are computed in float32 either way. Build with
-    :meth:`from_response`, :meth:`from_dense` or :meth:`load`.
+
+def _dense_windows(T: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of T (N, A, B): ``[first, last)`` of its entries above tol (empty: first).
+
+    Rows are examined a block at a time, so the temporaries stay a few MB whatever T's size
+    (peak memory about T plus ``_DENSE_CHUNK_ITEMS`` x 8 bytes).
+
+    Raises:
+        ValueError: a row whose entries above tol are not one contiguous window (named).
+    """
+    N, A, B = T.shape
+    first = torch.zeros(N, A, dtype=torch.int64, device=T.device)
+    last = torch.zeros_like(first)
+    count = torch.zeros_like(first)
+    k = max(1, _DENSE_CHUNK_ITEMS // max(1, B))
+    for n in range(N):
+        for a0 in range(0, A, k):
+            mask = T[n, a0 : a0 + k].abs() > tol  # (k, B) bool
+            count[n, a0 : a0 + k] = mask.sum(-1)
+            first[n, a0 : a0 + k] = mask.to(torch.uint8).argmax(-1)
+            last[n, a0 : a0 + k] = B - mask.flip(-1).to(torch.uint8).argmax(-1)
+    bad = (count > 0) & (count != last - first)
+    if bool(bad.any()):
+        n, a = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"row (n={n}, a={a}) of T has entries above tol={tol} that are not one contiguous "
+            f"window: {int(count[n, a])} of them spread over columns "
+            f"{int(first[n, a])}..{int(last[n, a]) - 1}"
+        )
+    return first, torch.where(count > 0, last, first)
+
+
+class BandedResampler(_resampler_base.Resampler):
+    """The banded response operator as a module, stored as a band: ``forward(f)``.
+
+    Keeps ``starts (N, A) int32`` and ``weights (N, A, W)`` as buffers, rows sorted by window
+    start (so the transposed band of the backward is banded too), plus ``inverse_order
+    (N, A)`` when c was not sorted, so the output keeps the caller's order. Gradients flow
+    to f, and to ``weights`` if you make them require grad. Build with
+    :meth:`from_response`, :meth:`from_dense` or :meth:`load`; for a band whose weights are
+    computed in the kernels (and gradients w.r.t. the coarse points and the response's
+    width), see :class:`OnTheFlyResampler`.
+
+    Args:
+        starts: (N, A) int32 window starts, non-decreasing along each row.
+        weights: (N, A, W) weights on starts' device.
+        num_fine: B, the number of fine points.
+        inverse_order: (N, A) int64 on starts' device, a permutation of ``0..A-1`` per row:
+            output column ``a`` is band row ``inverse_order[n, a]``; ``None`` keeps the
+            band's order.
+
+    Raises:
+        ValueError: unsorted starts, starts outside ``[0, B - W]``, or an ``inverse_order``
+            that is not a permutation.
+
+    Everything is checked here, once, so :meth:`forward` can trust it (the kernels rely on
+    sorted rows; a bad permutation would gather garbage or trip a device assert).
     """
 
     starts: torch.Tensor
     weights: torch.Tensor
     inverse_order: torch.Tensor | None
-    x: torch.Tensor  # on-the-fly mode: the fine grid (B,), float64
-    c: torch.Tensor  # on-the-fly mode: the coarse points (N, A), an nn.Parameter
 
     def __init__(
         self,
@@ -152,22 +195,6 @@ class BandedResampler(nn.Module):
         *,
         inverse_order: torch.Tensor | None = None,
     ) -> None:
-        """Stored mode from a band whose starts are sorted along each row.
-
-        Args:
-            starts: (N, A) int32 window starts, non-decreasing along each row.
-            weights: (N, A, W) weights on starts' device.
-            num_fine: B, the number of fine points.
-            inverse_order: (N, A) int64 on starts' device, a permutation of ``0..A-1`` per
-                row: output column ``a`` is band row ``inverse_order[n, a]``; ``None`` keeps
-                the band's order.
-
-        Raises:
-            ValueError: unsorted starts, or an ``inverse_order`` that is not a permutation.
-
-        Everything is checked here, once, so :meth:`forward` can trust it (the kernels rely
-        on sorted rows; a bad permutation would gather garbage or trip a device assert).
-        """
         super().__init__()
         _check_band(starts, weights, num_fine)
         if starts.shape[1] > 1 and not bool((starts[:, 1:] >= starts[:, :-1]).all()):
@@ -182,7 +209,6 @@ class BandedResampler(nn.Module):
         self.register_buffer("starts", starts.to(torch.int32).contiguous())
         self.register_buffer("weights", weights.contiguous())
         self.register_buffer("inverse_order", inverse_order)
-        self._otf: tuple[responses.NamedResponse, float | None] | None = None
 
     # --- construction ---------------------------------------------------------------------
 
@@ -196,7 +222,6 @@ class BandedResampler(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        on_the_fly: bool = False,
         **params: float,
     ) -> BandedResampler:
         """Build the operator ``T[n, a, b] = r(c[n, a] - x[b])`` as a band.
@@ -211,93 +236,38 @@ class BandedResampler(nn.Module):
                 (``sigma=``, ``half_width=`` or ``gamma=``), ``support`` then in units of
                 that parameter (gaussian default 4, lorentzian default 10).
             support: see ``response``.
-            dtype: weight dtype (float32, bfloat16, float16); on-the-fly: f32 compute.
+            dtype: weight dtype (float32, bfloat16, float16; float64 for gradcheck).
             device: where the operator lives (default: x's device).
-            on_the_fly: named responses only; store no weights (see the class docstring).
             **params: the named response's parameter.
 
         Returns:
             The operator; windows are clipped at the grid edges, empty windows give 0.
+            Windows and weights are found in float64, then stored in ``dtype``.
         """
-        device = torch.device(device) if device is not None else x.device
-        x = torch.as_tensor(x).to(device=device, dtype=torch.float64).contiguous()
-        c = torch.as_tensor(c).to(device=device, dtype=torch.float64)
-        if x.ndim != 1 or x.numel() < 1:
-            raise ValueError(f"x must be a non-empty 1-D tensor, got shape {tuple(x.shape)}")
-        if not bool((x[1:] >= x[:-1]).all()):
-            raise ValueError("x must be sorted (non-decreasing)")
-        if c.ndim != 2:
-            raise ValueError(f"c must have shape (N, A), got {tuple(c.shape)}")
-        if not bool(torch.isfinite(c).all()) or not bool(torch.isfinite(x).all()):
-            raise ValueError("x and c must be finite")
-        if isinstance(response, str):
-            spec = responses.named(response)
-            unknown = set(params) - {spec.param}
-            if spec.param not in params or unknown:
-                raise ValueError(f"{response!r} takes exactly one parameter {spec.param}=...")
-            value = float(params[spec.param])
-            if value <= 0:
-                raise ValueError(f"{spec.param} must be > 0, got {value}")
-            half = spec.half_width(value, support)
-            if on_the_fly:
-                return cls._on_the_fly(x, c, spec, value, support, dtype)
-            p = {spec.param: torch.tensor(value, dtype=torch.float64, device=device)}
-            r: Callable[[torch.Tensor], torch.Tensor] = lambda d: spec.evaluate(d, p)  # noqa: E731
-            lo, hi = -half, half
-        else:
-            if on_the_fly:
-                raise ValueError("on_the_fly=True needs a named response")
-            if params:
-                raise ValueError(f"unexpected parameters {sorted(params)} for this response")
-            if isinstance(response, tuple):
-                if support is not None:
-                    raise ValueError("a tabulated response implies its support; omit `support`")
-                xs = torch.as_tensor(response[0]).to(device=device, dtype=torch.float64)
-                ys = torch.as_tensor(response[1]).to(device=device, dtype=torch.float64)
-                r = responses.tabulated(xs, ys)
-                lo, hi = float(xs[0]), float(xs[-1])
-            elif callable(response):
-                if support is None or not support > 0:
-                    raise ValueError("a callable response needs `support` > 0 (its half-width)")
-                r, lo, hi = response, -float(support), float(support)
-            else:
-                raise TypeError(f"unsupported response {type(response).__name__}")
-        c_sorted, order = torch.sort(c, dim=1, stable=True)
-        first, last, W = responses.windows(x, c_sorted, lo, hi)
-        starts = responses.clipped_starts(first, W, x.numel())
-        N, A = c.shape
-        weights = torch.empty(N, A, W, dtype=dtype, device=device)
+        if "on_the_fly" in params:
+            raise TypeError("on_the_fly= is gone: use OnTheFlyResampler.from_response")
+        dev = torch.device(device) if device is not None else torch.as_tensor(x).device
+        x64, c64 = responses.check_grid(x, c, dev)
+        cut = responses.parse(response, support, params, dev)
+        c_sorted, order = torch.sort(c64, dim=1, stable=True)
+        first, last, W = responses.windows(x64, c_sorted, cut.lo, cut.hi)
+        starts = responses.clipped_starts(first, W, x64.numel())
+        N, A = c64.shape
+        weights = torch.empty(N, A, W, dtype=dtype, device=dev)
         step = max(1, _CHUNK_ITEMS // max(1, N * W))
         for a0 in range(0, A, step):
             sl = slice(a0, a0 + step)
             band = responses.evaluate_band(
-                x, c_sorted[:, sl], r, first[:, sl], last[:, sl], starts[:, sl], W
+                x64, c_sorted[:, sl], cut.r, first[:, sl], last[:, sl], starts[:, sl], W
             )
             weights[:, sl] = band.to(dtype)
-        identity = bool((order == torch.arange(A, device=device)).all())
-        inverse = None if identity else torch.argsort(order, dim=1)
-        return cls(starts, weights, x.numel(), inverse_order=inverse)
-
-    @classmethod
-    def _on_the_fly(
-        cls, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse, value: float,
-        support: float | None, dtype: torch.dtype,
-    ) -> BandedResampler:  # fmt: skip
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.num_fine = x.numel()
-        self._otf = (spec, support)
-        self.register_buffer("x", x)
-        self.c = nn.Parameter(c.to(torch.float64 if dtype == torch.float64 else torch.float32))
-        self.register_parameter(
-            spec.param, nn.Parameter(torch.tensor(value, dtype=self.c.dtype, device=x.device))
-        )
-        self.register_buffer("inverse_order", None)
-        return self
+        return cls(starts, weights, x64.numel(), inverse_order=_inverse(order))
 
     @classmethod
     def from_dense(cls, T: torch.Tensor, tol: float = 0.0) -> BandedResampler:
         """Find each row's band in a dense ``T (N, A, B)``; entries ``|T| <= tol`` count as 0.
+
+        Works a block of rows at a time: the peak memory is T plus the band plus a few MB.
 
         Raises:
             ValueError: a row whose entries above tol are not one contiguous window (named).
@@ -305,182 +275,81 @@ class BandedResampler(nn.Module):
         if T.ndim != 3:
             raise ValueError(f"T must have shape (N, A, B), got {tuple(T.shape)}")
         N, A, B = T.shape
-        mask = T.abs() > tol
-        count = mask.sum(-1)
-        first = mask.to(torch.uint8).argmax(-1)
-        last = B - mask.flip(-1).to(torch.uint8).argmax(-1)
-        bad = (count > 0) & (count != last - first)
-        if bool(bad.any()):
-            n, a = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(
-                f"row (n={n}, a={a}) of T has entries above tol={tol} that are not one contiguous "
-                f"window: {int(count[n, a])} of them spread over columns "
-                f"{int(first[n, a])}..{int(last[n, a]) - 1}"
-            )
-        last = torch.where(count > 0, last, first)
+        first, last = _dense_windows(T, tol)
         W = max(1, int((last - first).max())) if T.numel() else 1
-        starts = responses.clipped_starts(first, W, B)
-        starts, order = torch.sort(starts, dim=1, stable=True)
+        starts, order = torch.sort(responses.clipped_starts(first, W, B), dim=1, stable=True)
         first, last = first.gather(1, order), last.gather(1, order)
-        cols = starts[..., None] + torch.arange(W, device=T.device)
-        weights = T.gather(1, order[..., None].expand(N, A, B)).gather(-1, cols)
-        inside = (cols >= first[..., None]) & (cols < last[..., None])
-        weights = torch.where(inside, weights, torch.zeros_like(weights))
-        identity = bool((order == torch.arange(A, device=T.device)).all())
-        inverse = None if identity else torch.argsort(order, dim=1)
-        return cls(starts, weights, B, inverse_order=inverse)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        """``.to()``/``.cuda()``/``.half()``...: on-the-fly mode keeps its dtypes, moves only.
-
-        x (float64), c and the response parameter are the geometry, not weights: in half
-        precision the window search and the offsets ``c - x`` would be wrong by whole fine
-        points. The inputs may still be half or bfloat16 (computed in float32).
-        """
-        if self._otf is None:
-            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-
-        def move_only(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if out.dtype != t.dtype and t.is_floating_point():
-                return t.to(device=out.device)  # from the original: no rounding on the way
-            return out
-
-        return super()._apply(move_only, recurse)  # type: ignore[no-untyped-call]
+        weights = T.new_empty(N, A, W)
+        j = torch.arange(W, device=T.device)
+        k = max(1, _DENSE_CHUNK_ITEMS // max(1, W))
+        for n in range(N):
+            for a0 in range(0, A, k):
+                sl = slice(a0, a0 + k)
+                cols = starts[n, sl, None] + j  # (k, W)
+                w = T[n][order[n, sl, None], cols]
+                inside = (cols >= first[n, sl, None]) & (cols < last[n, sl, None])
+                weights[n, sl] = torch.where(inside, w, torch.zeros_like(w))
+        return cls(starts, weights, B, inverse_order=_inverse(order))
 
     # --- use ------------------------------------------------------------------------------
 
-    @property
-    def on_the_fly(self) -> bool:
-        """True when no weights are stored (see the class docstring)."""
-        return self._otf is not None
+    def _input_layout(self) -> tuple[int, torch.device]:
+        return self.starts.shape[0], self.starts.device
 
-    def _param(self) -> torch.Tensor:
-        assert self._otf is not None
-        p: torch.Tensor = getattr(self, self._otf[0].param)
-        return p
-
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        """Resample f.
-
-        Args:
-            f: (N, B) or (M, N, B), float32, bfloat16 or float16, on the operator's device.
-
-        Returns:
-            (N, A) or (M, N, A) in f's dtype, in the order of the c the operator was built from.
-        """
-        if self._otf is not None:
-            x: torch.Tensor = self.x
-            f3 = _check_input(f, self.c.shape[0], self.num_fine, x.device)
-            spec, support = self._otf
-            ct = torch.float64 if torch.float64 in (f.dtype, self.c.dtype) else torch.float32
-            out: torch.Tensor = OnTheFlyFunction.apply(  # type: ignore[no-untyped-call]
-                f3, self.c, self._param(), x, spec, support, ct
-            )
-        else:
-            f3 = _check_input(f, self.starts.shape[0], self.num_fine, self.starts.device)
-            out = banded_apply(f3, self.starts, self.weights, sorted_starts=True)
-            if self.inverse_order is not None:
-                out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
-        return out if f.ndim == 3 else out.squeeze(0)
+    def _resample(self, f: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _resample_ops.banded_forward(f, self.starts, self.weights, True)
+        if self.inverse_order is not None:
+            out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+        return out
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(starts (N, A), weights (N, A, W))`` in the caller's row order (on-the-fly: built)."""
-        if self._otf is None:
-            starts, weights = self.starts, self.weights
-            if self.inverse_order is not None:
-                inv = self.inverse_order
-                starts = starts.gather(1, inv)
-                weights = weights.gather(1, inv[..., None].expand_as(weights))
-            return starts, weights
-        spec, support = self._otf
-        x: torch.Tensor = self.x
-        p = self._param().detach()
-        half = spec.half_width(float(p), support)
-        first, last, W = responses.windows(x, self.c, -half, half)
-        starts = responses.clipped_starts(first, W, x.numel())
-        pd = {spec.param: p.to(x.dtype)}
-        w = responses.evaluate_band(
-            x, self.c.detach(), lambda d: spec.evaluate(d, pd), first, last, starts, W
-        )
-        return starts.to(torch.int32), w.to(self.c.dtype)
-
-    def to_dense(self) -> torch.Tensor:
-        """The dense operator ``T (N, A, B)`` (for checks and small sizes only)."""
-        starts, weights = self.band()
-        return _reference.banded_to_dense(starts, weights, self.num_fine)
+        """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""
+        starts, weights = self.starts, self.weights
+        if self.inverse_order is not None:
+            inv = self.inverse_order
+            starts = starts.gather(1, inv)
+            weights = weights.gather(1, inv[..., None].expand_as(weights))
+        return starts, weights
 
     @property
     def band_width(self) -> int:
         """W, the longest window in fine points."""
-        return int(self.weights.shape[-1]) if self._otf is None else int(self.band()[1].shape[-1])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the operator keeps resident (buffers and parameters)."""
-        tensors = [*self.buffers(), *self.parameters()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return int(self.weights.shape[-1])
 
     def extra_repr(self) -> str:
-        if self._otf is not None:
-            N, A = self.c.shape
-            return f"on_the_fly={self._otf[0].name}, N={N}, A={A}, B={self.num_fine}"
         N, A, W = self.weights.shape
         return f"N={N}, A={A}, B={self.num_fine}, W={W}, dtype={self.weights.dtype}"
 
     # --- files ----------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Write the operator to a safetensors file (format described in the README)."""
-        from safetensors.torch import save_file
-
-        meta = {"format": _FORMAT, "version": "1", "num_fine": str(self.num_fine)}
-        tensors: dict[str, torch.Tensor]
-        if self._otf is not None:
-            spec, support = self._otf
-            meta |= {
-                "mode": "on_the_fly",
-                "response": spec.name,
-                "support": "" if support is None else repr(support),
-            }
-            tensors = {
-                "x": self.x,
-                "c": self.c.detach(),
-                "param": self._param().detach().reshape(1),
-            }
-        else:
-            meta["mode"] = "stored"
-            tensors = {"starts": self.starts, "weights": self.weights}
-            if self.inverse_order is not None:
-                tensors["inverse_order"] = self.inverse_order
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=meta)
+        """Write the band to a safetensors file (format described in the README)."""
+        tensors = {"starts": self.starts, "weights": self.weights}
+        if self.inverse_order is not None:
+            tensors["inverse_order"] = self.inverse_order
+        _resampler_base.write(path, self.num_fine, {"mode": "stored"}, tensors)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> BandedResampler:
-        """Read an operator written by :meth:`save` (safetensors, no pickle) onto ``device``."""
-        from safetensors import safe_open
+        """Read a band written by :meth:`save` (safetensors, no pickle) onto ``device``.
 
-        dev = str(torch.device(device)) if device is not None else "cpu"
-        with safe_open(str(path), framework="pt", device=dev) as fh:
-            meta: dict[str, Any] = fh.metadata() or {}
-            if meta.get("format") != _FORMAT or meta.get("version") != "1":
-                raise ValueError(f"{path}: not a {_FORMAT} v1 file (metadata {meta})")
-            t = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        Raises:
+            ValueError: not such a file, or a band that fails the constructor's checks (the
+                message names the file). An on-the-fly file: use :func:`load`.
+        """
+        meta, t = _resampler_base.read(path, device)
+        if meta.get("mode") == "on_the_fly":
+            raise ValueError(f"{path}: an on-the-fly operator; read it with OnTheFlyResampler.load")
         try:
-            if meta.get("mode") == "on_the_fly":
-                spec = responses.named(meta["response"])
-                support = float(meta["support"]) if meta["support"] else None
-                op = cls._on_the_fly(
-                    t["x"], t["c"], spec, float(t["param"][0]), support, t["c"].dtype
-                )
-                return op
-            return cls(
-                t["starts"],
-                t["weights"],
-                int(meta["num_fine"]),
-                inverse_order=t.get("inverse_order"),
-            )
+            num_fine = int(meta["num_fine"])
+            return cls(t["starts"], t["weights"], num_fine, inverse_order=t.get("inverse_order"))
         except KeyError as exc:
             raise ValueError(f"{path}: missing {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:  # a band that fails __init__'s checks
             raise type(exc)(f"{path}: {exc}") from None
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor | None:
+    """The inverse permutation of each row of ``order``; None when every row is the identity."""
+    identity = bool((order == torch.arange(order.shape[1], device=order.device)).all())
+    return None if identity else torch.argsort(order, dim=1)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 Evaluator = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+# (dr/dd, dr/dp) at offsets d for parameter p, as tensors broadcast like d.
+Derivatives = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _gaussian(d: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -42,6 +44,32 @@ def _lorentzian(d: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Te
     return 1.0 / (1.0 + (d / params["gamma"]) ** 2)
 
 
+# Analytic derivatives, the same formulas the C and Triton on-the-fly kernels evaluate.
+
+
+def _d_gaussian(d: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    u = d / p
+    r = torch.exp(-0.5 * u * u)
+    return -u / p * r, u * u / p * r
+
+
+def _d_boxcar(d: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    zero = torch.zeros_like(d)  # piecewise constant: zero almost everywhere
+    return zero, zero
+
+
+def _d_triangle(d: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    on = d.abs() < p
+    zero = torch.zeros_like(d)
+    return torch.where(on, -torch.sign(d) / p, zero), torch.where(on, d.abs() / (p * p), zero)
+
+
+def _d_lorentzian(d: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    u = d / p
+    q = 1.0 / (1.0 + u * u)
+    return -2.0 * u * q * q / p, 2.0 * u * u * q * q / p
+
+
 @dataclass(frozen=True)
 class NamedResponse:
     """A named analytic response: its formula, parameter and how support scales with it."""
@@ -50,6 +78,8 @@ class NamedResponse:
     param: str
     evaluate: Evaluator
     default_support: float | None  # in units of the parameter; None: the parameter itself
+    derivatives: Derivatives  # (dr/dd, dr/dparam)
+    code: int  # the response's number in the compiled and Triton kernels
 
     def bind(self, params: Mapping[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """r(d) with the parameter fixed to ``params[self.param]``."""
@@ -67,10 +97,10 @@ class NamedResponse:
 NAMED: dict[str, NamedResponse] = {
     r.name: r
     for r in (
-        NamedResponse("gaussian", "sigma", _gaussian, 4.0),
-        NamedResponse("boxcar", "half_width", _boxcar, None),
-        NamedResponse("triangle", "half_width", _triangle, None),
-        NamedResponse("lorentzian", "gamma", _lorentzian, 10.0),
+        NamedResponse("gaussian", "sigma", _gaussian, 4.0, _d_gaussian, 0),
+        NamedResponse("boxcar", "half_width", _boxcar, None, _d_boxcar, 1),
+        NamedResponse("triangle", "half_width", _triangle, None, _d_triangle, 2),
+        NamedResponse("lorentzian", "gamma", _lorentzian, 10.0, _d_lorentzian, 3),
     )
 }
 
@@ -81,6 +111,97 @@ def named(name: str) -> NamedResponse:
         return NAMED[name]
     except KeyError:
         raise ValueError(f"unknown response {name!r}; known: {sorted(NAMED)}") from None
+
+
+Response = Callable[[torch.Tensor], torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | str
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A response ready to evaluate: r(d), zero outside ``[lo, hi]``."""
+
+    r: Callable[[torch.Tensor], torch.Tensor]
+    lo: float
+    hi: float
+
+
+def parse_named(
+    name: str, support: float | None, params: Mapping[str, float]
+) -> tuple[NamedResponse, float]:
+    """The named response ``name`` and its parameter's value, checked.
+
+    Raises:
+        ValueError: an unknown name, missing or extra parameters, a value <= 0, or a
+            ``support`` for a compact response.
+    """
+    spec = named(name)
+    if spec.param not in params or set(params) - {spec.param}:
+        raise ValueError(f"{name!r} takes exactly one parameter {spec.param}=...")
+    value = float(params[spec.param])
+    if not value > 0:
+        raise ValueError(f"{spec.param} must be > 0, got {value}")
+    spec.half_width(value, support)  # refuses a support for a compact response
+    return spec, value
+
+
+def parse(
+    response: Response,
+    support: float | None,
+    params: Mapping[str, float],
+    device: torch.device,
+) -> Cut:
+    """Any accepted form of a response (see the module docstring) as a :class:`Cut`.
+
+    Args:
+        response: a name, a table ``(xs, ys)`` or a callable on offsets.
+        support: a callable's half-width (required); a named response's cut in units of its
+            parameter (optional); must be None for a table.
+        params: the named response's parameter, e.g. ``{"sigma": 2.0}``; empty otherwise.
+        device: where a table's tensors go.
+
+    Raises:
+        ValueError: a parameter or support that does not fit the response.
+        TypeError: ``response`` is none of the accepted forms.
+    """
+    if isinstance(response, str):
+        spec, value = parse_named(response, support, params)
+        half = spec.half_width(value, support)
+        p = {spec.param: torch.tensor(value, dtype=torch.float64, device=device)}
+        return Cut(spec.bind(p), -half, half)
+    if params:
+        raise ValueError(f"unexpected parameters {sorted(params)} for this response")
+    if isinstance(response, tuple):
+        if support is not None:
+            raise ValueError("a tabulated response implies its support; omit `support`")
+        xs = torch.as_tensor(response[0]).to(device=device, dtype=torch.float64)
+        ys = torch.as_tensor(response[1]).to(device=device, dtype=torch.float64)
+        return Cut(tabulated(xs, ys), float(xs[0]), float(xs[-1]))
+    if callable(response):
+        if support is None or not support > 0:
+            raise ValueError("a callable response needs `support` > 0 (its half-width)")
+        return Cut(response, -float(support), float(support))
+    raise TypeError(f"unsupported response {type(response).__name__}")
+
+
+def check_grid(
+    x: torch.Tensor, c: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B,) and c (N, A) as float64 on ``device``, checked.
+
+    Raises:
+        ValueError: x empty, not 1-D or not sorted; c not 2-D; values not finite.
+    """
+    x = torch.as_tensor(x).to(device=device, dtype=torch.float64).contiguous()
+    c = torch.as_tensor(c).to(device=device, dtype=torch.float64)
+    if x.ndim != 1 or x.numel() < 1:
+        raise ValueError(f"x must be a non-empty 1-D tensor, got shape {tuple(x.shape)}")
+    if not bool((x[1:] >= x[:-1]).all()):
+        raise ValueError("x must be sorted (non-decreasing)")
+    if c.ndim != 2:
+        raise ValueError(f"c must have shape (N, A), got {tuple(c.shape)}")
+    if not bool(torch.isfinite(c).all()) or not bool(torch.isfinite(x).all()):
+        raise ValueError("x and c must be finite")
+    return x, c
 
 
 def tabulated(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -131,6 +252,25 @@ def clipped_starts(first: torch.Tensor, W: int, B: int) -> torch.Tensor:
     return first.clamp(0, B - W)
 
 
+def band_offsets(
+    x: torch.Tensor,
+    c: torch.Tensor,
+    first: torch.Tensor,
+    last: torch.Tensor,
+    starts: torch.Tensor,
+    W: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets ``d = c - x[starts + j]`` (N, A, W) in x's dtype and where they are inside.
+
+    ``inside[n, a, j]`` is True where fine point ``starts + j`` is in the true window
+    ``[first, last)``; the band's weights are exact zeros elsewhere. Differentiable in ``c``.
+    """
+    cols = starts[..., None] + torch.arange(W, device=x.device)  # (N, A, W)
+    inside = (cols >= first[..., None]) & (cols < last[..., None])
+    d = c[..., None].to(x.dtype) - x[cols.clamp(max=x.numel() - 1)]
+    return d, inside
+
+
 def evaluate_band(
     x: torch.Tensor,
     c: torch.Tensor,
@@ -144,8 +284,6 @@ def evaluate_band(
 
     Differentiable in ``c`` and in whatever ``r`` closes over.
     """
-    cols = starts[..., None] + torch.arange(W, device=x.device)  # (N, A, W)
-    inside = (cols >= first[..., None]) & (cols < last[..., None])
-    d = c[..., None].to(x.dtype) - x[cols.clamp(max=x.numel() - 1)]
+    d, inside = band_offsets(x, c, first, last, starts, W)
     vals = r(d)
     return torch.where(inside, vals, torch.zeros_like(vals))

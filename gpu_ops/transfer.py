@@ -35,12 +35,11 @@ import torch
 from torch.utils.dlpack import from_dlpack as _torch_from_dlpack
 
 from gpu_ops._hostmem import DeviceLike, as_array, cuda_available, host_view
-from gpu_ops._staging import StagingBuffer, StagingPool, StagingStats
+from gpu_ops._staging import StagingBuffer, StagingPool
 
 __all__ = [
     "StagingBuffer",
     "StagingPool",
-    "StagingStats",
     "from_dlpack",
     "to_device",
     "to_dlpack",
@@ -100,7 +99,7 @@ def to_device(
             current stream (the source is staged in pinned memory, so this is real overlap).
             Work queued later on the same stream sees the data; other streams must wait on
             it. Device-to-host copies are always synchronous, so a CPU result is readable at
-            once (use :meth:`StagingBuffer.copy_from` for pinned device-to-host copies).
+            once.
         share_readonly: return a view of read-only host memory (``bytes``, read-only arrays)
             instead of a copy when the target is the CPU. The tensor must then never be
             written: torch has no read-only tensors, and writing would change the ``bytes``.

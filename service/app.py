@@ -35,6 +35,7 @@ from service.metrics import Metrics
 from service.observability import printable_path
 from service.protocol.response import error_body
 from service.settings import Settings
+from service.shared_memory import SystemSharedMemory
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        dataplane.logging.attach()  # uvicorn has made the log handlers by now
         await repo.start()
         log.info("repository started: %s", [m.get("name") for m in repo.index()])
         try:
@@ -128,6 +130,8 @@ def create_app(
         finally:
             # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown)
             await repo.stop(timeout_s=settings.graceful_shutdown_s)
+            if shm is not None:
+                shm.close()
             log.info("repository stopped")
 
     app = BitserveApp(
@@ -141,12 +145,15 @@ def create_app(
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
     )
+    shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
     dataplane = DataPlane(
         repo,
         metrics,
         max_body_bytes=settings.max_body_bytes,
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
+        log_level=settings.log_level,
+        shared_memory=shm,
     )
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     infer = InferRoute(
@@ -165,12 +172,13 @@ def create_app(
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.
     open_routes = APIRouter()
-    open_routes.add_api_route(
-        "/v2/health/live", ep.live, methods=["GET"], operation_id="server_live"
-    )
-    open_routes.add_api_route(
-        "/v2/health/ready", ep.ready, methods=["GET"], operation_id="server_ready"
-    )
+    # Load balancers and Kubernetes probes may ask with HEAD: the same answer, no body.
+    for path, endpoint, op in (
+        ("/v2/health/live", ep.live, "server_live"),
+        ("/v2/health/ready", ep.ready, "server_ready"),
+    ):
+        open_routes.add_api_route(path, endpoint, methods=["GET"], operation_id=op)
+        open_routes.add_api_route(path, endpoint, methods=["HEAD"], operation_id=op + "_head")
 
     # No dependency at all without a token: each one costs a little on every request.
     auth = [Depends(make_auth_check(settings.auth_token))] if settings.auth_token else []
@@ -180,6 +188,8 @@ def create_app(
         routes.add_api_route(path, endpoint, methods=[method], operation_id=operation_id)
 
     add("/v2", ep.server_metadata, "GET", "server_metadata")
+    # Before /v2/models/{model}: "stats" is the statistics of every model, as in Triton.
+    add("/v2/models/stats", ep.statistics, "GET", "model_statistics_all")
     for base, suffix in (
         ("/v2/models/{model}", ""),
         ("/v2/models/{model}/versions/{version}", "_version"),
@@ -187,11 +197,24 @@ def create_app(
         add(base, ep.model_metadata, "GET", "model_metadata" + suffix)
         add(base + "/ready", ep.model_ready, "GET", "model_ready" + suffix)
         add(base + "/config", ep.model_config, "GET", "model_config" + suffix)
+        add(base + "/stats", ep.statistics, "GET", "model_statistics" + suffix)
         add(base + "/infer", ep.infer, "POST", "model_infer" + suffix)
     add("/v2/repository/index", ep.repository_index, "GET", "repository_index_get")
     add("/v2/repository/index", ep.repository_index, "POST", "repository_index")
     add("/v2/repository/models/{model}/load", ep.load, "POST", "repository_model_load")
     add("/v2/repository/models/{model}/unload", ep.unload, "POST", "repository_model_unload")
+    for kind, status, register, unregister in (
+        ("system", ep.system_shm_status, ep.system_shm_register, ep.system_shm_unregister),
+        ("cuda", ep.cuda_shm_status, ep.cuda_shm_register, ep.cuda_shm_unregister),
+    ):
+        base, op = f"/v2/{kind}sharedmemory", f"{kind}_shared_memory"
+        add(base + "/status", status, "GET", op + "_status_all")
+        add(base + "/region/{region}/status", status, "GET", op + "_status")
+        add(base + "/region/{region}/register", register, "POST", op + "_register")
+        add(base + "/unregister", unregister, "POST", op + "_unregister_all")
+        add(base + "/region/{region}/unregister", unregister, "POST", op + "_unregister")
+    add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
+    add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")
     app.include_router(open_routes)
     app.include_router(routes)

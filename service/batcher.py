@@ -27,7 +27,6 @@ import asyncio
 import copy
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from typing import Any, Generic, TypeVar
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
+from service.statistics import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class _Pending(Generic[P, R]):
     request_id: str = "-"
     queue_policy: bool = False
     """The deadline is the queue timeout's, not the request's own."""
+    # The loop's clock can be as coarse as a millisecond (uvloop's is): queue waits are
+    # measured with this one.
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
 class Batcher(Generic[P, R]):
@@ -86,6 +89,7 @@ class Batcher(Generic[P, R]):
         metrics: optional metrics sink.
         queue_timeout_us: answer a request that has waited this long :class:`Overloaded`,
             and refuse new ones that would by the recent pace; 0 (the default): no bound.
+        stats: where the queue waits of each batch's requests go (the statistics extension).
         inline_below_s: run a batch on the event loop itself, not in ``executor``, while
             recent batches took less than this much CPU time in the thread that ran them (a
             moving average): below a few hundred microseconds the thread hop and the hand-offs
@@ -105,6 +109,7 @@ class Batcher(Generic[P, R]):
         executor: Executor | None = None,
         metrics: Metrics | None = None,
         queue_timeout_us: int = 0,
+        stats: ModelStats | None = None,
         inline_below_s: float = 0.0,
     ) -> None:
         if min(max_batch_size, max_queue_delay_us, max_queue_size, queue_timeout_us) < 0:
@@ -118,6 +123,7 @@ class Batcher(Generic[P, R]):
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"batch-{name}")
         self._metrics = metrics
+        self.stats = stats
         self._queue: deque[_Pending[P, R]] = deque()
         self._queued_items = 0
         # The scheduler sleeps on this future (and a timer for the batch's delay) when there
@@ -402,9 +408,12 @@ class Batcher(Generic[P, R]):
 
     async def _execute(self, batch: list[_Pending[P, R]]) -> None:
         loop = asyncio.get_running_loop()
-        start = loop.time()
+        start_ns = time.perf_counter_ns()
+        waits_ns = [start_ns - p.enqueued_ns for p in batch]
         if self._metrics is not None:
-            self._metrics.observe_queue(self.name, [start - p.enqueued for p in batch])
+            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns])
+        if self.stats is not None:
+            self.stats.queued(len(batch), sum(waits_ns))
         info = BatchInfo(sum(p.size for p in batch), len(batch))
         self._running = batch
         payloads = [p.payload for p in batch]
@@ -417,7 +426,7 @@ class Batcher(Generic[P, R]):
                 )
             avg = self._batch_cpu_s
             self._batch_cpu_s = cpu if avg == math.inf else 0.75 * avg + 0.25 * cpu
-            wall, last = loop.time() - start, self._batch_wall_s
+            wall, last = (time.perf_counter_ns() - start_ns) / 1e9, self._batch_wall_s
             self._batch_wall_s = 0.75 * last + 0.25 * wall if last else wall
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
@@ -475,31 +484,3 @@ def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceErr
         f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
         "details in the server log"
     )
-
-
-class DeviceExecutors:
-    """One single-thread executor per device, shared by the models placed on it.
-
-    Device work is serialised per device (one CUDA context, one stream of batches), while
-    different devices run in parallel and the event loop never blocks.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executors: dict[str, ThreadPoolExecutor] = {}
-
-    def get(self, device: str) -> ThreadPoolExecutor:
-        """The executor of ``device`` (e.g. ``"cuda:0"``, ``"cpu"``), created on first use."""
-        with self._lock:
-            ex = self._executors.get(device)
-            if ex is None:
-                ex = ThreadPoolExecutor(1, thread_name_prefix=f"bitserve-{device}")
-                self._executors[device] = ex
-            return ex
-
-    def shutdown(self) -> None:
-        """Stop every worker thread once its queued work is done."""
-        with self._lock:
-            for ex in self._executors.values():
-                ex.shutdown(wait=False)
-            self._executors.clear()

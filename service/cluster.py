@@ -4,16 +4,18 @@ The supervisor (:mod:`service.workers`) makes a private run directory (mode 0700
 every worker its path, the worker count, the worker's index and a per-server secret::
 
     run_dir/
-      control.json    the model set every worker must serve: name -> last load/unload
-      control.lock    flock: one repository change at a time, server-wide
+      control.json    what every worker must hold alike (service.control)
+      control.lock    flock: one shared change at a time, server-wide
       ready/w<i>      exists (holding the pid) while worker i is caught up and ready
       w<i>.sock       worker i's private listener, for requests from its peers
+      stats/<pid>.json  each worker's statistics, for its peers to add up
       metrics/        PROMETHEUS_MULTIPROC_DIR
 
-A repository change (``POST /v2/repository/models/{m}/load|unload``) taken by worker k is
-applied by k, recorded in ``control.json`` with the next sequence number, and forwarded
-unchanged (body and headers) to every peer's private socket with the secret in
-``X-Bitserve-Peer``, which tells the peer to apply it locally and not forward it again. k
+A shared change (``POST /v2/repository/models/{m}/load|unload``, a system shared-memory
+registration or unregistration, ``POST /v2/logging``) taken by worker k is applied by k,
+recorded in ``control.json`` with the next sequence number, and forwarded unchanged (body and
+headers) to every peer's private socket with the secret in ``X-Bitserve-Peer``, which tells
+the peer to apply it locally and not forward it again. k
 answers once every worker has, reporting any failure. A peer that is not listening (starting
 or restarting) is skipped: when it starts it loads the set in ``control.json``, and once it
 listens it re-reads the file under the lock and replays what changed meanwhile (a peer that
@@ -45,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.control import ControlEntry, ControlState
 from service.protocol.response import dumps
+from service.statistics import Snapshot, merge
 
 __all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]
 
@@ -57,7 +60,26 @@ SEQ_HEADER = "x-bitserve-control-seq"
 WORKER_HEADER = "x-bitserve-worker"
 """The index of the worker that answered, on every response (set by uvicorn)."""
 
-_CONTROL_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
+# The routes that change what every worker must hold alike, and the control.json key of each.
+_CONTROL_ROUTES = (
+    (re.compile(r"/v2/repository/models/([^/]+)/(load|unload)"), "{0}"),
+    (re.compile(r"/v2/systemsharedmemory/region/([^/]+)/(register|unregister)"), "@shm/{0}"),
+    (re.compile(r"/v2/systemsharedmemory/(unregister)"), "@shm/*"),
+    (re.compile(r"/v2/(logging)"), "@logging"),
+)
+_CONTROL_PREFIXES = ("/v2/repository/models/", "/v2/systemsharedmemory/", "/v2/logging")
+
+
+def control_target(path: str) -> tuple[str, str] | None:
+    """``(key, action)`` of a POST to ``path`` that changes shared state, else None."""
+    for pattern, key in _CONTROL_ROUTES:
+        m = pattern.fullmatch(path)
+        if m is not None:
+            groups = m.groups()
+            return key.format(*groups[:-1]), groups[-1]
+    return None
+
+
 # Headers that describe one hop, not the request: never forwarded to a peer.
 _HOP_HEADERS = frozenset(
     {
@@ -113,6 +135,7 @@ class Cluster:
         workers: how many workers the server runs.
         secret: the per-server secret that marks a request as forwarded by a peer.
         repository_ready: whether this worker's own models are ready.
+        statistics: this worker's statistics snapshots (published for its peers to add up).
         auth_token: the server's bearer token, for the changes this worker replays itself.
         max_body_bytes: the largest repository request body accepted.
     """
@@ -125,6 +148,7 @@ class Cluster:
         secret: str,
         *,
         repository_ready: Callable[[], bool],
+        statistics: Callable[[], list[Snapshot]] = list,
         auth_token: str | None = None,
         max_body_bytes: int = 64 << 20,
     ) -> None:
@@ -134,6 +158,8 @@ class Cluster:
         self.control = ControlState(run_dir)
         self._secret = secret
         self._repository_ready = repository_ready
+        self._statistics = statistics
+        self._published: list[dict[str, Any]] | None = None
         self._auth_token = auth_token
         self.max_body_bytes = max_body_bytes
         self._applied: dict[str, int] = {}  # model -> seq of the change applied here
@@ -152,6 +178,8 @@ class Cluster:
         _, entries = self.control.read()
         names = []
         for name, entry in entries.items():
+            if name.startswith("@"):
+                continue  # shared memory and log settings: replayed once the app runs
             if entry.action == "unload" or not entry.body:
                 self._applied[name] = entry.seq
             if entry.action == "load" and not entry.body:
@@ -188,6 +216,7 @@ class Cluster:
                 log.error("the supervisor exited; worker %d stops", self.index)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+            self.publish_statistics()
             ready = self._repository_ready()
             if ready != shown:
                 if ready:  # atomically: a reader never sees a half-written pid
@@ -203,6 +232,35 @@ class Cluster:
         """Not ready any more (the worker is draining)."""
         self._caught_up = False
         ready_path(self.run_dir, self.index).unlink(missing_ok=True)
+        self.publish_statistics()
+
+    # --- statistics ----------------------------------------------------------------------
+
+    def publish_statistics(self) -> None:
+        """Write this worker's statistics to ``stats/<pid>.json`` when they changed (every
+        heartbeat: a peer's sum is at most that old). Files of workers that died stay, so
+        the server's counts never go backwards (as its Prometheus counters do not)."""
+        snaps = [s.to_dict() for s in self._statistics()]
+        if snaps == self._published:
+            return
+        folder = self.run_dir / "stats"
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f"{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(snaps))
+        os.replace(tmp, folder / f"{os.getpid()}.json")
+        self._published = snaps
+
+    def statistics(self) -> list[Snapshot]:
+        """The whole server's statistics: this worker's live counts plus every other worker's
+        (live or dead) as last published, added up per model version."""
+        own = f"{os.getpid()}.json"
+        snaps = list(self._statistics())
+        for path in sorted((self.run_dir / "stats").glob("*.json")):
+            if path.name == own:
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                snaps += [Snapshot.from_dict(d) for d in json.loads(path.read_text())]
+        return merge(snaps)
 
     async def catch_up(self) -> None:
         """Replay, through this worker's own application, every recorded change it has not
@@ -224,7 +282,7 @@ class Cluster:
         transport = httpx.ASGITransport(app=self._app)
         async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
             r = await client.post(
-                f"/v2/repository/models/{name}/{entry.action}",
+                entry.route(name),
                 content=base64.b64decode(entry.body),
                 headers=headers,
                 timeout=None,
@@ -269,8 +327,7 @@ class Cluster:
 
     async def forward(
         self,
-        name: str,
-        action: str,
+        path: str,
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         seq: int | None,
@@ -284,7 +341,6 @@ class Cluster:
         sent.append((PEER_HEADER, self._secret))
         if seq is not None:
             sent.append((SEQ_HEADER, str(seq)))
-        path = f"/v2/repository/models/{name}/{action}"
 
         async def one(j: int) -> tuple[int, _Answer | None]:
             transport = httpx.AsyncHTTPTransport(uds=str(socket_path(self.run_dir, j)))
@@ -330,11 +386,11 @@ class ClusterMiddleware:
                     await _send(send, _Answer(503, [], dumps({"error": message})))
                     return
             elif (
-                path.startswith("/v2/repository/models/")  # cheap test first: infer is hot
+                path.startswith(_CONTROL_PREFIXES)  # cheap test first: infer is hot
                 and scope["method"] == "POST"
-                and (m := _CONTROL_PATH.match(path))
+                and (target := control_target(path)) is not None
             ):
-                await self._control(scope, receive, send, m.group(1), m.group(2))
+                await self._control(scope, receive, send, *target)
                 return
         elif scope["type"] == "lifespan":
             await self.app(scope, receive, self._lifespan_send(send))
@@ -380,10 +436,10 @@ class ClusterMiddleware:
             seq = None
             if local.status == 200:
                 plain = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-                seq = self.cluster.control.record(name, action, body, plain)
+                seq = self.cluster.control.record(name, action, body, plain, path=scope["path"])
                 self.cluster.applied(name, seq)
             rid = scope.get("state", {}).get("request_id")
-            answers = await self.cluster.forward(name, action, body, headers, seq, rid)
+            answers = await self.cluster.forward(scope["path"], body, headers, seq, rid)
         failed = [(j, a) for j, a in answers if a is not None and a.status != 200]
         skipped = [j for j, a in answers if a is None]
         if skipped:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -343,8 +343,17 @@ MAX_CONFIG_BYTES = 1 << 20
 """A ``config.toml`` is a few hundred bytes; a bigger file than this is refused unread."""
 
 
-def load_config(path: Path, source: str | None = None) -> ModelConfig:
+def load_config(
+    path: Path, source: str | None = None, *, patch: Mapping[str, Any] | None = None
+) -> ModelConfig:
     """Read and validate one ``config.toml``; ``source`` names it in messages (default: path).
+
+    Args:
+        path: the file.
+        source: its name in messages.
+        patch: top-level keys that replace the file's before validation (a load's config
+            override, ``service.config_override``); messages then name the source
+            ``"<source> + config override"``.
 
     Raises:
         ConfigError: unreadable, larger than :data:`MAX_CONFIG_BYTES`, not UTF-8, not TOML
@@ -373,7 +382,17 @@ def load_config(path: Path, source: str | None = None) -> ModelConfig:
         raise ConfigError([f"{source}: invalid TOML: {safe_text(str(exc))}"]) from None
     except RecursionError:
         raise ConfigError([f"{source}: invalid TOML: nested too deeply"]) from None
-    return parse_config(data, source)
+    return parse_config(*patched(data, source, patch))
+
+
+def patched(
+    data: dict[str, Any], source: str, patch: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], str]:
+    """``data`` with ``patch``'s top-level keys in place of its own, and the source name for
+    messages (see :func:`load_config`)."""
+    if not patch:
+        return data, source
+    return {**data, **patch}, f"{source} + config override"
 
 
 def valid_model_name(name: str) -> bool:

@@ -1,11 +1,13 @@
-"""``control.json``: the model set every worker of ``bitserve serve --workers N`` serves.
+"""``control.json``: the state every worker of ``bitserve serve --workers N`` shares.
 
 The file lives in the supervisor's run directory (see :mod:`service.cluster`). It maps each
 model to its last repository change (load or unload, with the request body a load carried),
-numbered by a server-wide sequence. The supervisor writes the set a single server would load
-at start (sequence 0); the worker that takes a load or unload records it under
-``control.lock``, a ``flock`` that also keeps changes from interleaving across workers; a
-worker that starts loads the set and replays the rest.
+each shared-memory region to its last registration (key ``@shm/<region>``; an unregistration
+of every region, ``@shm/*``, drops them all), and ``@logging`` to the log settings changed so
+far (one JSON object, each change merged in), numbered by a server-wide sequence. The
+supervisor writes the set a single server would load at start (sequence 0); the worker that
+takes a change records it under ``control.lock``, a ``flock`` that also keeps changes from
+interleaving across workers; a worker that starts loads the model set and replays the rest.
 """
 
 from __future__ import annotations
@@ -31,16 +33,23 @@ class ControlEntry:
     """The last repository change of one model, as the server recorded it.
 
     Attributes:
-        action: ``load`` or ``unload``.
+        action: ``load`` or ``unload`` (``register``, ``unregister``, ``update`` for the
+            other keys).
         seq: the server-wide sequence number of the change (0: the set loaded at start).
         body: the request body, base64 (empty for a plain load or an unload).
         headers: the request's ``Content-Type``/``Content-Encoding``, if it had them.
+        path: the route that replays the change (empty: a model's load or unload route).
     """
 
     action: str
     seq: int
     body: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+    def route(self, key: str) -> str:
+        """The path a replay of this change posts to."""
+        return self.path or f"/v2/repository/models/{key}/{self.action}"
 
 
 class ControlState:
@@ -75,12 +84,21 @@ class ControlState:
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.path)  # readers see the old file or the new one, never half
 
-    def record(self, name: str, action: str, body: bytes, headers: dict[str, str]) -> int:
-        """Record a change (hold :meth:`locked`); return its sequence number."""
+    def record(
+        self, key: str, action: str, body: bytes, headers: dict[str, str], *, path: str = ""
+    ) -> int:
+        """Record a change of ``key`` (a model name, ``@shm/<region>``, ``@shm/*`` or
+        ``@logging``) made through ``path`` (hold :meth:`locked`); return its number."""
         seq, entries = self.read()
         seq += 1
+        if key == "@shm/*":  # every region unregistered: their registrations are history
+            entries = {k: e for k, e in entries.items() if not k.startswith("@shm/")}
+        if key == "@logging" and key in entries:  # a partial update: keep the earlier ones
+            with contextlib.suppress(ValueError, TypeError):
+                before = json.loads(base64.b64decode(entries[key].body))
+                body = json.dumps({**before, **json.loads(body)}).encode()
         kept = {k: v for k, v in headers.items() if k in _REPLAYED_HEADERS}
-        entries[name] = ControlEntry(action, seq, base64.b64encode(body).decode(), kept)
+        entries[key] = ControlEntry(action, seq, base64.b64encode(body).decode(), kept, path)
         self._write(seq, entries)
         return seq
 

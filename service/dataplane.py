@@ -14,14 +14,27 @@ REST servers").
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 import service
-from service.errors import ModelNotReady, PayloadTooLarge, ServiceError
+from service.config import ConfigError, safe_text
+from service.config_override import ConfigOverride, load_parameters, parse_override
+from service.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    PayloadTooLarge,
+    ServiceError,
+)
 from service.handle import ModelHandle
+from service.log_settings import LogSettings
 from service.metrics import Metrics
+from service.observability import request_id_var
 from service.protocol import (
     CompressionMode,
     EncodedResponse,
@@ -36,8 +49,11 @@ from service.protocol import (
 )
 from service.protocol.compression import MIN_BYTES
 from service.protocol.response import compress_response, wants_binary
+from service.protocol.types import SharedOutput
+from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
 # costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
@@ -50,7 +66,13 @@ _THREAD_COMPRESSED_BYTES = 4 << 10
 # How many responses reuse one compression trial's verdict for a model's binary outputs.
 _VERDICT_REUSE = 32
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "logging",
+]
 
 
 class Repository(Protocol):
@@ -61,9 +83,10 @@ class Repository(Protocol):
     async def start(self) -> None: ...
     async def stop(self, timeout_s: float = 30.0) -> None: ...
     def index(self) -> list[dict[str, Any]]: ...
-    async def load(self, name: str) -> None: ...
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None: ...
     async def unload(self, name: str) -> None: ...
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
+    def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
 
 
 async def _off_loop(fn: Callable[[], T]) -> T:
@@ -82,21 +105,51 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
     bound = handle.signature.bind(request)
     arrays, info = await handle.submit(bound, request.timeout_us)
     outputs = handle.signature.outputs
+    rid = request.id
+    if rid is None:
+        # KServe's response model requires an id; Triton's clients log it: the request id
+        # that X-Request-ID carries (sent or made by the transport) stands in.
+        sent = request_id_var.get()
+        rid = None if sent == "-" else sent
+    shared = {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
+    if shared:
+        await _write_shared(
+            [
+                (shared[outputs[i].name], arrays[i])
+                for i in bound.outputs
+                if outputs[i].name in shared
+            ]
+        )
     return InferResponse(
         model_name=handle.name,
         model_version=handle.version,
-        id=request.id,
+        id=rid,
         outputs=[
             ResponseOutput(
                 name=outputs[i].name,
                 datatype=outputs[i].datatype,
                 shape=arrays[i].shape,
                 data=arrays[i],
+                in_shared_memory=outputs[i].name in shared,
             )
             for i in bound.outputs
         ],
         parameters={"batch_size": info.batch_size, "batch_requests": info.batch_requests},
     )
+
+
+async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]]) -> None:
+    """Copy outputs into their shared memory (sizes were checked by ``Signature.bind``)."""
+
+    def write() -> None:
+        for target, arr in writes:
+            src = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            np.frombuffer(target.view, np.uint8, count=src.size)[:] = src
+
+    if sum(arr.nbytes for _, arr in writes) > _THREAD_OUTPUT_BYTES:
+        await _off_loop(write)
+    else:
+        write()
 
 
 class DataPlane:
@@ -109,6 +162,9 @@ class DataPlane:
         max_json_bytes: the limit of an inference request's JSON part.
         response_compression: the response compression policy (``auto``, ``always``,
             ``never``; see :func:`service.protocol.worth_compressing`).
+        log_level: the starting log level (``--log-level``), for the logging extension.
+        shared_memory: the client's system shared memory regions (the extension), or None
+            when client shared memory is disabled.
     """
 
     def __init__(
@@ -119,8 +175,13 @@ class DataPlane:
         max_body_bytes: int = 64 << 20,
         max_json_bytes: int = 16 << 20,
         response_compression: CompressionMode = "auto",
+        log_level: str = "info",
+        shared_memory: SystemSharedMemory | None = None,
     ) -> None:
         self.repository = repository
+        self.logging = LogSettings(log_level)
+        self.shared_memory = shared_memory
+        self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_json_bytes = max_json_bytes
@@ -136,7 +197,10 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""
-        return {"name": "bitserve", "version": service.__version__, "extensions": EXTENSIONS}
+        extensions = list(EXTENSIONS)
+        if self.shared_memory is not None:
+            extensions.append("system_shared_memory")
+        return {"name": "bitserve", "version": service.__version__, "extensions": extensions}
 
     def model(self, name: str, version: str | None = None) -> ModelHandle:
         """The READY handle of a model version (the highest READY one by default).
@@ -158,9 +222,126 @@ class DataPlane:
         """Triton's repository index."""
         return self.repository.index()
 
-    async def load(self, name: str) -> None:
-        """(Re)load a model from the repository."""
-        await self.repository.load(name)
+    def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension: every READY version of every model, of one model,
+        or one version.
+
+        Raises:
+            ModelNotFound: no such model or version. ModelNotReady: the version is not READY.
+            InvalidInput: the model has no READY version.
+        """
+        if version is not None:
+            handles = [self.repository.get(name or "", version)]
+        else:
+            handles = self.repository.ready_handles(name)
+            if name is not None and not handles:
+                raise InvalidInput(f"requested model '{name}' is not available")
+        # The counts of the whole server: this process's, or with --workers every worker's.
+        counts = {(s.name, s.version): s for s in self.metrics.statistics_source()}
+        stats = [counts.get((h.name, h.version)) or h.stats.snapshot() for h in handles]
+        return {"model_stats": [s.triton() for s in stats]}
+
+    # --- shared memory --------------------------------------------------------------------
+
+    def _system_shm(self) -> SystemSharedMemory:
+        if self.shared_memory is None:
+            raise InvalidInput(
+                "client shared memory is disabled on this server; start it with "
+                "--allow-client-shm (BITSERVE_ALLOW_CLIENT_SHM=true) to use it"
+            )
+        return self.shared_memory
+
+    def register_system_shared_memory(self, name: str, body: Mapping[str, Any]) -> None:
+        """Register a region: ``body`` is Triton's ``{key, offset, byte_size}``.
+
+        Raises:
+            InvalidInput: disabled, or a bad or unusable region (the message names it).
+        """
+        shm = self._system_shm()
+        shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+        log.info("shared memory region '%s' registered: %s", name, shm.status(name)[0])
+
+    def unregister_system_shared_memory(self, name: str | None = None) -> None:
+        """Unregister a region (None: all of them); an unknown name is no error.
+
+        Raises:
+            InvalidInput: client shared memory is disabled.
+        """
+        self._system_shm().unregister(name)
+        shown = "(all)" if name is None else f"'{safe_text(name, 128)}'"
+        log.info("shared memory region %s unregistered", shown)
+
+    def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The registered regions (one, or all; none when disabled).
+
+        Raises:
+            NotFound: no region ``name``.
+        """
+        if self.shared_memory is None:
+            return self.cuda_shared_memory.status(name)  # [] or "not found"
+        return self.shared_memory.status(name)
+
+    def register_cuda_shared_memory(self, name: str) -> None:
+        """Refused: CUDA shared memory is not supported (InvalidInput)."""
+        self.cuda_shared_memory.register(name)
+
+    def unregister_cuda_shared_memory(self, name: str | None = None) -> None:
+        """Nothing to unregister (no CUDA region is ever registered)."""
+        self.cuda_shared_memory.unregister(name)
+
+    def cuda_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """``[]``; a named region is not found.
+
+        Raises:
+            NotFound: always for a name.
+        """
+        return self.cuda_shared_memory.status(name)
+
+    # --- logging --------------------------------------------------------------------------
+
+    def log_settings(self) -> dict[str, Any]:
+        """Triton's logging extension: the log settings."""
+        return self.logging.get()
+
+    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change log settings (all or nothing); returns them all.
+
+        Raises:
+            InvalidInput: an unknown setting or a bad value (see ``service.log_settings``).
+        """
+        return self.logging.update(changes)
+
+    # --- the model repository -------------------------------------------------------------
+
+    def load_parameters(self, name: str, body: Mapping[str, Any]) -> str | None:
+        """The config override of a V2 load request body (``parameters.config``), or None.
+
+        Raises:
+            InvalidInput: see :func:`service.config_override.load_parameters`.
+        """
+        return load_parameters(name, body)
+
+    async def load(self, name: str, config: str | None = None) -> None:
+        """(Re)load a model from the repository, with Triton's config override if given.
+
+        Args:
+            name: the model.
+            config: ``parameters.config`` of the load request (a JSON string with Triton's
+                field names, see ``service.config_override``), for this load only.
+
+        Raises:
+            InvalidInput: no such model, a malformed override, or a model that fails to load
+                (the message contains ``failed to load``, as Triton's).
+            ModelNotReady: the server is stopping.
+        """
+        failed = f"failed to load '{safe_text(name, 128)}'"
+        try:
+            override = None if config is None else parse_override(config, name)
+            await self.repository.load(name, override)
+        except ConfigError as exc:
+            raise InvalidInput(f"{failed}: {'; '.join(exc.problems)}") from None
+        except ModelNotFound as exc:
+            raise InvalidInput(f"{failed}: {exc.message}") from None
 
     async def unload(self, name: str) -> None:
         """Unload a model."""
@@ -169,8 +350,16 @@ class DataPlane:
     # --- inference ------------------------------------------------------------------------
 
     async def infer(self, handle: ModelHandle, request: InferRequest) -> InferResponse:
-        """:func:`infer` (for transports that decode on their own, such as gRPC)."""
-        return await infer(handle, request)
+        """:func:`infer` (for transports that decode on their own, such as gRPC), counted in
+        the model's statistics (from here: the transport's decoding is not in its time)."""
+        t0 = time.perf_counter_ns()
+        ok = False
+        try:
+            response = await infer(handle, request)
+            ok = True
+            return response
+        finally:
+            handle.stats.request_done(ok, time.perf_counter_ns() - t0)
 
     async def infer_rest(
         self,
@@ -202,9 +391,10 @@ class DataPlane:
         Raises:
             ServiceError: with the status the transport answers.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
+        handle: ModelHandle | None = None
         self.metrics.in_flight.inc()
         try:
             handle = self.repository.get(name, version)
@@ -222,7 +412,7 @@ class DataPlane:
                         current, body, content_encoding, header_length, reserve
                     )
                 handle = current
-            response = await self.infer(handle, request)
+            response = await infer(handle, request)
             return await self._encode(handle, request, response, accept_encoding)
         except ServiceError as e:
             outcome = type(e).__name__
@@ -230,9 +420,15 @@ class DataPlane:
         except Exception:
             outcome = "InternalError"
             raise
+        except asyncio.CancelledError:  # the client went away before its answer
+            outcome = "Cancelled"
+            raise
         finally:
+            ns = time.perf_counter_ns() - t0
             self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, time.perf_counter() - t0)
+            self.metrics.observe_request(label, outcome, ns / 1e9)
+            if handle is not None:
+                handle.stats.request_done(outcome == "success", ns)
 
     async def _decode(
         self,
@@ -260,10 +456,10 @@ class DataPlane:
                 "binary_tensor_data extension: Inference-Header-Content-Length and "
                 "parameters.binary_data_size)"
             )
-        data, signature = body, handle.signature
+        data, signature, shm = body, handle.signature, self.shared_memory
         if len(body) > _THREAD_BYTES:
-            return await _off_loop(lambda: decode_infer_request(data, n, signature))
-        return decode_infer_request(data, n, signature)
+            return await _off_loop(lambda: decode_infer_request(data, n, signature, shm))
+        return decode_infer_request(data, n, signature, shm)
 
     async def _encode(
         self,
@@ -273,8 +469,10 @@ class DataPlane:
         accept: str | None,
     ) -> EncodedResponse:
         # Binary outputs are one memcpy; JSON lists cost CPU per element.
-        all_binary = all(wants_binary(request, o.name) for o in response.outputs)
-        if not all_binary and sum(o.data.nbytes for o in response.outputs) > _THREAD_OUTPUT_BYTES:
+        # (Outputs in shared memory are not in the body at all.)
+        outs = [o for o in response.outputs if not o.in_shared_memory]
+        all_binary = all(wants_binary(request, o.name) for o in outs)
+        if not all_binary and sum(o.data.nbytes for o in outs) > _THREAD_OUTPUT_BYTES:
             enc = await _off_loop(lambda: encode_infer_response(response, request))
         else:
             enc = encode_infer_response(response, request)

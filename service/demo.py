@@ -9,11 +9,13 @@ at 4 sigma and resampled at 500 sorted random coarse points per function (fixed 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from service.config import CONFIG_FILE, ModelConfig, parse_config
+from service.config import CONFIG_FILE, ModelConfig, parse_config, patched
 
 DEMO_NAME = "demo"
 DEMO_SEED = 20240607
@@ -52,9 +54,11 @@ shape = [{N_FUNCTIONS}, {N_COARSE}]
 """
 
 
-def demo_config() -> ModelConfig:
-    """The demo's configuration (parsed from the same text ``write_demo_repository`` writes)."""
-    return parse_config(tomllib.loads(DEMO_CONFIG_TOML), f"<built-in {DEMO_NAME}>/{CONFIG_FILE}")
+def demo_config(patch: Mapping[str, Any] | None = None) -> ModelConfig:
+    """The demo's configuration (parsed from the same text ``write_demo_repository`` writes),
+    with ``patch``'s keys in place of its own (a load's config override)."""
+    source = f"<built-in {DEMO_NAME}>/{CONFIG_FILE}"
+    return parse_config(*patched(tomllib.loads(DEMO_CONFIG_TOML), source, patch))
 
 
 def demo_tensors(seed: int = DEMO_SEED) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.config import safe_text
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.fastpath import InferRoute
@@ -32,8 +33,17 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(dumps_plain(obj), status_code=status, media_type="application/json")
 
 
-async def read_json_object(request: Request, what: str, timeout_s: float | None) -> dict[str, Any]:
+async def read_json_object(
+    request: Request, what: str, timeout_s: float | None, *, failure: str = ""
+) -> dict[str, Any]:
     """A small JSON object body; ``{}`` for an empty body.
+
+    Args:
+        request: the request.
+        what: names the body in messages.
+        timeout_s: the most seconds the body may take.
+        failure: put before the message of a body that is not a JSON object (Triton's
+            clients match on ``failed to load`` for a bad load body).
 
     Raises:
         InvalidInput: not JSON, not an object, or the client went away.
@@ -55,12 +65,13 @@ async def read_json_object(request: Request, what: str, timeout_s: float | None)
         raise InvalidInput("client disconnected while sending the body") from None
     if not body.strip():
         return {}
+    prefix = f"{failure}: " if failure else ""
     try:
         obj = json.loads(bytes(body))
     except (ValueError, RecursionError) as e:
-        raise InvalidInput(f"{what} request JSON is malformed: {e}") from None
+        raise InvalidInput(f"{prefix}{what} request JSON is malformed: {e}") from None
     if not isinstance(obj, dict):
-        raise InvalidInput(f"{what} request must be a JSON object")
+        raise InvalidInput(f"{prefix}{what} request must be a JSON object")
     return obj
 
 
@@ -121,6 +132,39 @@ class Endpoints:
     async def model_config(self, model: str, version: str | None = None) -> Response:
         return json_response(self.dataplane.model(model, version).config())
 
+    async def statistics(self, model: str | None = None, version: str | None = None) -> Response:
+        return json_response(self.dataplane.statistics(model, version))
+
+    async def system_shm_status(self, region: str | None = None) -> Response:
+        return json_response(self.dataplane.system_shared_memory_status(region))
+
+    async def system_shm_register(self, region: str, request: Request) -> Response:
+        body = await read_json_object(request, "register", self.body_timeout_s)
+        self.dataplane.register_system_shared_memory(region, body)
+        return json_response({})
+
+    async def system_shm_unregister(self, region: str | None = None) -> Response:
+        self.dataplane.unregister_system_shared_memory(region)
+        return json_response({})
+
+    async def cuda_shm_status(self, region: str | None = None) -> Response:
+        return json_response(self.dataplane.cuda_shared_memory_status(region))
+
+    async def cuda_shm_register(self, region: str) -> Response:
+        self.dataplane.register_cuda_shared_memory(region)
+        return json_response({})
+
+    async def cuda_shm_unregister(self, region: str | None = None) -> Response:
+        self.dataplane.unregister_cuda_shared_memory(region)
+        return json_response({})
+
+    async def logging_get(self) -> Response:
+        return json_response(self.dataplane.log_settings())
+
+    async def logging_post(self, request: Request) -> Response:
+        changes = await read_json_object(request, "logging", self.body_timeout_s)
+        return json_response(self.dataplane.update_log_settings(changes))
+
     async def repository_index(self, request: Request) -> Response:
         opts = {}
         if request.method == "POST":
@@ -131,8 +175,14 @@ class Endpoints:
         index = self.dataplane.repository_index()
         return json_response([m for m in index if m.get("state") == "READY"] if ready else index)
 
-    async def load(self, model: str) -> Response:
-        await self.dataplane.load(model)
+    async def load(self, model: str, request: Request) -> Response:
+        body = await read_json_object(
+            request,
+            "load",
+            self.body_timeout_s,
+            failure=f"failed to load '{safe_text(model, 128)}'",
+        )
+        await self.dataplane.load(model, self.dataplane.load_parameters(model, body))
         return json_response({})
 
     async def unload(self, model: str) -> Response:

@@ -6,7 +6,8 @@ handlers that turn these into responses are registered in ``service.app.create_a
     ServiceError (500)
      +-- InvalidInput (400)
      +-- Unauthorized (401)
-     +-- ModelNotFound (404)
+     +-- NotFound (404)
+     |    +-- ModelNotFound (404)
      +-- RequestTimeout (408, Connection: close)
      +-- PayloadTooLarge (413)
      +-- UnsupportedMediaType (415)
@@ -44,10 +45,14 @@ class Unauthorized(ServiceError):
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
-class ModelNotFound(ServiceError):
-    """No model (or no such version) by that name in the repository."""
+class NotFound(ServiceError):
+    """No such thing (a shared memory region, say) by that name."""
 
     status_code = 404
+
+
+class ModelNotFound(NotFound):
+    """No model (or no such version) by that name in the repository."""
 
 
 class RequestTimeout(ServiceError):

@@ -14,6 +14,7 @@ from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
 from service.signature import Bound, Signature
+from service.statistics import ModelStats
 
 Result = list[np.ndarray[Any, Any]]
 
@@ -28,6 +29,8 @@ class ModelHandle:
         pipeline: its device-resident pipeline.
         batcher: the queue in front of ``pipeline.run``.
         versions: every version of the model loaded with this one (for metadata).
+        stats: its statistics (the batcher's and the pipeline's, which count its queue
+            waits and batches; the data plane counts its requests); fresh ones by default.
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class ModelHandle:
         pipeline: Pipeline,
         batcher: Batcher[Bound, Result],
         versions: list[str],
+        stats: ModelStats | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -46,6 +50,7 @@ class ModelHandle:
         self.batcher = batcher
         self.versions = versions
         self.signature = Signature(name, cfg, pipeline.output_shapes)
+        self.stats = stats if stats is not None else ModelStats(name, version)
 
     async def submit(self, bound: Bound, timeout_us: int | None = None) -> tuple[Result, BatchInfo]:
         """Queue a checked request and wait for its outputs (all of them, in config order).

@@ -1,19 +1,29 @@
 """Prometheus metrics, one registry per application (no module-level globals).
 
+``/metrics`` serves bitserve's own ``bitserve_*`` series, then Triton's: the per-model
+``nv_inference_*`` counters, written from the statistics extension's counts at scrape time
+(``service.statistics``: nothing per request beyond those counts), and the ``nv_gpu_*``
+gauges where NVML finds a GPU (``service.gpu_metrics``).
+
 With ``--workers N`` every worker writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR``
 (prometheus_client's multiprocess mode, chosen when prometheus_client is first imported: the
 supervisor sets the variable before it starts the workers), and ``/metrics`` on any worker
 renders the whole server: counters and histograms summed over every worker that ever ran,
-gauges summed over the live ones (a worker's own share disappears when it dies).
+gauges summed over the live ones (a worker's own share disappears when it dies). The
+statistics of every worker are summed the same way (``statistics_source``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import values as _values
+
+from service.gpu_metrics import GpuGauges
+from service.statistics import Snapshot, Statistics, triton_metrics
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -29,9 +39,21 @@ class Metrics:
     Args:
         multiprocess_dir: render every process's samples from this folder (it must be the
             ``PROMETHEUS_MULTIPROC_DIR`` this process started with); None: this process's.
+        nvml: the NVML binding for the GPU gauges (``pynvml`` by default, imported at the
+            first scrape; None: no GPU gauges). Tests pass a fake.
+
+    Attributes:
+        statistics: this process's counts of every model version (the statistics
+            extension's, and the source of Triton's ``nv_inference_*`` metrics).
+        statistics_source: what the stats routes and ``/metrics`` read: this process's
+            snapshots, or (set by ``--workers``) every worker's, summed.
     """
 
-    def __init__(self, multiprocess_dir: str | None = None) -> None:
+    def __init__(self, multiprocess_dir: str | None = None, *, nvml: Any = "import") -> None:
+        self.statistics = Statistics()
+        self.statistics_source: Callable[[], list[Snapshot]] = self.statistics.snapshots
+        self._nvml = nvml
+        self._gpus: GpuGauges | None = None
         # Labelled children of the per-request series, looked up once per (model, outcome).
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.registry = CollectorRegistry()
@@ -151,5 +173,11 @@ class Metrics:
             del self._request_children[key]
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self._render_registry)
+        """The Prometheus text exposition of every metric: bitserve's, then Triton's."""
+        if self._gpus is None:
+            self._gpus = GpuGauges(self._nvml)
+        return (
+            generate_latest(self._render_registry)
+            + triton_metrics(self.statistics_source())
+            + self._gpus.render()
+        )

@@ -50,12 +50,16 @@ _ORDER_ITEMSIZE = 8  # int64 inverse permutation, kept only when some row of c i
 Header = Mapping[str, tuple[list[int], str]]
 
 
-def load_version(src: VersionSource, *, max_operator_bytes: int) -> tuple[ModelConfig, Artifacts]:
+def load_version(
+    src: VersionSource, *, max_operator_bytes: int, patch: Mapping[str, Any] | None = None
+) -> tuple[ModelConfig, Artifacts]:
     """Read and check one version's config and files, on the host (never with pickle).
 
     Args:
         src: where the version lives (from :func:`service.config.model_versions`).
         max_operator_bytes: the most bytes its response operator may take once built.
+        patch: ``config.toml`` keys a load's config override replaces (see
+            :func:`service.config.load_config`).
 
     Returns:
         Its configuration and its files: the operator's tensors (only those the config
@@ -64,7 +68,7 @@ def load_version(src: VersionSource, *, max_operator_bytes: int) -> tuple[ModelC
     Raises:
         ConfigError: every problem found, each naming the file and the key.
     """
-    cfg = load_config(src.checked_config_path(), src.source)
+    cfg = load_config(src.checked_config_path(), src.source, patch=patch)
     errors: list[ConfigError] = []
     model_path: Path | None = None
     if cfg.model is not None:
@@ -313,6 +317,8 @@ def _size(n: int) -> str:
 
 def _load_model(path: Path, fmt: str) -> Any:
     if fmt == "torch_export":
+        import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*, which programs may call
+
         return torch.export.load(str(path))
     with warnings.catch_warnings():
         # TorchScript is deprecated in favour of torch.export but still the common format.

@@ -8,13 +8,17 @@ the compute dtype, the operator, the model, and one device-to-host copy per outp
 memory; the results are split per request as NumPy views.
 
 :meth:`Pipeline.run` is called from the device's single worker thread only (see
-``service.batcher``); it is not re-entrant.
+``service.batcher``); it is not re-entrant. It times its three phases once per batch for
+the statistics extension: staging and unpacking the inputs (``compute_input``), operator and
+model (``compute_infer``), the copy of the outputs to the host (``compute_output``); on CUDA
+with events on the device's stream, read after the batch's one synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +35,7 @@ from service.config import (
 )
 from service.protocol.types import DATATYPES, REGISTRY
 from service.signature import Bound
+from service.statistics import ModelStats
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
@@ -140,6 +145,10 @@ class Pipeline:
         self.name = name
         self.cfg = cfg
         self.device = torch.device(device)
+        self.stats: ModelStats | None = None
+        """Where each batch's phase durations go (set by the repository once built: the
+        warm-up runs are not counted)."""
+        self._events: list[Any] = []
         self.source = source
         self.inputs: list[InputConfig] = list(cfg.inputs)
         self.capacity = max(cfg.max_batch_size, 1)
@@ -324,11 +333,29 @@ class Pipeline:
         total = sum(r.size for r in requests)
         if not 0 < total <= self.capacity:
             raise ValueError(f"batch of {total} items outside 1..{self.capacity}")
+        clock = time.perf_counter_ns
+        events = self._timing_events()
         with torch.inference_mode(), self._device_context():
+            t0 = clock()
+            if events:
+                events[0].record()
             m = self._stage(requests)
+            t1 = clock()
+            if events:
+                events[1].record()
             outs = self._forward(m)
+            t2 = clock()
+            if events:
+                events[2].record()
             arrays = [self._to_host(t) for t in outs]
+            if events:
+                events[3].record()
             self._synchronize()
+            t3 = clock()
+        if self.stats is not None:
+            if events:  # the host only queued the work; the device's own times
+                t0, t1, t2, t3 = (0, *(int(events[0].elapsed_time(e) * 1e6) for e in events[1:]))
+            self.stats.executed(total, len(requests), t1 - t0, t2 - t1, t3 - t2)
         results: list[list[np.ndarray[Any, Any]]] = []
         row = 0
         for r in requests:
@@ -336,6 +363,18 @@ class Pipeline:
             results.append(sl if self.batched else [a[0] for a in sl])
             row += r.size
         return results
+
+    def _timing_events(self) -> list[Any]:
+        """Four timing events on a CUDA device (made once), none elsewhere."""
+        if self.device.type != "cuda" or self.stats is None:
+            return []
+        if not self._events:
+            with self._device_context():
+                self._events = [
+                    torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    for _ in range(4)
+                ]
+        return self._events
 
     def _to_host(self, t: torch.Tensor) -> np.ndarray[Any, Any]:
         """An output as host memory of its own: the views handed out must outlive this batch

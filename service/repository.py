@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from service.batcher import Batcher, DeviceExecutors
+from service.batcher import Batcher
 from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
@@ -28,12 +28,15 @@ from service.config import (
     valid_model_name,
     valid_version,
 )
+from service.config_override import ConfigOverride
+from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.model_files import check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
-from service.signature import Bound
+from service.signature import Bound, Signature
+from service.statistics import Statistics
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class ModelRepository:
         self.root = root
         self.max_operator_bytes = max_operator_bytes
         self.metrics = metrics
+        self.statistics = metrics.statistics if metrics is not None else Statistics()
+        """Every version's counts (the metrics' own, so Triton's metrics show them)."""
         self.default_device = default_device
         self.warmup = warmup
         self._initial_models = initial_models
@@ -169,7 +174,7 @@ class ModelRepository:
         """
         versions = self._models.get(name) if valid_model_name(name) else None
         if not versions:
-            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+            raise ModelNotFound(unknown_model(name))
         if version is None or version == "":
             ready = [v for v, e in versions.items() if e.state == READY]
             if not ready:
@@ -180,23 +185,45 @@ class ModelRepository:
                 raise ModelNotReady(f"model '{name}' is not ready ({reasons})")
             version = max(ready, key=int)
         elif not valid_version(version) or version not in versions:
-            raise ModelNotFound(f"unknown version '{_shown(version)}' of model '{name}'")
+            raise ModelNotFound(unknown_model(name, version))
         e = versions[version]
         if e.state != READY or e.handle is None:
             why = f": {e.reason}" if e.reason else ""
             raise ModelNotReady(f"model '{name}' version {version} is {e.state}{why}")
         return e.handle
 
+    def ready_handles(self, name: str | None = None) -> list[ModelHandle]:
+        """The handles of every READY version (of model ``name``, or of every model), by
+        model name and version number.
+
+        Raises:
+            ModelNotFound: ``name`` is not a model of the repository.
+        """
+        if name is not None and (not valid_model_name(name) or not self._models.get(name)):
+            raise ModelNotFound(unknown_model(name))
+        names = sorted(self._models) if name is None else [name]
+        return [
+            e.handle
+            for n in names
+            for _, e in sorted(self._models[n].items(), key=lambda kv: int(kv[0]))
+            if e.state == READY and e.handle is not None
+        ]
+
     # --- load / unload --------------------------------------------------------------------
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None:
         """(Re)load a model and all its versions from disk.
 
         The new versions are built first; the old ones keep serving until the swap, then
         drain. If any version fails, nothing is swapped and the error names the problem.
+
+        Args:
+            name: the model.
+            override: a config override for this load (every version), checked as the
+                files are (``service.config_override``).
 
         Raises:
             ModelNotFound: no such model (or a name that could leave the repository).
@@ -219,7 +246,7 @@ class ModelRepository:
                     e.state, e.reason = LOADING, ""
             try:
                 sources = self._sources(name)
-                built = await asyncio.to_thread(self._build_all, name, sources)
+                built = await asyncio.to_thread(self._build_all, name, sources, override)
             except ConfigError as exc:
                 reason = "; ".join(exc.problems)
                 # READY versions keep serving; the others show why the load failed.
@@ -228,11 +255,13 @@ class ModelRepository:
                         e.state, e.reason = UNAVAILABLE, reason
                 if not old:
                     self._models[name] = {"1": _Entry(UNAVAILABLE, reason)}
-                raise InvalidInput(f"model '{name}' failed to load: {reason}") from None
+                raise InvalidInput(f"failed to load '{name}': {reason}") from None
             versions = sorted(built, key=int)
             new: dict[str, _Entry] = {}
             for v in versions:
                 cfg, pipeline = built[v]
+                stats = self.statistics.for_version(name, v)
+                pipeline.stats = stats
                 batcher: Batcher[Bound, Result] = Batcher(
                     name,
                     pipeline.run,
@@ -242,10 +271,12 @@ class ModelRepository:
                     queue_timeout_us=cfg.queue_timeout_us,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
+                    stats=stats,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
                 )
                 batcher.start()
-                new[v] = _Entry(READY, "", ModelHandle(name, v, cfg, pipeline, batcher, versions))
+                handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
+                new[v] = _Entry(READY, "", handle)
             self._models[name] = new
             self._unloaded.discard(name)
             await self._retire(name, old)
@@ -258,28 +289,37 @@ class ModelRepository:
         return model_versions(self.root, name)
 
     def _build_all(
-        self, name: str, sources: dict[str, VersionSource] | None
+        self,
+        name: str,
+        sources: dict[str, VersionSource] | None,
+        override: ConfigOverride | None = None,
     ) -> dict[str, tuple[ModelConfig, Pipeline]]:
         """Load every version's files and build its pipeline (runs in a worker thread)."""
+        patch = override.patch if override is not None else None
         if sources is None:
             from service.demo import demo_config, demo_tensors
 
-            cfg = demo_config()
+            source = "<built-in demo>/config.toml"
+            cfg = demo_config(patch)
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-            check_operator(cfg, tensors, "<built-in demo>/config.toml",
-                           max_operator_bytes=self.max_operator_bytes)  # fmt: skip
+            check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
-                            source="<built-in demo>/config.toml")  # fmt: skip
+                            source=source)  # fmt: skip
+            _check_override_io(override, source, name, cfg, pipe)
             return {"1": (cfg, pipe)}
         out: dict[str, tuple[ModelConfig, Pipeline]] = {}
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg, artifacts = load_version(src, max_operator_bytes=self.max_operator_bytes)
+                cfg, artifacts = load_version(
+                    src, max_operator_bytes=self.max_operator_bytes, patch=patch
+                )
                 device = resolve_device(cfg.device, self.default_device, source=src.source)
-                out[v] = (cfg, Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
-                                        source=src.source))  # fmt: skip
+                pipe = Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
+                                source=src.source)  # fmt: skip
+                _check_override_io(override, src.source, name, cfg, pipe)
+                out[v] = (cfg, pipe)
             except ConfigError as exc:
                 problems += exc.problems
                 if exc.__cause__ is not None:  # a library's error: its text and traceback
@@ -305,7 +345,7 @@ class ModelRepository:
             ModelNotFound: no such model loaded.
         """
         if not valid_model_name(name) or name not in self._models:
-            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+            raise ModelNotFound(unknown_model(name))
         async with self._lock(name):
             await self._drop(name)
             self._unloaded.add(name)
@@ -317,6 +357,7 @@ class ModelRepository:
         await self._retire(name, entries, timeout_s)
         self._models[name] = {v: _Entry(UNAVAILABLE, "unloaded") for v in entries}
         self._report_memory(name)
+        self.statistics.forget(name)  # as Triton forgets an unloaded model's statistics
         if self.metrics is not None:
             self.metrics.forget_model(name)  # really dropped: no batcher reports for it now
 
@@ -334,6 +375,23 @@ class ModelRepository:
             self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
 
 
+def _check_override_io(
+    override: ConfigOverride | None, source: str, name: str, cfg: ModelConfig, pipe: Pipeline
+) -> None:
+    """The override's ``input``/``output``, if any, against the built model's."""
+    if override is not None and (override.inputs is not None or override.outputs is not None):
+        sig = Signature(name, cfg, pipe.output_shapes)
+        override.check_io(source, sig.input_config(), sig.output_config())
+
+
 def _shown(name: str) -> str:
     """A name safe to echo in a message (bounded, control characters escaped)."""
     return ascii(name[:128])[1:-1]
+
+
+def unknown_model(name: str, version: str | None = None) -> str:
+    """Triton's wording for a model (version) that is not in the repository: its clients and
+    examples match on the start, ``Request for unknown model``."""
+    if version is None:
+        return f"Request for unknown model: '{_shown(name)}' is not found"
+    return f"Request for unknown model: '{_shown(name)}' version {_shown(version)} is not found"

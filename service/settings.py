@@ -61,10 +61,10 @@ class Settings(BaseSettings):
 
     max_inflight_bytes: int = Field(default=256 << 20, ge=0)
     """Most bytes of inference request bodies held at once (per worker process), over all
-    connections, while they arrive and are computed (as received, plus the inflated copy of a compressed body); a
-    request whose ``Content-Length`` would pass it is answered 503 with ``Retry-After`` before
-    its body is read, a chunked or compressed one when it would (0: no limit). Bounds the
-    memory a crowd of slow or large uploads can take."""
+    connections, while they arrive and are computed (as received, plus the inflated copy of a
+    compressed body); a request whose ``Content-Length`` would pass it is answered 503 with
+    ``Retry-After`` before its body is read, a chunked or compressed one when it would (0: no
+    limit). Bounds the memory a crowd of slow or large uploads can take."""
 
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest HTTP request head (request line and headers); larger is answered 431."""
@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     """Compress inference responses when the client's ``Accept-Encoding`` allows it:
     ``auto`` compresses JSON bodies and binary bodies that a trial on a prefix shows to shrink
     (float tensors rarely do), ``always`` every body of 1 KiB or more, ``never`` none."""
+
+    allow_client_shm: bool = False
+    """Let clients register system shared memory regions (Triton's extension: tensors pass
+    through POSIX shared memory on this host instead of request bodies). Off by default, as
+    in Triton since 2.55: a client that can reach the API could then read and write the
+    POSIX shared memory objects (``/dev/shm``) that the server's user can open."""
+
+    max_shm_regions: int = Field(default=64, ge=1, le=4096)
+    """Most system shared memory regions registered at once (with ``allow_client_shm``)."""
 
     auth_token: SecretStr | None = None
     """If set, every endpoint except health needs ``Authorization: Bearer <token>`` (prefer

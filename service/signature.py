@@ -12,6 +12,7 @@ packed shape (``ceil(L / 8)`` bytes on the last axis) and ``BOOL`` of the logica
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import numpy as np
 from service.config import InputConfig, ModelConfig
 from service.errors import InvalidInput
 from service.protocol.request import RawInputSpec
-from service.protocol.types import InferRequest
+from service.protocol.types import DATATYPES, InferRequest, SharedOutput
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,9 @@ class Signature:
             extra = sorted(set(given) - {s.name for s in self.inputs})
             expected = [s.name for s in self.inputs]
             raise InvalidInput(f"{m}: unknown input '{extra[0]}' (expected inputs: {expected})")
-        return Bound(tuple(wires), self._outputs(request), size)
+        return Bound(tuple(wires), self._outputs(request, size), size)
 
-    def _outputs(self, request: InferRequest) -> tuple[int, ...]:
+    def _outputs(self, request: InferRequest, size: int) -> tuple[int, ...]:
         if request.outputs is None:
             return self._all_outputs
         indices: list[int] = []
@@ -192,8 +193,21 @@ class Signature:
                 raise InvalidInput(
                     f"{self._prefix()}: unknown output '{o.name}' (outputs: {names})"
                 )
+            if o.shared_memory is not None:
+                self._check_room(i, o.shared_memory, size)
             indices.append(i)
         return tuple(indices)
+
+    def _check_room(self, i: int, shared: SharedOutput, size: int) -> None:
+        """An output's shared memory holds all of it (checked before anything is computed)."""
+        spec = self.outputs[i]
+        items = math.prod(self.output_shapes[i]) * (size if self.batched else 1)
+        need = items * DATATYPES[spec.datatype].itemsize
+        if shared.view.nbytes < need:
+            raise InvalidInput(
+                f"{self._prefix()}: output '{spec.name}' needs {need} bytes, but its "
+                f"shared_memory_byte_size in region '{shared.region}' is {shared.view.nbytes}"
+            )
 
     # --- descriptions ---------------------------------------------------------------------
 

@@ -86,16 +86,18 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     run_dir = Path(spec.run_dir)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     repository: ModelRepository | None = None
+    metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cluster = Cluster(
         run_dir,
         spec.index,
         spec.workers,
         spec.secret,
         repository_ready=lambda: repository is not None and repository.ready,
+        statistics=metrics.statistics.snapshots,
         auth_token=token,
         max_body_bytes=settings.max_body_bytes,
     )
-    metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    metrics.statistics_source = cluster.statistics  # /metrics and the stats routes: all of it
     repository = ModelRepository(
         settings.model_repository,
         metrics=metrics,

@@ -1,26 +1,16 @@
 """Triton kernels. Importing a kernel module requires ``triton``; this package itself does not.
 
-The ops import their kernel module in a ``try`` (``None`` without Triton) and dispatch with
-:func:`use_triton`, the one rule for every op.
+The op modules (``gpu_ops._bits_ops``, ``gpu_ops._resample_ops``) import the kernel modules
+in a ``try`` and register them as the ops' CUDA kernels when Triton imports; without it, CUDA
+tensors take the torch kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from types import ModuleType
 
 import torch
-
-
-def use_triton(t: torch.Tensor, kernels: ModuleType | None) -> bool:
-    """Whether ``t`` goes to the Triton ``kernels``: a CUDA tensor, and Triton imported.
-
-    Args:
-        t: the op's input tensor; CPU (and other) tensors take the CPU/torch paths.
-        kernels: the op's kernel module, or ``None`` when Triton could not be imported.
-    """
-    return kernels is not None and t.device.type == "cuda"
 
 
 def on_device(t: torch.Tensor) -> AbstractContextManager[object]:

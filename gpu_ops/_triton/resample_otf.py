@@ -30,12 +30,13 @@ from gpu_ops._triton import on_device
 from gpu_ops._triton._grid import _program_3d
 from gpu_ops._triton._launch import block_m, window_block_ranges
 
-RESPONSE_CODES = {"gaussian": 0, "boxcar": 1, "triangle": 2, "lorentzian": 3}
-
 
 @triton.jit
 def _response(d, p, RESP: tl.constexpr):
-    """(r, dr/dd, dr/dp) of the named response at offsets d (float32 tiles)."""
+    """(r, dr/dd, dr/dp) of the named response at offsets d (float32 tiles).
+
+    RESP is ``NamedResponse.code`` (gpu_ops.responses); the formulas are the ones there.
+    """
     if RESP == 0:  # gaussian: exp(-u^2 / 2), u = d / p
         u = d / p
         r = tl.exp(-0.5 * u * u)
@@ -176,15 +177,23 @@ class Geometry(NamedTuple):
     code: int
 
 
-def prepare(x: torch.Tensor, c: torch.Tensor, name: str, param: float, half: float) -> Geometry:
-    """Sort c per row and find each window ``|c - x| <= half`` with one searchsorted."""
+def prepare(x: torch.Tensor, c: torch.Tensor, code: int, param: float, half: float) -> Geometry:
+    """Sort c per row and find each window ``|c - x| <= half`` with one searchsorted.
+
+    Args:
+        x: (B,) float64 fine grid.
+        c: (N, A) coarse points.
+        code: the response's ``NamedResponse.code``.
+        param: its parameter.
+        half: the window's half-width in units of x.
+    """
     c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
     c64 = c_sorted.to(x.dtype).contiguous()
     first = torch.searchsorted(x, c64 - half, side="left").to(torch.int32)
     last = torch.searchsorted(x, c64 + half, side="right").to(torch.int32)
     return Geometry(
         x, c_sorted.contiguous(), first, last, order, torch.argsort(order, dim=1),
-        float(param), RESPONSE_CODES[name],
+        float(param), code,
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from service.protocol.types import (
     InferRequest,
     RequestInput,
     RequestOutput,
+    SharedOutput,
 )
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -71,6 +72,16 @@ class RawInputSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+
+
+class SharedMemoryViews(Protocol):
+    """What the decoder asks of the registered shared memory regions
+    (``service.shared_memory.SystemSharedMemory``)."""
+
+    def view(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
+        """``byte_size`` bytes at ``offset`` of ``region``, bounds checked; InvalidInput
+        naming the region otherwise."""
+        ...
 
 
 class InputChecker(Protocol):
@@ -111,6 +122,7 @@ def decode_infer_request(
     body: bytes | bytearray | memoryview,
     header_length: int | None,
     model: InputChecker | None = None,
+    shm: SharedMemoryViews | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -122,9 +134,12 @@ def decode_infer_request(
             ``check_input`` before the input's data are converted, so a tensor the model
             refuses costs no element parsing; the raw binary form takes its input from
             ``raw_spec``. None decodes without model checks (the raw form is then refused).
+        shm: the registered shared memory regions, for tensors that name one
+            (``parameters.shared_memory_region``); None refuses such tensors.
 
     Returns:
-        the request; binary input data are read-only views over ``body``.
+        the request; binary input data are read-only views over ``body`` (or over a shared
+        memory region).
 
     Raises:
         InvalidInput: anything malformed, with a message naming the field or tensor.
@@ -136,7 +151,7 @@ def decode_infer_request(
         return _decode_raw(view, model)
     n = len(view) if header_length is None else header_length
     header = _load_json(view[:n])
-    return _decode_header(header, view[n:], binary=header_length is not None, model=model)
+    return _decode_header(header, view[n:], binary=header_length is not None, model=model, shm=shm)
 
 
 def _load_json(buf: memoryview) -> dict[str, Any]:
@@ -223,7 +238,12 @@ def _bool_param(params: Mapping[str, Any], key: str, what: str) -> bool | None:
 
 
 def _decode_header(
-    header: dict[str, Any], rest: memoryview, *, binary: bool, model: InputChecker | None
+    header: dict[str, Any],
+    rest: memoryview,
+    *,
+    binary: bool,
+    model: InputChecker | None,
+    shm: SharedMemoryViews | None,
 ) -> InferRequest:
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
@@ -251,7 +271,7 @@ def _decode_header(
     seen: set[str] = set()
     offset = 0
     for i, item in enumerate(raw_inputs):
-        inp, size = _decode_input(item, i, rest, offset, binary=binary, model=model)
+        inp, size = _decode_input(item, i, rest, offset, binary=binary, model=model, shm=shm)
         if inp.name in seen:
             raise InvalidInput(f"input {inp.name!r} appears more than once")
         seen.add(inp.name)
@@ -262,7 +282,7 @@ def _decode_header(
             f"the inputs declare {offset} bytes of binary data but the body carries "
             f"{rest.nbytes} after the JSON header"
         )
-    outputs = _decode_outputs(header.get("outputs"))
+    outputs = _decode_outputs(header.get("outputs"), shm)
     return InferRequest(
         id=rid,
         inputs=inputs,
@@ -281,6 +301,7 @@ def _decode_input(
     *,
     binary: bool,
     model: InputChecker | None,
+    shm: SharedMemoryViews | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -292,6 +313,23 @@ def _decode_input(
     if model is not None:
         model.check_input(name, datatype, shape)
     size = params.get("binary_data_size")
+    view = _shared_view(params, what, shm)
+    if view is not None:
+        if "data" in item or size is not None:
+            raise InvalidInput(
+                f"{what}: set only one of 'data', parameters.binary_data_size and "
+                "parameters.shared_memory_region"
+            )
+        if datatype != BYTES:
+            expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
+            if expected != view.nbytes:
+                raise InvalidInput(
+                    f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
+                    f"shared_memory_byte_size of region '{params['shared_memory_region']}' "
+                    f"is {view.nbytes}"
+                )
+        data = from_binary(view, datatype, shape, what)
+        return RequestInput(name, datatype, shape, data, params), 0
     if size is None:
         if "data" not in item:
             raise InvalidInput(f"{what}: has neither 'data' nor parameters.binary_data_size")
@@ -322,7 +360,27 @@ def _decode_input(
     return RequestInput(name, datatype, shape, data, params), size
 
 
-def _decode_outputs(raw: object) -> list[RequestOutput] | None:
+def _shared_view(
+    params: Mapping[str, Any], what: str, shm: SharedMemoryViews | None
+) -> memoryview | None:
+    """The shared memory a tensor names in its parameters, or None when it names none."""
+    region = params.get("shared_memory_region")
+    if region is None:
+        for key in ("shared_memory_byte_size", "shared_memory_offset"):
+            if key in params:
+                raise InvalidInput(f"{what}: parameter {key!r} without 'shared_memory_region'")
+        return None
+    if shm is None:
+        raise InvalidInput(
+            f"{what}: names shared memory region {str(region)[:64]!r}, but client shared "
+            "memory is disabled on this server (bitserve serve --allow-client-shm)"
+        )
+    return shm.view(
+        region, params.get("shared_memory_offset"), params.get("shared_memory_byte_size"), what
+    )
+
+
+def _decode_outputs(raw: object, shm: SharedMemoryViews | None) -> list[RequestOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -340,5 +398,14 @@ def _decode_outputs(raw: object) -> list[RequestOutput] | None:
         params = _check_parameters(item.get("parameters"), what)
         if params.get("classification"):
             raise InvalidInput(f"{what}: the classification extension is not supported")
-        outputs.append(RequestOutput(name, _bool_param(params, "binary_data", what), params))
+        binary = _bool_param(params, "binary_data", what)
+        view = _shared_view(params, what, shm)
+        shared = None
+        if view is not None:
+            if binary:
+                raise InvalidInput(
+                    f"{what}: can't set both 'shared_memory_region' and 'binary_data'"
+                )
+            shared = SharedOutput(str(params["shared_memory_region"]), view)
+        outputs.append(RequestOutput(name, binary, params, shared))
     return outputs

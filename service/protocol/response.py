@@ -91,7 +91,9 @@ def encode_infer_response(response: InferResponse, request: InferRequest | None)
             "shape": [int(d) for d in out.shape],
         }
         params = dict(out.parameters)
-        if wants_binary(request, out.name):
+        if out.in_shared_memory:
+            pass  # written into the client's region: no data here
+        elif wants_binary(request, out.name):
             payload = _binary_payload(out)
             params["binary_data_size"] = len(payload)
             payloads.append(payload)
@@ -110,7 +112,8 @@ def encode_infer_response(response: InferResponse, request: InferRequest | None)
         head["parameters"] = response.parameters
     head["outputs"] = outs
     # Without JSON tensor data the header holds names, shapes and sizes: no floats.
-    header = dumps_plain(head) if len(payloads) == len(outs) else dumps(head)
+    plain = all("data" not in o for o in outs)
+    header = dumps_plain(head) if plain else dumps(head)
     headers: dict[str, str] = {}
     media_type = JSON_TYPE
     if payloads:

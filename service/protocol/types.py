@@ -90,12 +90,28 @@ class RequestInput:
 
 
 @dataclass(frozen=True)
+class SharedOutput:
+    """Where an output goes in a client's shared memory (the system shared-memory extension).
+
+    Attributes:
+        region: the registered region's name (for messages).
+        view: its bytes for this output (``shared_memory_offset``, ``shared_memory_byte_size``),
+            writable, checked against the region's bounds.
+    """
+
+    region: str
+    view: memoryview
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """One requested output: ``binary_data`` is None when the request did not say."""
+    """One requested output: ``binary_data`` is None when the request did not say;
+    ``shared_memory`` is set when it goes into a shared memory region, not the body."""
 
     name: str
     binary_data: bool | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    shared_memory: SharedOutput | None = None
 
 
 @dataclass
@@ -124,7 +140,8 @@ class ResponseOutput:
     """One output tensor of a response; ``data`` is a C-contiguous array of ``shape``.
 
     For a BF16 output ``data`` holds the raw bfloat16 bits as ``uint16``, or floats that the
-    framing rounds to bfloat16 (nearest-even).
+    framing rounds to bfloat16 (nearest-even). ``in_shared_memory``: the data went into the
+    client's shared memory, and the response carries none (Triton's way).
     """
 
     name: str
@@ -132,6 +149,7 @@ class ResponseOutput:
     shape: tuple[int, ...]
     data: np.ndarray[Any, Any]
     parameters: dict[str, Any] = field(default_factory=dict)
+    in_shared_memory: bool = False
 
 
 @dataclass

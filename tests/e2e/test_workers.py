@@ -328,3 +328,68 @@ def test_sigterm_under_load_drains_every_worker_and_exits_0(repo: Path, tmp_path
     assert not Path(run_dir.group(1)).exists(), "the run directory is removed at exit"
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/v2/health/live", timeout=2)
+
+
+def test_shared_memory_log_settings_and_statistics_are_the_whole_servers(
+    repo: Path, tmp_path: Path
+) -> None:
+    from multiprocessing import shared_memory
+
+    rng = np.random.default_rng(3)
+    bits = rng.random((1, N, L)) < 0.3
+    packed = np.packbits(bits, axis=-1)
+    region = shared_memory.SharedMemory(create=True, size=packed.nbytes)
+    try:
+        np.ndarray(packed.shape, np.uint8, buffer=region.buf)[...] = packed
+        with start_server(
+            repo, args=["--workers", "2", "--allow-client-shm"], log_dir=tmp_path
+        ) as s:
+            # One registration, taken by one worker, serves requests on both.
+            key = "/" + region.name.lstrip("/")
+            body = {"key": key, "offset": 0, "byte_size": packed.nbytes}
+            r = httpx.post(
+                s.url + "/v2/systemsharedmemory/region/in0/register", json=body, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            request = {
+                "inputs": [
+                    {
+                        "name": "bits",
+                        "datatype": "UINT8",
+                        "shape": list(packed.shape),
+                        "parameters": {
+                            "shared_memory_region": "in0",
+                            "shared_memory_byte_size": packed.nbytes,
+                        },
+                    }
+                ],
+                "outputs": [{"name": "out"}],
+            }
+            for w in WORKERS:
+                r = on_worker(s.url, w, "POST", "/v2/models/tri/infer", json=request)
+                assert r.status_code == 200, (w, r.text)
+                got = np.array(r.json()["outputs"][0]["data"], np.float32)
+                want = reference(repo, "tri", bits).reshape(-1)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            # A log setting changed through one worker holds on both.
+            r = httpx.post(s.url + "/v2/logging", json={"log_verbose_level": 1}, timeout=60)
+            assert r.status_code == 200, r.text
+            for w in WORKERS:
+                got = on_worker(s.url, w, "GET", "/v2/logging").json()
+                assert got["log_verbose_level"] == 1, w
+            # Statistics on either worker count the requests both served.
+            for w in WORKERS:
+                stats = on_worker(s.url, w, "GET", "/v2/models/tri/stats").json()
+                (entry,) = stats["model_stats"]
+                assert entry["inference_stats"]["success"]["count"] >= 2, (w, entry)
+                assert entry["inference_count"] >= 2, (w, entry)
+            # Unregistering every region reaches both: neither serves from it any more.
+            r = httpx.post(s.url + "/v2/systemsharedmemory/unregister", timeout=60)
+            assert r.status_code == 200, r.text
+            for w in WORKERS:
+                r = on_worker(s.url, w, "POST", "/v2/models/tri/infer", json=request)
+                assert r.status_code == 400, (w, r.text)
+                assert "in0" in r.json()["error"]
+    finally:
+        region.close()
+        region.unlink()

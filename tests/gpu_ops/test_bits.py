@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpu_ops
-from gpu_ops import _bits_cpu, packbits, unpackbits
+from gpu_ops import _bits_torch, packbits, unpackbits
 from gpu_ops._reference import packbits_reference, unpackbits_reference
 from gpu_ops.bits import UNPACK_DTYPES
 from tests.common_utils import cpu_and_cuda
@@ -141,7 +141,7 @@ def test_unpackbits_larger_inputs_match_reference(
 def test_cpu_chunking(monkeypatch: pytest.MonkeyPatch, chunk: int, dtype: torch.dtype) -> None:
     """Tiny chunks of the torch path: pieces split along the byte axis and each leading dim."""
     monkeypatch.setenv("BITSERVE_CPU_KERNELS", "0")  # unpack through the chunked torch path
-    monkeypatch.setattr(_bits_cpu, "CPU_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_bits_torch, "CPU_CHUNK_BYTES", chunk)
     gen = torch.Generator().manual_seed(2)
     x = torch.randint(0, 256, (4, 3, 21), dtype=torch.uint8, generator=gen)
     for dim in range(3):
@@ -162,7 +162,7 @@ def test_torch_only_pack_path(dtype: torch.dtype, bitorder: str) -> None:
         ref = packbits_reference(x, dim, bitorder)
         out = torch.empty_like(ref)
         src = x.view(torch.uint8) if dtype == torch.bool else x
-        _bits_cpu.pack_into_torch(src, out, dim, bitorder)
+        _bits_torch.pack_into(src, out, dim, bitorder)
         assert torch.equal(out, ref)
 
 

@@ -7,15 +7,12 @@ the interpreter is slow); on a GPU host the same tests run the compiled kernels 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_ops import bits as bits_module
-from gpu_ops._triton import use_triton
 from gpu_ops.bits import UNPACK_DTYPES
-from tests.common_utils import HAS_TRITON, cpu_and_cuda, needs_triton
+from tests.common_utils import HAS_TRITON, needs_triton
 
 pytestmark = needs_triton
 
@@ -117,11 +114,3 @@ def test_plan_collapses_and_falls_back() -> None:
     kernels.unpack_into(xr, dst, 2, "little")
     expected = np.unpackbits(xr.cpu().numpy(), axis=2, bitorder="little")
     np.testing.assert_array_equal(dst.cpu().numpy(), expected)
-
-
-@pytest.mark.parametrize("device", cpu_and_cuda())
-def test_dispatch(device: str) -> None:
-    """CUDA tensors go to the Triton kernels; CPU tensors never do."""
-    assert bits_module._triton_bits is kernels
-    assert use_triton(torch.empty(0, device=device), kernels) == (device == "cuda")
-    assert not use_triton(torch.empty(0, device=device), None)  # no Triton: never

@@ -63,7 +63,7 @@ def test_on_the_fly_grids(monkeypatch: pytest.MonkeyPatch, M: int, A: int, B: in
     geo = ko.prepare(
         torch.empty(B, dtype=torch.float64, device="meta"),
         torch.empty(N, A, device="meta"),
-        "gaussian",
+        0,  # gaussian
         1.0,
         4.0,
     )

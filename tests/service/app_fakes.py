@@ -11,6 +11,7 @@ data plane can be tested on their own: framing, errors, auth, limits, compressio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -19,10 +20,13 @@ import numpy as np
 
 from service.batcher import Batcher
 from service.config import ModelConfig
+from service.config_override import ConfigOverride
 from service.errors import ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
 from service.protocol.types import InferRequest
+from service.repository import unknown_model
 from service.signature import Bound, Signature
+from service.statistics import ModelStats, Statistics
 
 ECHO_CONFIG = ModelConfig.model_validate(
     {
@@ -61,7 +65,13 @@ class _AlwaysFull(Batcher[Bound, Result]):
 class FakeHandle(ModelHandle):
     """One fake model version: the echo maths, or its variants by name (see the module)."""
 
-    def __init__(self, name: str, version: str = "1", cfg: ModelConfig = ECHO_CONFIG) -> None:
+    def __init__(
+        self,
+        name: str,
+        version: str = "1",
+        cfg: ModelConfig = ECHO_CONFIG,
+        stats: ModelStats | None = None,
+    ) -> None:
         shapes = [list(o.shape or []) for o in cfg.outputs]
         pipeline = SimpleNamespace(
             output_shapes=shapes, device=SimpleNamespace(type="cpu"), device_memory_bytes=0
@@ -73,8 +83,9 @@ class FakeHandle(ModelHandle):
             max_batch_size=cfg.max_batch_size,
             max_queue_delay_us=0,
             max_queue_size=16,
+            stats=stats if stats is not None else ModelStats(name, version),
         )
-        super().__init__(name, version, cfg, pipeline, batcher, [version])  # type: ignore[arg-type]
+        super().__init__(name, version, cfg, pipeline, batcher, [version], batcher.stats)  # type: ignore[arg-type]
         self.signature = _RecordingSignature(self, cfg, shapes)
         self.requests: list[InferRequest] = []
         self.checked: list[tuple[str, str, tuple[int, ...]]] = []
@@ -91,18 +102,33 @@ class FakeHandle(ModelHandle):
         return [(2 * x).astype(np.float32), x.sum(axis=1).astype(np.int64)]
 
     def _run(self, requests: Sequence[Bound]) -> list[Result]:
-        return [self.compute(b) for b in requests]
+        t0 = time.perf_counter_ns()
+        out = [self.compute(b) for b in requests]
+        # As the real pipeline does once per batch (here everything counts as compute_infer).
+        items = sum(b.size for b in requests)
+        self.stats.executed(items, len(requests), 0, time.perf_counter_ns() - t0, 0)
+        return out
 
 
 class FakeRepository:
-    """Models ``echo``, ``boom`` and ``busy``; ``ready`` can be switched off by a test."""
+    """Models ``echo``, ``boom`` and ``busy``; ``ready`` can be switched off by a test.
 
-    def __init__(self) -> None:
-        self.models: dict[str, FakeHandle] = {n: FakeHandle(n) for n in ("echo", "boom", "busy")}
+    Their counters come from ``statistics`` when given (a ``Metrics``' own, for its
+    ``nv_inference_*`` series), else each handle has its own.
+    """
+
+    def __init__(self, statistics: Statistics | None = None) -> None:
+        def stats(name: str) -> ModelStats | None:
+            return None if statistics is None else statistics.for_version(name, "1")
+
+        self.models: dict[str, FakeHandle] = {
+            n: FakeHandle(n, stats=stats(n)) for n in ("echo", "boom", "busy")
+        }
         self.started = False
         self.stopped = False
         self.is_ready = True
         self.loaded: list[str] = []
+        self.overrides: list[ConfigOverride | None] = []
         self.unloaded: list[str] = []
 
     @property
@@ -123,21 +149,28 @@ class FakeRepository:
             for n in self.models
         ]
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, override: ConfigOverride | None = None) -> None:
         if name not in self.models:
             raise ModelNotFound(f"no model {name!r} in the repository")
         self.loaded.append(name)
+        self.overrides.append(override)
 
     async def unload(self, name: str) -> None:
         if name not in self.models:
             raise ModelNotFound(f"no model {name!r} in the repository")
         self.unloaded.append(name)
 
+    def ready_handles(self, name: str | None = None) -> list[FakeHandle]:
+        if name is not None and name not in self.models:
+            raise ModelNotFound(unknown_model(name))
+        names = sorted(self.models) if name is None else [name]
+        return [self.models[n] for n in names if self.is_ready and n != "busy"]
+
     def get(self, name: str, version: str | None = None) -> FakeHandle:
         if name not in self.models:
-            raise ModelNotFound(f"no model {name!r} in the repository")
+            raise ModelNotFound(unknown_model(name))  # the real repository's wording
         if version not in (None, "1"):
-            raise ModelNotFound(f"model {name!r} has no version {version!r}")
+            raise ModelNotFound(unknown_model(name, version))
         if not self.is_ready:
             raise ModelNotReady(f"model {name!r} is not ready")
         return self.models[name]

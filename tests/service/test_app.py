@@ -125,9 +125,13 @@ async def test_model_metadata_ready_config(client: httpx.AsyncClient) -> None:
         ready = await client.get(base + "/ready")
         assert ready.json() == {"name": "echo", "version": "1", "ready": True}
         assert (await client.get(base + "/config")).json()["max_batch_size"] == 65536
-    assert_error(await client.get("/v2/models/nope"), 404, "no model 'nope'")
-    assert_error(await client.get("/v2/models/echo/versions/7/config"), 404, "no version '7'")
-    assert_error(await client.get("/v2/models/nope/ready"), 404, "no model 'nope'")
+    assert_error(await client.get("/v2/models/nope"), 404, "Request for unknown model: 'nope'")
+    assert_error(
+        await client.get("/v2/models/echo/versions/7/config"), 404, "'echo' version 7 is not"
+    )
+    assert_error(
+        await client.get("/v2/models/nope/ready"), 404, "Request for unknown model: 'nope'"
+    )
 
 
 async def test_framework_errors_have_the_error_shape(client: httpx.AsyncClient) -> None:
@@ -276,7 +280,7 @@ async def test_infer_bad_requests(
 async def test_unknown_model_infer_is_404(client: httpx.AsyncClient) -> None:
     body, headers = binary_request(X)
     resp = await client.post("/v2/models/nope/infer", content=body, headers=headers)
-    assert_error(resp, 404, "no model 'nope'")
+    assert_error(resp, 404, "Request for unknown model: 'nope' is not found")
     # Percent-encoded separators cannot smuggle a path into the model name.
     resp = await client.post("/v2/models/..%2F..%2Fetc/infer", content=body, headers=headers)
     assert resp.status_code == 404
@@ -404,7 +408,8 @@ async def test_repository_endpoints(client: httpx.AsyncClient, repo: FakeReposit
     assert (await client.post("/v2/repository/models/echo/load")).status_code == 200
     assert (await client.post("/v2/repository/models/echo/unload")).status_code == 200
     assert (repo.loaded, repo.unloaded) == (["echo"], ["echo"])
-    assert_error(await client.post("/v2/repository/models/zz/load"), 404, "no model 'zz'")
+    # Triton's wording and status for a load of a model that is not there.
+    assert_error(await client.post("/v2/repository/models/zz/load"), 400, "failed to load 'zz'")
 
 
 async def test_metrics_count_outcomes(client: httpx.AsyncClient) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from service.batcher import Batcher, BatchInfo, DeviceExecutors
+from service.batcher import Batcher, BatchInfo
+from service.devices import DeviceExecutors
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -366,3 +367,29 @@ async def test_a_change_whose_client_left_mid_body_is_not_applied(
     assert w.repo.loaded == []
     assert peers.calls == []
     assert ControlState(w.cluster.run_dir).read()[0] == 0
+
+
+def test_shared_memory_and_log_settings_are_recorded_for_replay(run_dir: Path) -> None:
+    from service.cluster import control_target
+
+    assert control_target("/v2/repository/models/m/load") == ("m", "load")
+    assert control_target("/v2/systemsharedmemory/region/r1/register") == ("@shm/r1", "register")
+    assert control_target("/v2/systemsharedmemory/unregister") == ("@shm/*", "unregister")
+    assert control_target("/v2/logging") == ("@logging", "logging")
+    assert control_target("/v2/models/m/infer") is None
+    state = ControlState(run_dir)
+    shm = "/v2/systemsharedmemory/region/{}/register"
+    state.record("@shm/a", "register", b'{"key": "/a"}', {}, path=shm.format("a"))
+    state.record("@logging", "logging", b'{"log_info": false}', {}, path="/v2/logging")
+    state.record("@logging", "logging", b'{"log_verbose_level": 1}', {}, path="/v2/logging")
+    _, entries = state.read()
+    assert entries["@shm/a"].route("@shm/a") == "/v2/systemsharedmemory/region/a/register"
+    # Log updates are partial: the recorded body is every change so far.
+    merged = json.loads(base64.b64decode(entries["@logging"].body))
+    assert merged == {"log_info": False, "log_verbose_level": 1}
+    # Unregistering every region drops the registrations (a fresh worker has none to replay).
+    state.record("@shm/*", "unregister", b"", {}, path="/v2/systemsharedmemory/unregister")
+    state.record("@shm/b", "register", b'{"key": "/b"}', {}, path=shm.format("b"))
+    _, entries = state.read()
+    assert sorted(k for k in entries if k.startswith("@shm/")) == ["@shm/*", "@shm/b"]
+    assert entries["@shm/*"].seq < entries["@shm/b"].seq  # replayed in this order

@@ -312,7 +312,7 @@ def test_versions(tmp_path: Path) -> None:
             if bad == "":
                 assert repo.get("m", bad).version == "2"
                 continue
-            with pytest.raises(ModelNotFound, match="unknown version"):
+            with pytest.raises(ModelNotFound, match=r"Request for unknown model: .m. version"):
                 repo.get("m", bad)
         await repo.stop()
 

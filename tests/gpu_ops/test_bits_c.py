@@ -1,4 +1,4 @@
-"""The compiled CPU unpack kernel (gpu_ops/_bits_cpu.c) against NumPy and the torch path."""
+"""The compiled CPU unpack kernel (gpu_ops/_bits_c.c) against NumPy and the torch path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_ops import _bits_cpu, unpackbits
+from gpu_ops import _bits_c, _bits_torch, unpackbits
 from gpu_ops._reference import unpackbits_reference
 from gpu_ops.bits import UNPACK_DTYPES
 
@@ -21,7 +21,7 @@ BITORDERS = ("big", "little")
 
 @pytest.fixture
 def lib() -> object:
-    lib = _bits_cpu.kernels()
+    lib = _bits_c.kernels()
     if lib is None:
         pytest.skip("no C compiler here (or BITSERVE_CPU_KERNELS=0)")
     return lib
@@ -32,15 +32,15 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     """Small inputs through both kernel variants: the thresholds are lowered to 0 so that
     threads split rows (and bytes inside rows) and non-temporal stores run, aligned or not."""
     if request.param.startswith("threads"):
-        monkeypatch.setattr(_bits_cpu, "C_PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(_bits_cpu, "C_STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(_bits_c, "C_PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(_bits_c, "C_STREAM_MIN_BYTES", 0)
         threads = torch.get_num_threads()
         torch.set_num_threads(3)  # more threads than cores: uneven splits
         yield request.param
         torch.set_num_threads(threads)
     else:
-        monkeypatch.setattr(_bits_cpu, "C_PARALLEL_MIN_BYTES", 1 << 62)
-        monkeypatch.setattr(_bits_cpu, "C_STREAM_MIN_BYTES", 1 << 62)
+        monkeypatch.setattr(_bits_c, "C_PARALLEL_MIN_BYTES", 1 << 62)
+        monkeypatch.setattr(_bits_c, "C_STREAM_MIN_BYTES", 1 << 62)
         yield request.param
 
 
@@ -56,7 +56,7 @@ def _torch_path(
     shape[dim] = n if count is None else (count if count >= 0 else n + count)
     out = torch.empty(shape, dtype=dtype)
     target = out.view(torch.uint8) if dtype == torch.bool else out
-    _bits_cpu.unpack_into_torch(x, target, dim, bitorder)
+    _bits_torch.unpack_into(x, target, dim, bitorder)
     return out
 
 
@@ -129,7 +129,7 @@ def test_c_kernel_large_reused_and_fresh_outputs(lib: object) -> None:
     """Above the real thresholds: threads and non-temporal stores (reused out=), and plain
     stores into a fresh result; both against NumPy."""
     gen = np.random.default_rng(7)
-    a = gen.integers(0, 256, (5, (_bits_cpu.C_STREAM_MIN_BYTES // 4 + 5 * 8000) // 40), np.uint8)
+    a = gen.integers(0, 256, (5, (_bits_c.C_STREAM_MIN_BYTES // 4 + 5 * 8000) // 40), np.uint8)
     x = torch.from_numpy(a)
     expected = np.unpackbits(a, axis=-1, count=8 * a.shape[1] - 3)
     out = torch.full(expected.shape, -1.0)
@@ -142,7 +142,7 @@ def test_c_kernel_large_reused_and_fresh_outputs(lib: object) -> None:
 def test_disabled_kernels_use_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """BITSERVE_CPU_KERNELS=0 at call time: no compiled kernel, same results."""
     monkeypatch.setenv("BITSERVE_CPU_KERNELS", "0")
-    assert _bits_cpu.kernels() is None
+    assert _bits_c.kernels() is None
     gen = torch.Generator().manual_seed(8)
     x = torch.randint(0, 256, (3, 13), dtype=torch.uint8, generator=gen)
     for dtype in UNPACK_DTYPES:
@@ -155,8 +155,8 @@ def test_without_a_compiler_unpack_falls_back_with_a_warning(tmp_path: Path) -> 
     code = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from gpu_ops import _bits_cpu, unpackbits\n"
-        "assert _bits_cpu.kernels() is None\n"
+        "from gpu_ops import _bits_c, unpackbits\n"
+        "assert _bits_c.kernels() is None\n"
         "x = torch.tensor([[176, 255]], dtype=torch.uint8)\n"
         "print(unpackbits(x, dim=1, count=10, dtype=torch.float32).int().tolist())\n"
     )

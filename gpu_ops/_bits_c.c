@@ -1,7 +1,7 @@
 /* CPU bit unpacking for gpu_ops.bits: one table-row copy per input byte.
  *
  * Built on first use by gpu_ops/_cbuild.py (cc -O3 -march=native ...; no OpenMP used here)
- * and called through ctypes from gpu_ops/_bits_cpu.py, which owns the argument checks.
+ * and called through ctypes from gpu_ops/_bits_c.py, which owns the argument checks.
  *
  * The table holds, for each byte value, its 8 bits as finished output values in output
  * order (256 x 8 x esize bytes: 2 KiB for uint8, 8 KiB for float32, so it stays in L1).

@@ -1,0 +1,158 @@
+"""The on-the-fly resampler: a named response evaluated inside the kernels, nothing stored.
+
+Re-exported as :class:`gpu_ops.OnTheFlyResampler` (and from :mod:`gpu_ops.resample`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpu_ops import _resample_ops, _resampler_base, responses
+
+
+class OnTheFlyResampler(_resampler_base.Resampler):
+    """``out[..., n, a] = sum_b r(c[n, a] - x[b]) * f[..., n, b]`` with no stored weights.
+
+    Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` and the response's parameter as
+    ``nn.Parameter``s (named after it: ``.sigma``, ``.gamma`` or ``.half_width``); the
+    kernels evaluate the weights of each window as they use it, in the forward and in the
+    backward, so memory is O(N A) whatever the band width. Gradients flow to f, to ``c``
+    and to the parameter (analytic derivatives of the response; the movement of the window
+    edges with the parameter is not counted: the cut declares the response negligible
+    there). ``.half()``/``.to(torch.bfloat16)`` move the module but keep x, c and the
+    parameter at their precision: in half precision the offsets ``c - x`` would be wrong by
+    whole fine points. Inputs may still be float16 or bfloat16 (computed in float32).
+
+    Args:
+        x: (B,) fine grid, sorted, evenly spaced or not.
+        c: (N, A) coarse points, any order (the output keeps it).
+        response: a name from :data:`gpu_ops.responses.NAMED`.
+        support: the cut in units of the parameter (gaussian default 4, lorentzian 10);
+            None for ``boxcar`` and ``triangle``.
+        dtype: float32 (default) computes in float32; float64 keeps c and the parameter in
+            float64 and computes in float64 (for gradcheck).
+        device: where the module lives (default: x's device).
+        **params: the response's parameter, e.g. ``sigma=2.0``.
+
+    Raises:
+        ValueError: an unsorted or non-finite grid, a bad ``c`` shape, or parameters that do
+            not fit the response.
+    """
+
+    x: torch.Tensor
+    c: torch.Tensor
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        response: str,
+        support: float | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        **params: float,
+    ) -> None:
+        super().__init__()
+        dev = torch.device(device) if device is not None else torch.as_tensor(x).device
+        x64, c64 = responses.check_grid(x, c, dev)
+        self.spec, value = responses.parse_named(response, support, params)
+        self.support = None if support is None else float(support)
+        self.num_fine = x64.numel()
+        geometry = torch.float64 if dtype == torch.float64 else torch.float32
+        self.register_buffer("x", x64)
+        self.c = nn.Parameter(c64.to(geometry))
+        param = nn.Parameter(torch.tensor(value, dtype=geometry, device=dev))
+        self.register_parameter(self.spec.param, param)
+
+    @classmethod
+    def from_response(cls, *args: Any, **kwargs: Any) -> OnTheFlyResampler:
+        """The constructor (same arguments), under the name BandedResampler's has."""
+        return cls(*args, **kwargs)
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The response's parameter (0-d ``nn.Parameter``), also reachable by its name."""
+        p: torch.Tensor = getattr(self, self.spec.param)
+        return p
+
+    def _input_layout(self) -> tuple[int, torch.device]:
+        return self.c.shape[0], self.x.device
+
+    def _resample(self, f: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _resample_ops.on_the_fly_forward(
+            f, self.x, self.c, self.param, self.spec.name, self.support
+        )
+        return out
+
+    def _windows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        half = self.spec.half_width(float(self.param.detach()), self.support)
+        first, last, W = responses.windows(self.x, self.c, -half, half)
+        return first, last, responses.clipped_starts(first, W, self.num_fine), W
+
+    def band(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts (N, A) int32, weights (N, A, W))`` built from the current c and parameter."""
+        first, last, starts, W = self._windows()
+        p = {self.spec.param: self.param.detach().to(self.x.dtype)}
+        w = responses.evaluate_band(
+            self.x, self.c.detach(), self.spec.bind(p), first, last, starts, W
+        )
+        return starts.to(torch.int32), w.to(self.c.dtype)
+
+    @property
+    def band_width(self) -> int:
+        """W, the longest window in fine points (from the windows alone, no weights built)."""
+        return self._windows()[3]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to()``/``.cuda()``/``.half()``...: moves x, c and the parameter, keeps dtypes."""
+
+        def move_only(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if out.dtype != t.dtype and t.is_floating_point():
+                return t.to(device=out.device)  # from the original: no rounding on the way
+            return out
+
+        return super()._apply(move_only, recurse)  # type: ignore[no-untyped-call]
+
+    def extra_repr(self) -> str:
+        N, A = self.c.shape
+        return f"response={self.spec.name}, N={N}, A={A}, B={self.num_fine}"
+
+    def save(self, path: str | Path) -> None:
+        """Write x, c and the parameter to a safetensors file (format in the README)."""
+        meta = {
+            "mode": "on_the_fly",
+            "response": self.spec.name,
+            "support": "" if self.support is None else repr(self.support),
+        }
+        tensors = {"x": self.x, "c": self.c, "param": self.param.reshape(1)}
+        _resampler_base.write(path, self.num_fine, meta, tensors)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> OnTheFlyResampler:
+        """Read a module written by :meth:`save` (safetensors, no pickle) onto ``device``.
+
+        Raises:
+            ValueError: not such a file (a stored band: use ``BandedResampler.load``).
+        """
+        meta, t = _resampler_base.read(path, device)
+        if meta.get("mode") != "on_the_fly":
+            raise ValueError(f"{path}: a stored band; read it with BandedResampler.load")
+        try:
+            spec = responses.named(meta["response"])
+            support = float(meta["support"]) if meta["support"] else None
+            value = float(t["param"][0])
+            return cls(
+                t["x"], t["c"], spec.name, support, dtype=t["c"].dtype, device=device,
+                **{spec.param: value},
+            )  # fmt: skip
+        except KeyError as exc:
+            raise ValueError(f"{path}: missing {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{path}: {exc}") from None

@@ -1,0 +1,566 @@
+/* CPU kernels of the banded response operator (bound in gpu_ops/_resample_c.py).
+ *
+ * Layouts (all contiguous, row-major):
+ *   f      (M, N, B) float32      fine-grid inputs
+ *   w      (N, A, W) float32 / bfloat16 / float16 (wdt = 0 / 1 / 2)
+ *   starts (N, A)    int32        window starts, 0 <= starts <= B - W
+ *   out    (M, N, A) float32
+ * Every output element is written by exactly one thread in a fixed order: no atomics, and
+ * the results do not depend on the thread count.
+ *
+ * Weights are widened to float32 inside the dot loops (bfloat16 is the top half of a
+ * float32), so a half-precision operator moves half the bytes and no row is copied first.
+ *
+ * Specialisation: each kernel's inner code is an always-inlined body taking the weight dtype
+ * (or the response) as an argument. Small wrappers fix it to a constant, one per value, and
+ * the parallel loops call them through a table of function pointers, once per window or
+ * per block of fine points. OpenMP outlines a parallel region before inlining, so a
+ * constant passed into a function that holds the region would reach the loops as a
+ * variable: a branch per weight load, and response loops that do not vectorise.
+ *
+ * Vectors are VL floats: 8 (one AVX2 register) or 16 (AVX-512). Register blocks are sized
+ * for 16 vector registers (AVX2) or 32 (AVX-512): the forward's 4 inputs x 2 vectors of sums
+ * plus 2 weight vectors fit either.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MB_MAX 8 /* inputs per register block in the transposed band */
+#else
+#define VL 8
+#define MB_MAX 4
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));
+typedef uint16_t vhu __attribute__((vector_size(2 * VL), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+INLINE float wload(const void *w, const int wdt, int64_t i) {
+    if (wdt == 0) return ((const float *)w)[i];
+    if (wdt == 1) {
+        uint32_t u = ((uint32_t)((const uint16_t *)w)[i]) << 16;
+        float x;
+        memcpy(&x, &u, sizeof x);
+        return x;
+    }
+    return (float)((const _Float16 *)w)[i];
+}
+
+/* Weights i .. i + VL - 1 widened to float32. */
+INLINE vf wloadv(const void *w, const int wdt, int64_t i) {
+    if (wdt == 0) return *(const vfu *)((const float *)w + i);
+    if (wdt == 1) {
+        const vhu h = *(const vhu *)((const uint16_t *)w + i);
+        const vu u = __builtin_convertvector(h, vu) << 16;
+        vf x;
+        memcpy(&x, &u, sizeof x);
+        return x;
+    }
+    vf x;
+    for (int t = 0; t < VL; t++) x[t] = (float)((const _Float16 *)w)[i + t];
+    return x;
+}
+
+/* Weights j .. j + VL - 1 of a row of W, zeros outside [0, W). */
+INLINE vf wloadv_edge(const void *w, const int wdt, int64_t j, int64_t W) {
+    float tmp[VL];
+    for (int t = 0; t < VL; t++) tmp[t] = (j + t >= 0 && j + t < W) ? wload(w, wdt, j + t) : 0.0f;
+    vf x;
+    memcpy(&x, tmp, sizeof x);
+    return x;
+}
+
+INLINE vf fload(const float *p) { return *(const vfu *)p; }
+
+INLINE float hsum(vf v) {
+    float t = 0.f;
+    for (int i = 0; i < VL; i++) t += v[i];
+    return t;
+}
+
+/* The row of weights of (n, a) = band row r. */
+INLINE const void *wrow(const void *w, const int wdt, int64_t r, int64_t W) {
+    return (const char *)w + r * W * (wdt == 0 ? 4 : 2);
+}
+
+/* --- forward ----------------------------------------------------------------------------- */
+
+/* o[k * os] = sum_j w[j] * fr[k * fs + j] for k < mb: one coarse point, mb inputs sharing
+ * each weight load, two vectors per input for ILP. The tail uses an explicit fmaf: left to
+ * the compiler, it was contracted for some weight dtypes and not others, and the half-precision
+ * paths (fused, or widened first for M > 4) then differed in the last bit. */
+INLINE void dot_mb(const float *fr, int64_t fs, const void *w, const int wdt, int64_t W,
+                   float *o, int64_t os, const int mb) {
+    vf acc[4][2];
+    for (int k = 0; k < mb; k++) acc[k][0] = acc[k][1] = (vf){0};
+    int64_t j = 0;
+    for (; j + 2 * VL <= W; j += 2 * VL) {
+        const vf w0 = wloadv(w, wdt, j), w1 = wloadv(w, wdt, j + VL);
+        for (int k = 0; k < mb; k++) {
+            acc[k][0] += w0 * fload(fr + k * fs + j);
+            acc[k][1] += w1 * fload(fr + k * fs + j + VL);
+        }
+    }
+    for (int k = 0; k < mb; k++) {
+        float t = hsum(acc[k][0] + acc[k][1]);
+        for (int64_t i = j; i < W; i++) t = __builtin_fmaf(wload(w, wdt, i), fr[k * fs + i], t);
+        o[k * os] = t;
+    }
+}
+
+/* dot_mb for a single input, with the weights prefetched 16 vectors ahead (measured, bfloat16
+ * weights at M = 1: 0.61x the float32 time with the prefetch, 0.71x without). The additions
+ * happen in exactly dot_mb's order (two sums, alternate vectors), so an input's result does
+ * not depend on which other inputs share its batch: the server batches requests together,
+ * and the same request must give the same bits. */
+INLINE float dot_1(const float *fr, const void *w, const int wdt, int64_t W) {
+    vf acc0 = {0}, acc1 = {0};
+    const int es = wdt == 0 ? 4 : 2;
+    int64_t j = 0;
+    for (; j + 4 * VL <= W; j += 4 * VL) {
+        __builtin_prefetch((const char *)w + (j + 16 * VL) * es);
+        if (es == 4) __builtin_prefetch((const char *)w + (j + 16 * VL) * es + 64);
+        acc0 += wloadv(w, wdt, j) * fload(fr + j);
+        acc1 += wloadv(w, wdt, j + VL) * fload(fr + j + VL);
+        acc0 += wloadv(w, wdt, j + 2 * VL) * fload(fr + j + 2 * VL);
+        acc1 += wloadv(w, wdt, j + 3 * VL) * fload(fr + j + 3 * VL);
+    }
+    for (; j + 2 * VL <= W; j += 2 * VL) {
+        acc0 += wloadv(w, wdt, j) * fload(fr + j);
+        acc1 += wloadv(w, wdt, j + VL) * fload(fr + j + VL);
+    }
+    float t = hsum(acc0 + acc1);
+    for (; j < W; j++) t = __builtin_fmaf(wload(w, wdt, j), fr[j], t);
+    return t;
+}
+
+/* One coarse point's window w (W) for all M inputs, out o[m * os]. */
+INLINE void dots(const float *fr, int64_t fs, const void *w, const int wdt, int64_t W, float *o,
+                 int64_t os, int64_t M) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dot_mb(fr + m * fs, fs, w, wdt, W, o + m * os, os, 4);
+    for (; m < M; m++) o[m * os] = dot_1(fr + m * fs, w, wdt, W);
+}
+
+/* Points a0 .. a1 - 1 of function n for all M inputs; buf holds W floats. */
+INLINE void forward_points(const int wdt, const float *f, const void *w, const int32_t *starts,
+                           float *out, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
+                           int64_t n, int64_t a0, int64_t a1, float *buf) {
+    const int64_t fs = N * B, os = N * A;
+    for (int64_t a = a0; a < a1; a++) {
+        const void *wa = wrow(w, wdt, n * A + a, W);
+        const float *fr = f + n * B + starts[n * A + a];
+        float *o = out + n * A + a;
+        /* Half-precision weights with many inputs: widened once into buf rather than once per
+         * input block (measured faster at M = 64; fused is as fast at M <= 4). */
+        if (wdt != 0 && M > 4) {
+            for (int64_t j = 0; j < W; j++) buf[j] = wload(wa, wdt, j);
+            dots(fr, fs, buf, 0, W, o, os, M);
+        } else {
+            dots(fr, fs, wa, wdt, W, o, os, M);
+        }
+    }
+}
+
+typedef void (*forward_fn)(const float *, const void *, const int32_t *, float *, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *);
+#define FORWARD(WDT)                                                                          \
+    static void forward_##WDT(const float *f, const void *w, const int32_t *s, float *out,   \
+                              int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,          \
+                              int64_t n, int64_t a0, int64_t a1, float *buf) {                \
+        forward_points(WDT, f, w, s, out, M, N, A, B, W, n, a0, a1, buf);                     \
+    }
+FORWARD(0)
+FORWARD(1)
+FORWARD(2)
+static const forward_fn FORWARDS[3] = {forward_0, forward_1, forward_2};
+
+/* Tasks of 8 consecutive coarse points: one call through the table per task. */
+void bs_forward(const float *f, const void *w, int wdt, const int32_t *starts, float *out,
+                int64_t M, int64_t N, int64_t A, int64_t B, int64_t W, int nthreads) {
+    const forward_fn run = FORWARDS[wdt];
+    const int64_t step = 8, nblk = (A + step - 1) / step;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)W); /* a widened row */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t k = 0; k < nblk; k++) {
+                const int64_t a1 = (k + 1) * step < A ? (k + 1) * step : A;
+                run(f, w, starts, out, M, N, A, B, W, n, k * step, a1, buf);
+            }
+        free(buf);
+    }
+}
+
+/* --- grad_f, any start order: scan every window per block of fine points ---------------- */
+
+INLINE void scan_block(const int wdt, const float *g, const void *w, const int32_t *starts,
+                       float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
+                       int64_t n, int64_t b0, int64_t b1) {
+    for (int64_t m = 0; m < M; m++)
+        memset(gf + (m * N + n) * B + b0, 0, sizeof(float) * (size_t)(b1 - b0));
+    for (int64_t a = 0; a < A; a++) {
+        const int64_t s = starts[n * A + a];
+        const int64_t lo = s > b0 ? s : b0, hi = s + W < b1 ? s + W : b1;
+        if (lo >= hi) continue;
+        const void *wa = wrow(w, wdt, n * A + a, W);
+        for (int64_t m = 0; m < M; m++) {
+            const float gm = g[(m * N + n) * A + a];
+            float *dst = gf + (m * N + n) * B;
+#pragma omp simd
+            for (int64_t j = lo; j < hi; j++) dst[j] += gm * wload(wa, wdt, j - s);
+        }
+    }
+}
+
+typedef void (*block_fn)(const float *, const void *, const int32_t *, float *, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+#define SCAN(WDT)                                                                             \
+    static void scan_##WDT(const float *g, const void *w, const int32_t *s, float *gf,       \
+                           int64_t M, int64_t N, int64_t A, int64_t B, int64_t W, int64_t n,  \
+                           int64_t b0, int64_t b1) {                                          \
+        scan_block(WDT, g, w, s, gf, M, N, A, B, W, n, b0, b1);                               \
+    }
+SCAN(0)
+SCAN(1)
+SCAN(2)
+static const block_fn SCANS[3] = {scan_0, scan_1, scan_2};
+
+static void blocks(const block_fn run, const float *g, const void *w, const int32_t *starts,
+                   float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
+                   int64_t BB, int nthreads) {
+    const int64_t nblk = (B + BB - 1) / BB;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < nblk; k++) {
+            const int64_t b0 = k * BB, b1 = b0 + BB < B ? b0 + BB : B;
+            run(g, w, starts, gf, M, N, A, B, W, n, b0, b1);
+        }
+}
+
+void bs_backward_f(const float *g, const void *w, int wdt, const int32_t *starts, float *gf,
+                   int64_t M, int64_t N, int64_t A, int64_t B, int64_t W, int64_t BB,
+                   int nthreads) {
+    blocks(SCANS[wdt], g, w, starts, gf, M, N, A, B, W, BB, nthreads);
+}
+
+/* --- grad_f, starts sorted along each row: register-blocked transposed band ------------- *
+ * A tile of TB fine points is reached by one contiguous range of coarse points (sorted
+ * starts). For mb inputs at a time the tile's mb x TB sums live in registers; each coarse
+ * point adds g[m, a] * its weights to them, so a weight is loaded once per mb inputs, and
+ * the tile's weights stay in L1 across the input blocks. */
+
+#define TB (2 * VL) /* fine points per tile: two vectors */
+#define SB 512      /* fine points per task */
+
+/* First a in [lo, hi) with key(a) > v, key(a) = starts[a] + off (non-decreasing). */
+static int64_t upper(const int32_t *s, int64_t lo, int64_t hi, int64_t off, int64_t v) {
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (s[mid] + off > v) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+INLINE void tile_mb(const float *g, const void *w, const int wdt, const int32_t *s,
+                    float *gf, const int mb, int64_t m0, int64_t n, int64_t N, int64_t A,
+                    int64_t B, int64_t W, int64_t t0, int64_t tw, int64_t a_lo, int64_t a_hi) {
+    vf acc[MB_MAX][2];
+    for (int k = 0; k < mb; k++) acc[k][0] = acc[k][1] = (vf){0};
+    const float *gk = g + (m0 * N + n) * A;
+    for (int64_t a = a_lo; a < a_hi; a++) {
+        const int64_t sa = s[a];
+        const void *wa = wrow(w, wdt, n * A + a, W);
+        vf w0, w1;
+        if (tw == TB && sa <= t0 && sa + W >= t0 + TB) {
+            w0 = wloadv(wa, wdt, t0 - sa);
+            w1 = wloadv(wa, wdt, t0 - sa + VL);
+        } else { /* the window ends or starts inside the tile, or the grid ends in it */
+            w0 = wloadv_edge(wa, wdt, t0 - sa, tw < W + sa - t0 ? tw + t0 - sa : W);
+            w1 = wloadv_edge(wa, wdt, t0 - sa + VL, tw < W + sa - t0 ? tw + t0 - sa : W);
+        }
+        /* Separate statements per k keep acc in registers (no address is taken). */
+        for (int k = 0; k < mb; k++) {
+            const float gm = gk[k * N * A + a];
+            acc[k][0] += gm * w0;
+            acc[k][1] += gm * w1;
+        }
+    }
+    for (int k = 0; k < mb; k++) {
+        float *dst = gf + ((m0 + k) * N + n) * B + t0;
+        if (tw == TB) {
+            *(vfu *)dst = acc[k][0];
+            *(vfu *)(dst + VL) = acc[k][1];
+        } else {
+            float tmp[TB];
+            memcpy(tmp, &acc[k][0], sizeof(vf));
+            memcpy(tmp + VL, &acc[k][1], sizeof(vf));
+            memcpy(dst, tmp, sizeof(float) * (size_t)tw);
+        }
+    }
+}
+
+INLINE void sorted_block(const int wdt, const float *g, const void *w, const int32_t *starts,
+                         float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
+                         int64_t n, int64_t b0, int64_t b1) {
+    const int32_t *s = starts + n * A;
+    for (int64_t t0 = b0; t0 < b1; t0 += TB) {
+        const int64_t tw = t0 + TB < b1 ? TB : b1 - t0;
+        /* windows [s, s + W) that reach [t0, t0 + tw): s + W > t0 and s < t0 + tw */
+        const int64_t a_lo = upper(s, 0, A, W, t0);
+        const int64_t a_hi = upper(s, a_lo, A, 0, t0 + tw - 1);
+        int64_t m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX)
+            tile_mb(g, w, wdt, s, gf, MB_MAX, m, n, N, A, B, W, t0, tw, a_lo, a_hi);
+        for (; m < M; m++) tile_mb(g, w, wdt, s, gf, 1, m, n, N, A, B, W, t0, tw, a_lo, a_hi);
+    }
+}
+
+#define SORTED(WDT)                                                                           \
+    static void sorted_##WDT(const float *g, const void *w, const int32_t *s, float *gf,     \
+                             int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,           \
+                             int64_t n, int64_t b0, int64_t b1) {                             \
+        sorted_block(WDT, g, w, s, gf, M, N, A, B, W, n, b0, b1);                             \
+    }
+SORTED(0)
+SORTED(1)
+SORTED(2)
+static const block_fn SORTEDS[3] = {sorted_0, sorted_1, sorted_2};
+
+void bs_backward_f_sorted(const float *g, const void *w, int wdt, const int32_t *starts,
+                          float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t W,
+                          int nthreads) {
+    blocks(SORTEDS[wdt], g, w, starts, gf, M, N, A, B, W, SB, nthreads);
+}
+
+/* grad_w[n, a, j] = sum_m g[m, n, a] * f[m, n, starts[n, a] + j], float32 (N, A, W). */
+void bs_backward_w(const float *g, const float *f, const int32_t *starts, float *gw, int64_t M,
+                   int64_t N, int64_t A, int64_t B, int64_t W, int nthreads) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t a = 0; a < A; a++) {
+            float *dst = gw + (n * A + a) * W;
+            const int64_t s = starts[n * A + a];
+            memset(dst, 0, sizeof(float) * (size_t)W);
+            for (int64_t m = 0; m < M; m++) {
+                const float gm = g[(m * N + n) * A + a];
+                const float *src = f + (m * N + n) * B + s;
+#pragma omp simd
+                for (int64_t j = 0; j < W; j++) dst[j] += gm * src[j];
+            }
+        }
+    }
+}
+
+/* --- on the fly: the weights of a named response computed per window --------------------- *
+ * Layouts: x (B,) double (sorted), c (N, A) double, first/last (N, A) int64 (each window is
+ * [first, last), at most wmax points), f (M, N, B) float32. The offsets c - x are formed in
+ * double (c and x may be large while the response is narrow), then the response is evaluated
+ * in float32 into a per-thread buffer: the same numbers the Triton kernels use.
+ * Response codes (gpu_ops.responses.NamedResponse.code): 0 gaussian, 1 boxcar, 2 triangle,
+ * 3 lorentzian. */
+
+/* exp(x) for x <= 0, relative error ~2e-7: Cephes' expf polynomial after a ln 2 range
+ * reduction, without calls or branches so that the loops below vectorise. Arguments below
+ * -87 are clamped (the result, ~1e-38, is zero for every purpose here). */
+INLINE float exp_neg(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float t = x * 1.44269504088896341f;
+    const float k = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 trick */
+    const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)k + 127) << 23}; /* 2^k */
+    return y * scale.f;
+}
+
+/* d[j] = c - xs[j] in double, rounded to float32 (its own loop: mixing the double and float
+ * lanes in one loop keeps gcc from vectorising the responses). */
+INLINE void offsets(const double *xs, double c, int64_t len, float *d) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) d[j] = (float)(c - xs[j]);
+}
+
+/* w[j] = r(c - xs[j]) for j < len. */
+INLINE void response(const int code, const double *xs, double c, int64_t len, float p,
+                     float *w) {
+    const float ip = 1.0f / p;
+    offsets(xs, c, len, w);
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) {
+        const float d = w[j];
+        const float u = d * ip;
+        float r;
+        if (code == 0) r = exp_neg(-0.5f * u * u);
+        else if (code == 1) r = (float)(__builtin_fabsf(d) <= p);
+        else if (code == 2) {
+            const float t = 1.0f - __builtin_fabsf(u);
+            r = t > 0.0f ? t : 0.0f;
+        }
+        else r = 1.0f / (1.0f + u * u);
+        w[j] = r;
+    }
+}
+
+/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero, never called). */
+INLINE void derivatives(const int code, const double *xs, double c, int64_t len, float p,
+                        float *dd, float *dp) {
+    const float ip = 1.0f / p;
+    offsets(xs, c, len, dd);
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) {
+        const float d = dd[j];
+        const float u = d * ip;
+        float a, b;
+        if (code == 0) {
+            const float r = exp_neg(-0.5f * u * u);
+            a = -u * ip * r;
+            b = u * u * ip * r;
+        } else if (code == 2) {
+            const float ad = __builtin_fabsf(d);
+            const float on = (float)(ad < p);
+            const float sgn = (float)(d > 0) - (float)(d < 0);
+            a = -on * sgn * ip;
+            b = on * ad * ip * ip;
+        } else {
+            const float q = 1.0f / (1.0f + u * u);
+            a = -2.0f * u * q * q * ip;
+            b = 2.0f * u * u * q * q * ip;
+        }
+        dd[j] = a;
+        dp[j] = b;
+    }
+}
+
+typedef void (*response_fn)(const double *, double, int64_t, float, float *);
+typedef void (*derivatives_fn)(const double *, double, int64_t, float, float *, float *);
+#define RESPONSE(CODE)                                                                        \
+    static void response_##CODE(const double *xs, double c, int64_t len, float p, float *w) { \
+        response(CODE, xs, c, len, p, w);                                                     \
+    }                                                                                         \
+    static void derivatives_##CODE(const double *xs, double c, int64_t len, float p,         \
+                                   float *dd, float *dp) {                                    \
+        derivatives(CODE, xs, c, len, p, dd, dp);                                             \
+    }
+RESPONSE(0)
+RESPONSE(1)
+RESPONSE(2)
+RESPONSE(3)
+static const response_fn RESPONSES[4] = {response_0, response_1, response_2, response_3};
+static const derivatives_fn DERIVATIVES[4] = {derivatives_0, derivatives_1, derivatives_2,
+                                              derivatives_3};
+
+static float *thread_buffer(int64_t n) {
+    return (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+}
+
+void bs_otf_forward(const float *f, const double *x, const double *c, const int64_t *first,
+                    const int64_t *last, float p, int code, float *out, int64_t M, int64_t N,
+                    int64_t A, int64_t B, int64_t wmax, int nthreads) {
+    const response_fn r = RESPONSES[code];
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *w = thread_buffer(wmax);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t a = 0; a < A; a++) {
+                const int64_t lo = first[n * A + a], len = last[n * A + a] - lo;
+                float *o = out + n * A + a;
+                if (len <= 0) {
+                    for (int64_t m = 0; m < M; m++) o[m * N * A] = 0.0f;
+                    continue;
+                }
+                r(x + lo, c[n * A + a], len, p, w);
+                dots(f + n * B + lo, N * B, w, 0, len, o, N * A, M);
+            }
+        }
+        free(w);
+    }
+}
+
+/* grad_f: per (function, block of BB fine points), every window reaching the block adds
+ * g[m, n, a] * its weights there; each weight is evaluated once overall (the block cuts the
+ * window), every output is written by one thread, in a fixed order. */
+void bs_otf_backward_f(const float *g, const double *x, const double *c, const int64_t *first,
+                       const int64_t *last, float p, int code, float *gf, int64_t M, int64_t N,
+                       int64_t A, int64_t B, int64_t BB, int nthreads) {
+    const response_fn r = RESPONSES[code];
+    const int64_t nblk = (B + BB - 1) / BB;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *w = thread_buffer(BB);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t k = 0; k < nblk; k++) {
+                const int64_t b0 = k * BB, b1 = b0 + BB < B ? b0 + BB : B;
+                for (int64_t m = 0; m < M; m++)
+                    memset(gf + (m * N + n) * B + b0, 0, sizeof(float) * (size_t)(b1 - b0));
+                for (int64_t a = 0; a < A; a++) {
+                    const int64_t fa = first[n * A + a], la = last[n * A + a];
+                    const int64_t lo = fa > b0 ? fa : b0, hi = la < b1 ? la : b1;
+                    if (lo >= hi) continue;
+                    r(x + lo, c[n * A + a], hi - lo, p, w);
+                    for (int64_t m = 0; m < M; m++) {
+                        const float gm = g[(m * N + n) * A + a];
+                        float *dst = gf + (m * N + n) * B + lo;
+#pragma omp simd
+                        for (int64_t j = 0; j < hi - lo; j++) dst[j] += gm * w[j];
+                    }
+                }
+            }
+        }
+        free(w);
+    }
+}
+
+/* grad_c[n, a] = sum_m g[m, n, a] sum_j dr/dd f[m, n, j] and the parameter's partial
+ * gp[n, a] likewise with dr/dp (summed by the caller): one (n, a) per iteration, so every
+ * output is written once. Not called for boxcar (its derivatives are zero). */
+void bs_otf_backward_cp(const float *f, const float *g, const double *x, const double *c,
+                        const int64_t *first, const int64_t *last, float p, int code,
+                        float *gc, float *gp, int64_t M, int64_t N, int64_t A, int64_t B,
+                        int64_t wmax, int nthreads) {
+    const derivatives_fn dr = DERIVATIVES[code];
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *dd = thread_buffer(2 * wmax), *dp = dd + wmax;
+        float *sc = thread_buffer(2 * M), *sp = sc + M;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t a = 0; a < A; a++) {
+                const int64_t lo = first[n * A + a], len = last[n * A + a] - lo;
+                double acc_c = 0.0, acc_p = 0.0;
+                if (len > 0) {
+                    dr(x + lo, c[n * A + a], len, p, dd, dp);
+                    dots(f + n * B + lo, N * B, dd, 0, len, sc, 1, M);
+                    dots(f + n * B + lo, N * B, dp, 0, len, sp, 1, M);
+                    for (int64_t m = 0; m < M; m++) {
+                        const double gm = g[(m * N + n) * A + a];
+                        acc_c += gm * sc[m];
+                        acc_p += gm * sp[m];
+                    }
+                }
+                gc[n * A + a] = (float)acc_c;
+                gp[n * A + a] = (float)acc_p;
+            }
+        }
+        free(dd);
+        free(sc);
+    }
+}

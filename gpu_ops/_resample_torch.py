@@ -1,0 +1,192 @@
+"""The banded operator's kernels in plain torch: every device, and float64 (gradcheck).
+
+They run wherever no compiled kernel does (CUDA without Triton, other devices, the CPU
+without a C compiler) and for float64 operands everywhere. Work goes in chunks of coarse
+points, so nothing of size (M, N, A, W) is ever whole: a chunk gathers its windows of f
+(``unfold`` views, no copy of f) into a block of about 2M items.
+
+Stored band: :func:`forward`, :func:`backward_f` (the transposed band, by ``index_add_``),
+:func:`backward_w`. On the fly (a named response, see :mod:`gpu_ops.responses`): the weights
+of each chunk are evaluated, used and dropped; the gradients with respect to the coarse
+points and the response parameter apply the same stored-band kernels to bands of the
+analytic derivatives ``dr/dd`` and ``dr/dp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_ops import responses
+
+
+def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """float64 when any operand is float64 (gradcheck), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _chunk(M: int, N: int, W: int, budget: int = 1 << 21) -> int:
+    """Coarse points per chunk so that a gathered (M, N, chunk, W) block has ~budget items."""
+    return max(1, budget // max(1, M * N * W))
+
+
+def forward(f: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out (M, N, A) in float32 (float64 for float64 operands), chunk by chunk, plain torch."""
+    M, N, _ = f.shape
+    _, A, W = weights.shape
+    ct = _compute_dtype(f, weights)
+    out = torch.empty(M, N, A, dtype=ct, device=f.device)
+    windows = f.unfold(-1, W, 1)  # (M, N, B - W + 1, W), a view: nothing is copied
+    rows = torch.arange(N, device=f.device)[:, None]
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        win = windows[:, rows, starts[:, a0 : a0 + step].long()]  # (M, N, k, W)
+        w = weights[:, a0 : a0 + step].to(ct)
+        out[:, :, a0 : a0 + step] = (win.to(ct) * w).sum(-1)
+    return out
+
+
+def backward_f(
+    g: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor, B: int
+) -> torch.Tensor:
+    """grad_f (M, N, B) float32/64: each chunk's windows are added with index_add_."""
+    M, N, A = g.shape
+    W = weights.shape[-1]
+    ct = _compute_dtype(g, weights)
+    out = torch.zeros(M, N * B, dtype=ct, device=g.device)
+    base = (torch.arange(N, device=g.device) * B)[:, None, None]
+    cols = torch.arange(W, device=g.device)
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        w = weights[:, a0 : a0 + step].to(ct)  # (N, k, W)
+        contrib = g[:, :, a0 : a0 + step, None].to(ct) * w  # (M, N, k, W)
+        idx = base + starts[:, a0 : a0 + step, None].long() + cols  # (N, k, W)
+        out.index_add_(1, idx.reshape(-1), contrib.reshape(M, -1))
+    return out.view(M, N, B)
+
+
+def backward_w(g: torch.Tensor, f: torch.Tensor, starts: torch.Tensor, W: int) -> torch.Tensor:
+    """grad_w (N, A, W) float32/64, chunk by chunk."""
+    M, N, _ = f.shape
+    A = g.shape[-1]
+    ct = _compute_dtype(g, f)
+    out = torch.empty(N, A, W, dtype=ct, device=f.device)
+    windows = f.unfold(-1, W, 1)
+    rows = torch.arange(N, device=f.device)[:, None]
+    step = _chunk(M, N, W)
+    for a0 in range(0, A, step):
+        win = windows[:, rows, starts[:, a0 : a0 + step].long()].to(ct)  # (M, N, k, W)
+        gk = g[:, :, a0 : a0 + step].to(ct)
+        out[:, a0 : a0 + step] = torch.einsum("mnk,mnkw->nkw", gk, win)
+    return out
+
+
+# --- on the fly ------------------------------------------------------------------------------
+
+# Coarse points per chunk so that a chunk's (N, k, W) weights stay a few MB.
+_OTF_CHUNK_ITEMS = 1 << 20
+
+
+class Windows:
+    """The windows of a named response at coarse points c, for the current parameter value.
+
+    Attributes:
+        first, last: (N, A) int64, each window is ``[first, last)`` in fine points.
+        starts: (N, A) int64, ``first`` moved into ``[0, B - W]``.
+        W: the longest window.
+        step: coarse points per chunk.
+    """
+
+    def __init__(
+        self, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
+        param: torch.Tensor, support: float | None,
+    ) -> None:  # fmt: skip
+        half = spec.half_width(float(param), support)
+        self.first, self.last, self.W = responses.windows(x, c, -half, half)
+        self.starts = responses.clipped_starts(self.first, self.W, x.numel())
+        self.step = max(1, _OTF_CHUNK_ITEMS // max(1, c.shape[0] * self.W))
+
+    def chunks(self, A: int) -> list[slice]:
+        return [slice(a0, a0 + self.step) for a0 in range(0, A, self.step)]
+
+    def offsets(
+        self, x: torch.Tensor, c: torch.Tensor, sl: slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(starts (N, k) int32, d (N, k, W), inside (N, k, W)) of the chunk ``sl``."""
+        s = self.starts[:, sl]
+        d, inside = responses.band_offsets(
+            x, c[:, sl], self.first[:, sl], self.last[:, sl], s, self.W
+        )
+        return s.to(torch.int32).contiguous(), d, inside
+
+
+def _masked(values: torch.Tensor, inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(inside, values, torch.zeros_like(values)).to(dtype).contiguous()
+
+
+def otf_forward(
+    f: torch.Tensor, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
+    param: torch.Tensor, support: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A), float32 (float64 for float64 f or c), for f (M, N, B).
+
+    Args:
+        f: (M, N, B) inputs.
+        x: (B,) float64 fine grid.
+        c: (N, A) coarse points.
+        spec: the named response.
+        param: 0-d, its parameter.
+        support: the cut, in units of the parameter (None: the response's default).
+    """
+    ct = _compute_dtype(f, c)
+    win = Windows(x, c, spec, param, support)
+    M, N, _ = f.shape
+    A = c.shape[1]
+    out = torch.empty(M, N, A, dtype=ct, device=f.device)
+    p = {spec.param: param.to(x.dtype)}
+    for sl in win.chunks(A):
+        s, d, inside = win.offsets(x, c, sl)
+        out[:, :, sl] = forward(f, s, _masked(spec.evaluate(d, p), inside, ct))
+    return out
+
+
+def otf_backward_f(
+    g: torch.Tensor, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
+    param: torch.Tensor, support: float | None, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """grad_f (M, N, B) for g (M, N, A): the transposed band, weights recomputed per chunk."""
+    ct = _compute_dtype(g, c)
+    win = Windows(x, c, spec, param, support)
+    M, N, A = g.shape
+    out = torch.zeros(M, N, B, dtype=ct, device=g.device)
+    p = {spec.param: param.to(x.dtype)}
+    for sl in win.chunks(A):
+        s, d, inside = win.offsets(x, c, sl)
+        w = _masked(spec.evaluate(d, p), inside, ct)
+        out += backward_f(g[:, :, sl], s, w, B)
+    return out
+
+
+def otf_backward_c_param(
+    g: torch.Tensor, f: torch.Tensor, x: torch.Tensor, c: torch.Tensor,
+    spec: responses.NamedResponse, param: torch.Tensor, support: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(grad_c (N, A), grad_param 0-d) for g (M, N, A) and f (M, N, B).
+
+    ``grad_c[n, a] = sum_m g[m, n, a] sum_j dr/dd(c[n, a] - x[j]) f[m, n, j]``, the
+    parameter's likewise with ``dr/dp`` summed over every (n, a). The windows' edges move
+    with the parameter too; that term is not counted (the weight there is the response at
+    its cut, which the cut declares negligible).
+    """
+    ct = _compute_dtype(g, f, c)
+    win = Windows(x, c, spec, param, support)
+    A = c.shape[1]
+    grad_c = torch.zeros(c.shape, dtype=ct, device=c.device)
+    grad_p = torch.zeros((), dtype=torch.float64, device=c.device)
+    p = param.to(x.dtype)
+    for sl in win.chunks(A):
+        s, d, inside = win.offsets(x, c, sl)
+        dd, dp = spec.derivatives(d, p)
+        gk = g[:, :, sl].to(ct)
+        grad_c[:, sl] = (gk * forward(f, s, _masked(dd, inside, ct))).sum(0)
+        grad_p += (gk * forward(f, s, _masked(dp, inside, ct))).sum(dtype=torch.float64)
+    return grad_c, grad_p

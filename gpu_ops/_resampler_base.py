@@ -1,0 +1,109 @@
+"""What the two resampler modules share: input checks, the dense picture, the file format.
+
+:class:`gpu_ops.resample.BandedResampler` stores a band; :class:`gpu_ops.OnTheFlyResampler`
+computes it inside the kernels. Both take f (N, B) or (M, N, B) and give (N, A) or (M, N, A),
+and both save to one safetensors format (``format=bitserve.BandedResampler``, ``version=1``,
+``mode`` = ``stored`` or ``on_the_fly``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpu_ops import _reference
+
+FORMAT = "bitserve.BandedResampler"
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_input(f: torch.Tensor, N: int, B: int, device: torch.device) -> torch.Tensor:
+    """f (N, B) or (M, N, B) -> (M, N, B), with errors that say what was expected."""
+    if not isinstance(f, torch.Tensor):
+        raise TypeError(f"f must be a torch.Tensor, got {type(f).__name__}")
+    if f.ndim not in (2, 3) or tuple(f.shape[-2:]) != (N, B):
+        raise ValueError(
+            f"f must have shape (N, B) or (M, N, B) with N={N}, B={B}; got {tuple(f.shape)}"
+        )
+    if f.dtype not in INPUT_DTYPES:
+        raise TypeError(f"f must be float32, bfloat16, float16 or float64; got {f.dtype}")
+    if f.device != device:
+        raise ValueError(f"f is on {f.device} but the operator is on {device}")
+    return f if f.ndim == 3 else f.unsqueeze(0)
+
+
+class Resampler(nn.Module):
+    """The shared part: ``forward(f)`` checks f and hands (M, N, B) to :meth:`_resample`."""
+
+    num_fine: int
+
+    def _resample(self, f: torch.Tensor) -> torch.Tensor:
+        """(M, N, A) from the checked f (M, N, B)."""
+        raise NotImplementedError
+
+    def _input_layout(self) -> tuple[int, torch.device]:
+        """N and the operator's device."""
+        raise NotImplementedError
+
+    def band(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""
+        raise NotImplementedError
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """Resample f.
+
+        Args:
+            f: (N, B) or (M, N, B), float32, bfloat16 or float16 (float64 for gradcheck), on
+                the operator's device.
+
+        Returns:
+            (N, A) or (M, N, A) in f's dtype (accumulated in float32), in the order of the
+            coarse points the operator was built from.
+        """
+        N, device = self._input_layout()
+        out = self._resample(check_input(f, N, self.num_fine, device))
+        return out if f.ndim == 3 else out.squeeze(0)
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense operator ``T (N, A, B)`` (for checks and small sizes only)."""
+        starts, weights = self.band()
+        return _reference.banded_to_dense(starts, weights, self.num_fine)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the operator keeps resident (buffers and parameters)."""
+        tensors = [*self.buffers(), *self.parameters()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def write(path: str | Path, num_fine: int, meta: dict[str, str], tensors: dict[str, Any]) -> None:
+    """Save ``tensors`` (moved to the CPU) with the format's metadata plus ``meta``."""
+    from safetensors.torch import save_file
+
+    head = {"format": FORMAT, "version": "1", "num_fine": str(num_fine)}
+    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(data, str(path), metadata=head | meta)
+
+
+def read(
+    path: str | Path, device: torch.device | str | None, *, tensors: bool = True
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors on ``device``) of a resampler file; safetensors, never pickle.
+
+    With ``tensors=False`` only the metadata is read (the tensors dict is empty).
+
+    Raises:
+        ValueError: the file is not a resampler file of a version this code reads.
+    """
+    from safetensors import safe_open
+
+    dev = str(torch.device(device)) if device is not None else "cpu"
+    with safe_open(str(path), framework="pt", device=dev) as fh:
+        meta: dict[str, str] = fh.metadata() or {}
+        if meta.get("format") != FORMAT or meta.get("version") != "1":
+            raise ValueError(f"{path}: not a {FORMAT} v1 file (metadata {meta})")
+        keys = fh.keys() if tensors else []
+        return meta, {k: fh.get_tensor(k) for k in keys}
