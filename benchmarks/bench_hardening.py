@@ -250,7 +250,14 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> l
     ):
         before = server_latency(server, model)
         outs = asyncio.run(
-            open_loop(server.port, demo.requests(model), rate, sizes.overload_s, check=demo.right)
+            open_loop(
+                server.port,
+                demo.requests(model),
+                rate,
+                sizes.overload_s,
+                check=demo.right,
+                max_connections=900,  # below the server's cap of 1000: this row is the queue's
+            )
         )
         after = server_latency(server, model)
         inside = {k: (after[k] - before[k]) / max(1.0, after[""] - before[""]) for k in after}

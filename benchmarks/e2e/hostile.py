@@ -504,21 +504,28 @@ async def open_loop(
     *,
     give_up_s: float = 10.0,
     check: Callable[[int, Answer], bool] | None = None,
+    max_connections: int = 500,
 ) -> list[Outcome]:
     """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``, each on an idle
     keep-alive connection or a new one, whatever the answers so far. ``check(i, answer)``
-    says whether the 200 to ``requests[i]`` is right."""
+    says whether the 200 to ``requests[i]`` is right. At most ``max_connections`` are open
+    (below the server's cap, as a client's pool would be): a request due when all are busy
+    waits for one, and that wait counts in its latency."""
     idle: list[Conn] = []
     outcomes: list[Outcome] = []
     tasks: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
+    pool = asyncio.Semaphore(max_connections)
 
     async def one(i: int, due: float) -> None:
         lag = loop.time() - due
-        conn = idle.pop() if idle else None
+        conn: Conn | None = None
         try:
-            async with asyncio.timeout_at(due + give_up_s):
+            async with asyncio.timeout_at(due + give_up_s), pool:
+                conn = idle.pop() if idle else None
                 answer, conn = await _exchange(port, conn, requests[i % len(requests)])
+                if not answer.closes:
+                    idle.append(conn)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             outcomes.append(Outcome(0, loop.time() - due, lag))
             return
@@ -536,8 +543,6 @@ async def open_loop(
         )
         if answer.closes:
             await _close(conn[1])
-        else:
-            idle.append(conn)
 
     start = loop.time() + 0.05
     total = int(rate * seconds)
