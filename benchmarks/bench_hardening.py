@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,7 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> l
         ("demo_qt", f"queue_timeout_us {QUEUE_TIMEOUT_US}"),
     ):
         before = server_latency(server, model)
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         outs = asyncio.run(
             open_loop(
                 server.port,
@@ -259,6 +261,10 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> l
                 max_connections=900,  # below the server's cap of 1000: this row is the queue's
             )
         )
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        client_cpu = (
+            cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+        ) / sizes.overload_s
         after = server_latency(server, model)
         inside = {k: (after[k] - before[k]) / max(1.0, after[""] - before[""]) for k in after}
         lag99 = float(np.percentile([o.lag_s for o in outs], 99))
@@ -283,7 +289,8 @@ def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> l
                 f"{ms(float(np.percentile(good, 50))) if len(good) else '-'}, p99 {ms(p99)}; "
                 f"{wrong} wrong answers, {unlabelled} 503s without Retry-After. Inside the "
                 f"server: {inside['1.0']:.1%} handled within 1 s, {inside['2.5']:.1%} within "
-                f"2.5 s; the client started requests up to {ms(lag99)} late (p99)",
+                f"2.5 s. The client used {client_cpu:.2f} of a core and started requests up "
+                f"to {ms(lag99)} late (p99)",
                 yes(ok),
             ]
         )

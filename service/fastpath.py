@@ -41,7 +41,7 @@ from service.errors import (
     ServiceError,
     Unauthorized,
 )
-from service.observability import printable_path
+from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
 
@@ -132,6 +132,7 @@ class InferRoute:
         """Body bytes reserved now by requests being received or computed."""
         self.lock = threading.Lock()
         """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
+        self._shed = Tally(log, logging.WARNING, "POST %s -> 503 (shed): %s")
 
     async def __call__(
         self,
@@ -169,9 +170,12 @@ class InferRoute:
         except ServiceError as e:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
-            level = logging.WARNING if e.status_code >= 500 else logging.INFO
             path = printable_path(scope["path"])
-            log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
+            if isinstance(e, Overloaded):
+                self._shed(path, e)
+            else:
+                level = logging.WARNING if e.status_code >= 500 else logging.INFO
+                log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
             await send_json_error(send, e, request_id)
             return e.status_code
         finally:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -44,6 +43,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.config import safe_text
+from service.observability import Tally
 from service.protocol.response import error_body
 
 log = logging.getLogger(__name__)
@@ -106,15 +106,17 @@ class _HeadTooLarge(Exception):
 class _Waiting:
     """One server's connections waiting for a request head, oldest first, in two classes:
     those that were never answered (slowloris holds only these) and those that were (a
-    keep-alive client between requests). The first are evicted first."""
-
-    _LOG_EVERY_S = 10.0
+    keep-alive client between requests). The first are evicted first; evictions are counted
+    and logged at most every 10 s."""
 
     def __init__(self) -> None:
         self.fresh: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
         self.served: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
-        self._evictions = 0
-        self._logged_at = -math.inf
+        self.evicted = Tally(
+            log,
+            logging.WARNING,
+            "connection cap %d reached: closed connection(s) waiting for a head",
+        )
 
     def add(self, conn: BitserveHttpProtocol, *, served: bool) -> None:
         """Add ``conn`` as the newest of its class."""
@@ -131,19 +133,6 @@ class _Waiting:
             if group:
                 return next(iter(group))
         return None
-
-    def evicted(self, cap: int, now: float) -> None:
-        """Count an eviction; log the count at most every 10 s (a flood of connections must
-        not become a flood of log lines)."""
-        self._evictions += 1
-        if now - self._logged_at >= self._LOG_EVERY_S:
-            log.warning(
-                "connection cap %d reached: closed %d connection(s) waiting for a request head",
-                cap,
-                self._evictions,
-            )
-            self._evictions = 0
-            self._logged_at = now
 
 
 class BitserveHttpProtocol(HttpToolsProtocol):
@@ -237,7 +226,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
             registry = self._registry()
             oldest = registry.oldest()
             if oldest is not None:
-                registry.evicted(cap, self.loop.time())
+                registry.evicted(cap)
                 oldest._close_waiting("closed to admit another connection: request head too slow")
             else:
                 self.transport.write(

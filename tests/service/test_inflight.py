@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -214,3 +215,35 @@ def test_decompress_reserves_each_step_as_it_goes() -> None:
 
     with pytest.raises(Overloaded):
         decompress(packed, "gzip", limit=64 << 20, reserve=refuse)
+
+
+async def test_shed_requests_are_logged_as_a_count_not_one_line_each(
+    app: BitserveApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="service"):
+        for _ in range(50):
+            ex = Exchange([b"x"], {"Content-Length": str(BUDGET + 1)})
+            await ex.run(app)
+            assert ex.status == 503
+    lines = [r.getMessage() for r in caplog.records if "503 (shed)" in r.getMessage()]
+    assert len(lines) == 1, lines  # the first; the next line comes 10 s later with the count
+    assert "max_inflight_bytes" in lines[0]
+    assert lines[0].endswith("(1 time(s) since the last such line)")
+
+
+def test_tally_counts_between_lines(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.observability as obs
+
+    now = [100.0]
+    monkeypatch.setattr(obs.time, "monotonic", lambda: now[0])
+    tally = obs.Tally(logging.getLogger("service.test"), logging.WARNING, "event %s", every_s=10)
+    with caplog.at_level(logging.WARNING, logger="service.test"):
+        for i in range(5):
+            tally(i)
+            now[0] += 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "event 0 (1 time(s) since the last such line)",
+        "event 4 (4 time(s) since the last such line)",  # 12 s after the first line
+    ]
