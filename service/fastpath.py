@@ -17,7 +17,7 @@ Before a byte of the body is read, a request is refused when:
 - the bytes of the bodies being received would pass ``max_inflight_bytes`` (503 with
   ``Retry-After``).
 
-The budget counts a body from before it is read until its answer has been sent: the declared
+The budget counts a body from before it is read until its answer is ready: the declared
 ``Content-Length`` at once, a chunked body as it arrives, and the inflated copy of a
 compressed body as it inflates (a refusal then comes mid-way, also 503).
 """
