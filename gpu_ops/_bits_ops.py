@@ -1,8 +1,9 @@
 """The bit ops as torch operators: ``torch.ops.bitserve.packbits``, ``unpackbits`` and
 ``unpackbits_into``.
 
-Defined with :func:`torch.library.custom_op`, so the torch dispatcher picks the kernel by
-device and the ops work under ``torch.compile`` (no graph break) and ``torch.export``:
+Defined in the ``bitserve`` library (:mod:`gpu_ops._library`), so the torch dispatcher
+picks the kernel by device and the ops work under ``torch.compile`` (no graph break) and
+``torch.export``:
 
 ===========  ===============================================================================
 device       kernel
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gpu_ops import _bits_c, _bits_torch
+from gpu_ops._library import Op
 
 try:  # Triton is optional: without it CUDA tensors take the torch kernels.
     from gpu_ops._triton import bits as _triton_bits
@@ -56,8 +58,11 @@ def _as_bytes(t: Tensor) -> Tensor:
 # --- packbits -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("bitserve::packbits", mutates_args=())
-def packbits(x: Tensor, dim: int, bitorder: str) -> Tensor:
+packbits = Op("packbits(Tensor x, SymInt dim, str bitorder) -> Tensor")
+
+
+@packbits.register_kernel(None)
+def _(x: Tensor, dim: int, bitorder: str) -> Tensor:
     """x (..., n, ...) bool or integer -> uint8 (..., ceil(n / 8), ...) along ``dim``.
 
     This body is the kernel for devices without their own (the torch kernels).
@@ -85,8 +90,13 @@ def _(x: Tensor, dim: int, bitorder: str) -> Tensor:
 # --- unpackbits: a new result ---------------------------------------------------------------
 
 
-@torch.library.custom_op("bitserve::unpackbits", mutates_args=())
-def unpackbits(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Tensor:
+unpackbits = Op(
+    "unpackbits(Tensor x, SymInt dim, SymInt count, str bitorder, ScalarType dtype) -> Tensor"
+)
+
+
+@unpackbits.register_kernel(None)
+def _(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Tensor:
     """x (..., n, ...) uint8 -> ``dtype`` (..., count, ...): the bits along ``dim``.
 
     Bits past 8n are zeros. This body is the kernel for devices without their own.
@@ -113,8 +123,11 @@ def _(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Ten
 # --- unpackbits_into: into a caller's buffer --------------------------------------------------
 
 
-@torch.library.custom_op("bitserve::unpackbits_into", mutates_args={"out"})
-def unpackbits_into(x: Tensor, dim: int, bitorder: str, out: Tensor) -> None:
+unpackbits_into = Op("unpackbits_into(Tensor x, SymInt dim, str bitorder, Tensor(a!) out) -> ()")
+
+
+@unpackbits_into.register_kernel(None)
+def _(x: Tensor, dim: int, bitorder: str, out: Tensor) -> None:
     """Unpack x (..., n, ...) uint8 along ``dim`` into ``out`` (..., count, ...), any strides.
 
     ``out`` must not overlap ``x`` (:mod:`gpu_ops.bits` checks). Kernel for other devices.

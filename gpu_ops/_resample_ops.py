@@ -1,7 +1,7 @@
 """The banded operator as torch operators, with per-device kernels and autograd.
 
-Defined with :func:`torch.library.custom_op` under ``torch.ops.bitserve``, so the torch
-dispatcher picks the kernel by device, autograd is the registered formula (no Python
+Defined in the ``bitserve`` library (:mod:`gpu_ops._library`) under ``torch.ops.bitserve``,
+so the torch dispatcher picks the kernel by device, autograd is the registered formula (no Python
 ``autograd.Function`` around the op), and the ops work under ``torch.compile`` (no graph
 break) and ``torch.export`` (an exported program records them by name):
 
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from gpu_ops import _resample_c, _resample_torch, responses
+from gpu_ops._library import Op
 
 try:  # Triton is optional: without it CUDA tensors take the torch kernels.
     from gpu_ops._triton import resample as _triton_band
@@ -58,8 +59,13 @@ def _f32(t: Tensor) -> Tensor:
 # --- stored band --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("bitserve::banded_forward", mutates_args=())
-def banded_forward(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor:
+banded_forward = Op(
+    "banded_forward(Tensor f, Tensor starts, Tensor weights, bool sorted_starts) -> Tensor"
+)
+
+
+@banded_forward.register_kernel(None)
+def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor:
     """out (M, N, A) in f's dtype: ``sum_j weights[n, a, j] * f[m, n, starts[n, a] + j]``.
 
     Args:
@@ -88,10 +94,14 @@ def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor
     return f.new_empty((f.shape[0], *starts.shape))
 
 
-@torch.library.custom_op("bitserve::banded_backward_f", mutates_args=())
-def banded_backward_f(
-    grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool
-) -> Tensor:
+banded_backward_f = Op(
+    "banded_backward_f(Tensor grad, Tensor starts, Tensor weights, SymInt num_fine, "
+    "bool sorted_starts) -> Tensor"
+)
+
+
+@banded_backward_f.register_kernel(None)
+def _(grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool) -> Tensor:
     """grad_f (M, N, B) in grad's dtype from grad (M, N, A): the transposed band."""
     return _resample_torch.backward_f(grad, starts, weights, num_fine).to(grad.dtype)
 
@@ -110,8 +120,13 @@ def _(grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_start
     return grad.new_empty((*grad.shape[:2], num_fine))
 
 
-@torch.library.custom_op("bitserve::banded_backward_w", mutates_args=())
-def banded_backward_w(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
+banded_backward_w = Op(
+    "banded_backward_w(Tensor grad, Tensor f, Tensor starts, SymInt width) -> Tensor"
+)
+
+
+@banded_backward_w.register_kernel(None)
+def _(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
     """grad_w (N, A, W), float32 (float64 for float64 operands), from grad and f."""
     return _resample_torch.backward_w(grad, f, starts, width)
 
@@ -155,8 +170,14 @@ banded_forward.register_autograd(_banded_backward, setup_context=_banded_setup)
 # --- on the fly ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("bitserve::on_the_fly_forward", mutates_args=())
-def on_the_fly_forward(
+on_the_fly_forward = Op(
+    "on_the_fly_forward(Tensor f, Tensor x, Tensor c, Tensor param, str response, "
+    "float? support) -> Tensor"
+)
+
+
+@on_the_fly_forward.register_kernel(None)
+def _(
     f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
 ) -> Tensor:
     """out (M, N, A) in f's dtype, ``sum_b r(c[n, a] - x[b]) f[m, n, b]`` over the windows.
@@ -205,8 +226,14 @@ def _(
     return f.new_empty((*f.shape[:2], c.shape[1]))
 
 
-@torch.library.custom_op("bitserve::on_the_fly_backward_f", mutates_args=())
-def on_the_fly_backward_f(
+on_the_fly_backward_f = Op(
+    "on_the_fly_backward_f(Tensor grad, Tensor x, Tensor c, Tensor param, str response, "
+    "float? support, SymInt num_fine) -> Tensor"
+)
+
+
+@on_the_fly_backward_f.register_kernel(None)
+def _(
     grad: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
     num_fine: int,
 ) -> Tensor:  # fmt: skip
@@ -238,8 +265,14 @@ def _(
     return grad.new_empty((*grad.shape[:2], num_fine))
 
 
-@torch.library.custom_op("bitserve::on_the_fly_backward_c_param", mutates_args=())
-def on_the_fly_backward_c_param(
+on_the_fly_backward_c_param = Op(
+    "on_the_fly_backward_c_param(Tensor grad, Tensor f, Tensor x, Tensor c, Tensor param, "
+    "str response, float? support) -> (Tensor, Tensor)"
+)
+
+
+@on_the_fly_backward_c_param.register_kernel(None)
+def _(
     grad: Tensor, f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
     support: float | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip

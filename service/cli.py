@@ -182,24 +182,27 @@ def serve(settings: Settings) -> int:
     from service.observability import configure_logging
 
     log_config = configure_logging(settings.log_level)
-    if settings.workers != 1:
-        from service import workers
+    from service import workers
 
-        gpus = workers.gpu_count(settings.device)
-        try:
-            plan = workers.plan_workers(
-                settings.workers,
-                cores=workers.available_cores(),
-                gpus=gpus,
-                omp_threads=os.environ.get("OMP_NUM_THREADS"),
-                linux=sys.platform == "linux",
-            )
-        except ValueError as e:
-            print(f"bitserve serve: workers: {e}", file=sys.stderr)
-            return 2
-        if plan.workers > 1:
-            return workers.supervise(settings, plan, gpus)
-        logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
+    gpus = workers.gpu_count(settings.device)
+    try:
+        plan = workers.plan_workers(
+            settings.workers,
+            cores=workers.available_cores(),
+            gpus=gpus,
+            omp_threads=os.environ.get("OMP_NUM_THREADS"),
+            linux=sys.platform == "linux",
+        )
+    except ValueError as e:
+        print(f"bitserve serve: workers: {e}", file=sys.stderr)
+        return 2
+    if plan.workers > 1:
+        return workers.supervise(settings, plan, gpus)
+    logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
+    if plan.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(plan.torch_threads)
     from service.app import create_app
 
     app = create_app(settings)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,8 +70,10 @@ class LevelSwitches(logging.Filter):
         return logging.CRITICAL
 
 
-def _iso_formatter() -> logging.Formatter:
-    fmt = logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%dT%H:%M:%SZ")
+def _formatter(layout: str, iso: bool) -> logging.Formatter:
+    if not iso:
+        return logging.Formatter(layout)
+    fmt = logging.Formatter(layout, datefmt="%Y-%m-%dT%H:%M:%SZ")
     fmt.converter = time.gmtime
     return fmt
 
@@ -92,6 +95,11 @@ class LogSettings:
         self.switches.warning = n <= logging.WARNING
         self.switches.error = n <= logging.ERROR
         self.format = "default"
+        # Each handler's record layout as configured (a worker's carries its index): only
+        # the time stamp's form changes with log_format.
+        self._layouts: weakref.WeakKeyDictionary[logging.Handler, str] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def attach(self) -> None:
         """Put the switches and the format on the loggers' handlers now (those that
@@ -110,10 +118,11 @@ class LogSettings:
                         handler.removeFilter(old)
                 if self.switches not in handler.filters:
                     handler.addFilter(self.switches)
-                if self.format == "ISO8601":
-                    handler.setFormatter(_iso_formatter())
-                else:
-                    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+                layout = self._layouts.get(handler)
+                if layout is None:
+                    layout = getattr(handler.formatter, "_fmt", None) or LOG_FORMAT
+                    self._layouts[handler] = layout
+                handler.setFormatter(_formatter(layout, self.format == "ISO8601"))
 
     def get(self) -> dict[str, Any]:
         """The settings, with Triton's names."""

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
 from service import devices
 from service.config import (
     ConfigError,
@@ -276,7 +277,9 @@ class Pipeline:
 
     def _stage(self, requests: Sequence[Bound]) -> int:
         """Move the batch's inputs to the device and unpack them into the buffers; returns M."""
-        from gpu_ops.bits import unpackbits
+        # The op itself, not gpu_ops.unpackbits: that checks a caller's arguments (device,
+        # dtype, overlap), which these buffers of the pipeline's own always pass.
+        unpack = torch.ops.bitserve.unpackbits_into
 
         raw, starts = self._gather(requests)
         m = 0
@@ -298,10 +301,7 @@ class Pipeline:
                 dst = buffer[row : row + n]
                 if wires[k].packed:
                     packed = part.view(n, *spec.packed_shape)
-                    unpackbits(
-                        packed, dim=-1, count=spec.shape[-1], bitorder=spec.bitorder,
-                        dtype=dst.dtype, out=dst,
-                    )  # fmt: skip
+                    unpack(packed, packed.dim() - 1, spec.bitorder, dst)
                 elif form[1] == np.bool_:
                     # Every request path already refuses BOOL bytes other than 0/1 (the
                     # framing checks binary and JSON data), so this clamp is defence for

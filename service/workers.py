@@ -98,9 +98,12 @@ def plan_workers(
     """The worker count for ``--workers`` and the torch threads of each worker.
 
     ``auto`` is ``min(cores, 8)`` on a host without a GPU, and ``2 x GPUs`` on a GPU host,
-    bounded by the cores but never fewer than one worker per GPU. Each worker gets
-    ``cores // workers`` intra-op threads (at least 1), so workers x threads stays within the
-    cores, and one inter-op thread (a worker runs one batch at a time per device).
+    bounded by the cores but never fewer than one worker per GPU. Each worker gets its share of
+    the cores less one, for its event loop (``cores // workers - 1`` intra-op threads, at least
+    1), so workers x (threads + loop) stays within the cores; and one inter-op thread (a
+    worker runs one batch at a time per device). Measured on 2 cores: with a torch thread per
+    core, the event loop that sheds load under a 3x overload is starved and goodput collapses
+    (``benchmarks/results/hardening.md``).
 
     Args:
         requested: the ``workers`` setting.
@@ -127,7 +130,7 @@ def plan_workers(
     else:
         workers = min(cores, CPU_WORKERS_CAP)
         why = f"auto: one per core, at most {CPU_WORKERS_CAP}, no GPU"
-    threads: int | None = max(1, cores // workers)
+    threads: int | None = max(1, cores // workers - 1)
     if omp_threads:
         threads = None
         per = f"OMP_NUM_THREADS={omp_threads} torch threads"

@@ -41,8 +41,8 @@ class UnpackResample(nn.Module):
         self.fit = OnTheFlyResampler.from_response(x, c, "triangle", half_width=3.0)
 
     def forward(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The server hands a UINT8 input over in its compute dtype (float32): exact for bytes.
-        bits = gpu_ops.unpackbits(packed.to(torch.uint8), dim=-1, count=L, dtype=torch.float32)
+        # An input the operator does not take reaches the model as it is: UINT8 bytes.
+        bits = gpu_ops.unpackbits(packed, dim=-1, count=L, dtype=torch.float32)
         return self.stored(bits), self.fit(bits)
 
 
@@ -82,7 +82,7 @@ def repository(model: UnpackResample, tmp_path_factory: pytest.TempPathFactory) 
     folder = root / "unpack" / "1"
     folder.mkdir(parents=True)
     batch = torch.export.Dim("batch", min=1, max=16)
-    example = torch.zeros(2, N, PACKED)  # what the server passes: float32 holding bytes
+    example = torch.zeros(2, N, PACKED, dtype=torch.uint8)  # what the server passes
     ep = torch.export.export(model, (example,), dynamic_shapes={"packed": {0: batch}})
     torch.export.save(ep, str(folder / "model.pt2"))
     (folder / "config.toml").write_text(CONFIG)

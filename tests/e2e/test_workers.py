@@ -163,10 +163,10 @@ def test_load_and_unload_reach_every_worker(server: BitserveServer, repo: Path) 
             assert ready_models(server.url, w) == {"tri": "READY", "other": "READY"}, w
     finally:
         config.write_text(good)
-    # An unknown model changes nothing: answered by the worker that got it.
+    # An unknown model changes nothing: a failed load (Triton's 400) on every worker.
     r = control(server.url, "nope", "load")
-    assert r.status_code == 404
-    assert "nope" in r.json()["error"]
+    assert r.status_code == 400
+    assert "failed to load 'nope'" in r.json()["error"]
 
 
 def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer) -> None:

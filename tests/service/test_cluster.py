@@ -229,9 +229,10 @@ async def test_changes_reach_a_peer_over_its_unix_socket(run_dir: Path) -> None:
         seq, entries = ControlState(run_dir).read()
         assert (seq, entries["echo"].action) == (2, "load")
         assert a.cluster._applied["echo"] == b.cluster._applied["echo"] == 2
-        # Unknown models are not forwarded (and not recorded).
+        # An unknown model is a failed load (Triton's 400, "failed to load"): not recorded.
         r = await c.post("/v2/repository/models/nope/load")
-        assert r.status_code == 404
+        assert r.status_code == 400
+        assert "failed to load" in r.json()["error"]
         assert ControlState(run_dir).read()[0] == 2
     # The peer got the body and the request id; a peer's request is not forwarded again.
     async with b.client() as c:
@@ -257,12 +258,12 @@ class StubPeers:
 
     def __init__(self, answers: list[tuple[int, _Answer | None]]) -> None:
         self.answers = answers
-        self.calls: list[tuple[str, str, bytes, int | None]] = []
+        self.calls: list[tuple[str, bytes, int | None]] = []
 
     async def __call__(
-        self, name: str, action: str, body: bytes, headers: Any, seq: int | None, rid: Any = None
+        self, path: str, body: bytes, headers: Any, seq: int | None, rid: Any = None
     ) -> list[tuple[int, _Answer | None]]:
-        self.calls.append((name, action, body, seq))
+        self.calls.append((path, body, seq))
         return self.answers
 
 
@@ -285,7 +286,7 @@ async def test_a_failure_on_a_peer_is_reported(stubbed: tuple[Worker, StubPeers]
     assert r.status_code == 400
     assert r.json() == {"error": "worker 1: model 'echo' failed to load: out of memory"}
     assert w.repo.loaded == ["echo"]  # applied here, and recorded: a restart retries it
-    assert peers.calls == [("echo", "load", b"", 1)]
+    assert peers.calls == [("/v2/repository/models/echo/load", b"", 1)]
 
 
 async def test_several_failures_and_timeouts_are_all_named(
@@ -314,7 +315,7 @@ async def test_what_changed_nothing_here_is_not_forwarded(
         assert (await c.post("/v2/repository/models/echo/unload", content=b"x" * 2000)).json() == {
             "error": "request body exceeds the limit of 1024 bytes"
         }
-    assert [call[:2] for call in peers.calls] == [("echo", "unload")]
+    assert [call[0] for call in peers.calls] == ["/v2/repository/models/echo/unload"]
 
 
 async def test_auth_is_checked_before_anything_is_forwarded(

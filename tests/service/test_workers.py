@@ -48,10 +48,10 @@ def test_bad_workers_flag_or_env_exits_2_naming_the_setting(
         (1, 0, 1, 1),  # a single core: serve in one process
         (2, 0, 2, 1),
         (6, 0, 6, 1),
-        (64, 0, 8, 8),  # capped: each worker holds its own models
-        (16, 1, 2, 8),  # two per GPU...
+        (64, 0, 8, 7),  # capped: each worker holds its own models; a core for each loop
+        (16, 1, 2, 7),  # two per GPU...
         (16, 8, 16, 1),
-        (64, 8, 16, 4),
+        (64, 8, 16, 3),
         (12, 8, 12, 1),  # ...bounded by the cores...
         (4, 8, 8, 1),  # ...but every GPU gets a worker
         (1, 1, 1, 1),
@@ -68,7 +68,7 @@ def test_auto_sizing(cores: int, gpus: int, workers: int, threads: int) -> None:
 
 def test_explicit_count_and_threads() -> None:
     plan = plan_workers(3, cores=8, gpus=0)
-    assert (plan.workers, plan.torch_threads) == (3, 2)
+    assert (plan.workers, plan.torch_threads) == (3, 1)
     assert "as set" in plan.reason
     assert plan_workers(5, cores=2, gpus=0).torch_threads == 1  # never 0
     # The user's OMP_NUM_THREADS is theirs to choose.
