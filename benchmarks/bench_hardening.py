@@ -16,9 +16,7 @@ settings are the defaults (``max_connections`` 1000, ``head_timeout_s`` 10,
    ``Content-Length``, then chunked): the server's peak RSS growth against
    ``max_inflight_bytes`` + 300 MiB;
 4. open-loop load at 3x the capacity (measured first, closed loop) for 60 s, on ``demo`` and
-   on ``demo_qt``: the share answered 200 or 503 within 2 s, and p99 of the 200s; then on
-   ``demo_qt`` again in a server whose torch uses one thread fewer than the cores
-   (``OMP_NUM_THREADS``), leaving the event loop a core;
+   on ``demo_qt``: the share answered 200 or 503 within 2 s, and p99 of the 200s;
 5. hostile repositories: covered by tests (named in the table), not measured here.
 
     python -m benchmarks.bench_hardening            # writes benchmarks/results/hardening.md
@@ -30,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -241,22 +238,17 @@ def server_latency(server: BitserveServer, model: str) -> dict[str, float]:
     return out
 
 
-def overload_rows(
-    server: BitserveServer,
-    sizes: Sizes,
-    demo: DemoRequests,
-    models: Sequence[str] = ("demo", "demo_qt"),
-    threads: str = "",
-) -> list[list[Any]]:
+def overload_rows(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> list[list[Any]]:
     requests = demo.requests("demo")
     asyncio.run(closed_loop(server.port, requests, 32, sizes.capacity_s / 2))  # warm-up
     capacity = asyncio.run(closed_loop(server.port, requests, 32, sizes.capacity_s))
     rate = 3 * capacity
     print(f"capacity {capacity:.0f} req/s (closed loop, 32 clients); offering {rate:.0f} req/s")
     rows = []
-    labels = {"demo": "as built in", "demo_qt": f"queue_timeout_us {QUEUE_TIMEOUT_US}"}
-    for model in models:
-        label = labels[model] + threads
+    for model, label in (
+        ("demo", "as built in"),
+        ("demo_qt", f"queue_timeout_us {QUEUE_TIMEOUT_US}"),
+    ):
         before = server_latency(server, model)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         outs = asyncio.run(
@@ -327,15 +319,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(rows[-1][2])
             rows += overload_rows(server, sizes, demo)
             log = server.log()
-        # Under overload on a CPU host, torch's threads (one per core by default) starve the
-        # event loop that sheds: the same server with one core left to it.
-        cores = os.cpu_count() or 1
-        if cores > 1 and not args.smoke:
-            env = {"OMP_NUM_THREADS": str(cores - 1)}
-            with start_server(root, args=["--no-access-log"], env=env) as server:
-                threads = f", OMP_NUM_THREADS={cores - 1}"
-                rows += overload_rows(server, sizes, demo, ["demo_qt"], threads)
-                log += server.log()
     tracebacks = log.count("Traceback") + log.count("Exception in ASGI")
     rows.append(
         [
