@@ -32,6 +32,7 @@ from service.errors import ServiceError
 from service.fastpath import InferRoute
 from service.gateway import Gateway
 from service.metrics import Metrics
+from service.observability import printable_path
 from service.protocol.response import error_body
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
@@ -49,16 +50,18 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
     level = logging.WARNING if exc.status_code >= 500 else logging.INFO
-    log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc)
+    path = printable_path(request.scope["path"])
+    log.log(level, "%s %s -> %d: %s", request.method, path, exc.status_code, exc)
     return _error(exc.status_code, exc.message, exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    path = printable_path(request.scope["path"])  # the path as sent can be 64 KiB of anything
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}"
+        message = f"no route {request.method} {path}"
     elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {request.method} is not allowed on {path}"
     else:
         message = str(exc.detail)
     return _error(exc.status_code, message, dict(exc.headers or {}))

@@ -9,6 +9,10 @@ is left of a batch opens the next one.
 - A full queue answers :class:`~service.errors.Overloaded` at once (503 + Retry-After).
 - A request whose timeout expires before its batch starts is answered
   :class:`~service.errors.DeadlineExceeded` and never computed.
+- With a queue timeout (``queue_timeout_us``, Triton's ``default_timeout_microseconds`` with
+  ``timeout_action: REJECT``), a request still waiting after it is answered ``Overloaded``,
+  never computed, and a new one is refused at once when the batches ahead of it would take
+  longer to clear at the pace of recent batches (shed from the headers, before the body).
 - A cancelled request (the client went away) leaves the queue at once.
 - An exception in one batch fails that batch's requests only (500 naming the exception class
   and the request id, never its text: that goes to the log); the scheduler keeps serving.
@@ -23,7 +27,6 @@ import asyncio
 import copy
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,6 +65,8 @@ class _Pending(Generic[P, R]):
     deadline: float | None
     timer: asyncio.TimerHandle | None = field(default=None)
     request_id: str = "-"
+    queue_policy: bool = False
+    """The deadline is the queue timeout's, not the request's own."""
     # The loop's clock can be as coarse as a millisecond (uvloop's is): queue waits are
     # measured with this one.
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
@@ -82,6 +87,8 @@ class Batcher(Generic[P, R]):
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
+        queue_timeout_us: answer a request that has waited this long :class:`Overloaded`,
+            and refuse new ones that would by the recent pace; 0 (the default): no bound.
         stats: where the queue waits of each batch's requests go (the statistics extension).
         inline_below_s: run a batch on the event loop itself, not in ``executor``, while
             recent batches took less than this much CPU time in the thread that ran them (a
@@ -101,11 +108,12 @@ class Batcher(Generic[P, R]):
         max_queue_size: int,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        queue_timeout_us: int = 0,
         stats: ModelStats | None = None,
         inline_below_s: float = 0.0,
     ) -> None:
-        if max_batch_size < 0 or max_queue_delay_us < 0 or max_queue_size < 0:
-            raise ValueError("batch size, queue delay and queue size must be >= 0")
+        if min(max_batch_size, max_queue_delay_us, max_queue_size, queue_timeout_us) < 0:
+            raise ValueError("batch size, queue delay, queue size and timeout must be >= 0")
         self.name = name
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
@@ -128,6 +136,8 @@ class Batcher(Generic[P, R]):
         self._depth_gauge: Any = None
         self._inline_below_s = inline_below_s
         self._batch_cpu_s = math.inf  # moving average; unknown until a batch has run
+        self.queue_timeout_s = queue_timeout_us / 1e6
+        self._batch_wall_s = 0.0  # moving average of a batch's wall time; 0: none yet
 
     # --- public ---------------------------------------------------------------------------
 
@@ -148,12 +158,20 @@ class Batcher(Generic[P, R]):
         """Requests waiting in the queue."""
         return len(self._queue)
 
+    def expected_wait_s(self) -> float:
+        """How long a request queued now would wait for its batch to start, at the pace of
+        recent batches: the running batch, then every full batch queued ahead of it (0 before
+        any batch has run)."""
+        ahead = self._queued_items // self._capacity + (1 if self._running else 0)
+        return ahead * self._batch_wall_s
+
     def check_capacity(self) -> None:
         """Refuse a new request now if the queue has no room for it (transports call this
         before they read a body, so overload is shed at the cost of the headers).
 
         Raises:
-            Overloaded: the queue holds ``max_queue_size`` requests.
+            Overloaded: the queue holds ``max_queue_size`` requests, or with a queue
+                timeout, the queue ahead would take longer than it to clear.
         """
         if self.max_queue_size and len(self._queue) >= self.max_queue_size:
             raise Overloaded(
@@ -161,6 +179,15 @@ class Batcher(Generic[P, R]):
                 f"(max_queue_size {self.max_queue_size}); retry later",
                 retry_after=1.0,
             )
+        if self.queue_timeout_s and self._queue:
+            wait = self.expected_wait_s()
+            if wait > self.queue_timeout_s:
+                raise Overloaded(
+                    f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
+                    f"would take about {wait * 1e3:.0f} ms to start, more than its "
+                    f"queue_timeout_us {self.queue_timeout_s * 1e6:.0f}; retry later",
+                    retry_after=1.0,
+                )
 
     @property
     def idle(self) -> bool:
@@ -194,15 +221,20 @@ class Batcher(Generic[P, R]):
         self.check_capacity()
         loop = asyncio.get_running_loop()
         now = loop.time()
+        # 0 means no timeout, as in Triton (its default request timeout is 0); a timeout past
+        # a day is as good as none (and 1e309 µs would overflow the float maths).
+        own = timeout_us / 1e6 if timeout_us and 0 < timeout_us < _MAX_TIMEOUT_US else None
+        policy = self.queue_timeout_s
+        by_policy = policy > 0 and (own is None or policy < own)
+        wait = policy if by_policy else own
         pending: _Pending[P, R] = _Pending(
             payload,
             size,
             loop.create_future(),
             now,
-            # 0 means no timeout, as in Triton (its default request timeout is 0); a timeout
-            # past a day is as good as none (and 1e309 µs would overflow the float maths).
-            now + timeout_us / 1e6 if timeout_us and 0 < timeout_us < _MAX_TIMEOUT_US else None,
+            None if wait is None else now + wait,
             request_id=request_id_var.get(),
+            queue_policy=by_policy,
         )
         if pending.deadline is not None:
             pending.timer = loop.call_at(pending.deadline, self._expire, pending)
@@ -257,7 +289,21 @@ class Batcher(Generic[P, R]):
     def _expire(self, pending: _Pending[P, R]) -> None:
         pending.timer = None
         if self._remove(pending):
-            _fail(pending, _deadline_error(self.name, pending))
+            _fail(pending, self._expired(pending))
+
+    def _expired(self, pending: _Pending[P, R]) -> ServiceError:
+        waited = asyncio.get_running_loop().time() - pending.enqueued
+        if pending.queue_policy:
+            return Overloaded(
+                f"model '{self.name}' is overloaded: the request waited {waited * 1e3:.0f} ms "
+                f"in the queue (queue_timeout_us {self.queue_timeout_s * 1e6:.0f}); it was not "
+                "computed; retry later",
+                retry_after=1.0,
+            )
+        return DeadlineExceeded(
+            f"model '{self.name}': the request's timeout expired after {waited * 1e3:.1f} ms "
+            "in the queue; it was not computed"
+        )
 
     @staticmethod
     def _cancel_timer(pending: _Pending[P, R]) -> None:
@@ -348,7 +394,7 @@ class Batcher(Generic[P, R]):
                 self._queue.popleft()
                 self._queued_items -= p.size
                 self._cancel_timer(p)
-                _fail(p, _deadline_error(self.name, p))
+                _fail(p, self._expired(p))
                 continue
             if batch and items + p.size > self._capacity:
                 break  # whole requests only: this one opens the next batch
@@ -380,6 +426,8 @@ class Batcher(Generic[P, R]):
                 )
             avg = self._batch_cpu_s
             self._batch_cpu_s = cpu if avg == math.inf else 0.75 * avg + 0.25 * cpu
+            wall, last = (time.perf_counter_ns() - start_ns) / 1e9, self._batch_wall_s
+            self._batch_wall_s = 0.75 * last + 0.25 * wall if last else wall
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
         except asyncio.CancelledError:
@@ -423,14 +471,6 @@ def _fail(pending: _Pending[P, R], error: BaseException) -> None:
         pending.future.set_exception(error)
 
 
-def _deadline_error(name: str, pending: _Pending[P, R]) -> DeadlineExceeded:
-    waited = asyncio.get_running_loop().time() - pending.enqueued
-    return DeadlineExceeded(
-        f"model '{name}': the request's timeout expired after {waited * 1e3:.1f} ms in the "
-        "queue; it was not computed"
-    )
-
-
 def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:
     """A fresh error for one request of a failed batch.
 
@@ -444,31 +484,3 @@ def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceErr
         f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
         "details in the server log"
     )
-
-
-class DeviceExecutors:
-    """One single-thread executor per device, shared by the models placed on it.
-
-    Device work is serialised per device (one CUDA context, one stream of batches), while
-    different devices run in parallel and the event loop never blocks.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executors: dict[str, ThreadPoolExecutor] = {}
-
-    def get(self, device: str) -> ThreadPoolExecutor:
-        """The executor of ``device`` (e.g. ``"cuda:0"``, ``"cpu"``), created on first use."""
-        with self._lock:
-            ex = self._executors.get(device)
-            if ex is None:
-                ex = ThreadPoolExecutor(1, thread_name_prefix=f"bitserve-{device}")
-                self._executors[device] = ex
-            return ex
-
-    def shutdown(self) -> None:
-        """Stop every worker thread once its queued work is done."""
-        with self._lock:
-            for ex in self._executors.values():
-                ex.shutdown(wait=False)
-            self._executors.clear()

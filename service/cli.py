@@ -130,6 +130,7 @@ def uvicorn_config(
         host=settings.host,
         port=settings.port,
         http=http,
+        ws="none",  # no WebSocket routes: an upgrade request is plain HTTP (JSON answers)
         loop="auto",
         lifespan="on",
         log_config=log_config,

@@ -253,6 +253,12 @@ class ModelConfig(_Strict):
     """How long the first request of a batch waits for others to join."""
     max_queue_size: int = Field(default=128, ge=0)
     """Requests allowed to wait; beyond it the answer is 503 with Retry-After. 0 = unbounded."""
+    queue_timeout_us: int = Field(default=0, ge=0, le=3_600_000_000)
+    """Most microseconds a request may wait in the queue: one still waiting then is answered
+    503 with Retry-After and never computed, and a new one is refused from its headers when
+    the batches ahead of it would take longer (at the pace of recent batches). Triton's
+    ``dynamic_batching.default_queue_policy.default_timeout_microseconds`` with
+    ``timeout_action: REJECT``. 0 = no bound (requests wait their turn, however long)."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     inputs: list[InputConfig] = Field(min_length=1, max_length=64)

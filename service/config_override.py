@@ -10,6 +10,7 @@ Triton's field                                          ``config.toml`` key
 ``max_batch_size``                                      ``max_batch_size``
 ``dynamic_batching.max_queue_delay_microseconds``       ``max_queue_delay_us``
 ``dynamic_batching.default_queue_policy.max_queue_size``  ``max_queue_size``
+``....default_queue_policy.default_timeout_microseconds``  ``queue_timeout_us``
 ``instance_group[0].kind`` (+ ``gpus[0]``)              ``device`` (``cpu``, ``cuda:N``, ``auto``)
 ======================================================  ===================================
 
@@ -17,8 +18,10 @@ Integers may be JSON numbers or strings of digits, as protobuf's JSON mapping al
 own example sends ``{"max_batch_size": "16"}``). What ``GET .../config`` returns can be sent
 back as it is: ``name``, ``platform``, ``backend``, ``input`` and ``output`` are accepted when
 they agree with the model (inputs and outputs are the repository's to say, and are checked once
-the model is built), and ``dynamic_batching.preferred_batch_size`` is accepted and has no
-effect (batches close at ``max_batch_size``). Any other field is refused, naming it. The
+the model is built), ``dynamic_batching.preferred_batch_size`` is accepted and has no
+effect (batches close at ``max_batch_size``), and the queue policy's ``timeout_action`` and
+``allow_timeout_override`` are accepted with the values bitserve has (``REJECT``, ``true``: a
+request's own timeout can only shorten its wait). Any other field is refused, naming it. The
 patched configuration then goes through the same validation as a ``config.toml``
 (:func:`service.config.load_config`).
 """
@@ -38,6 +41,8 @@ _DIGITS = re.compile(r"-?[0-9]{1,20}")
 _TOP = {"name", "platform", "backend", "max_batch_size", "dynamic_batching", "instance_group",
         "input", "output"}  # fmt: skip
 _BATCHING = {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"}
+_POLICY = {"max_queue_size", "default_timeout_microseconds", "timeout_action",
+           "allow_timeout_override"}  # fmt: skip
 _KINDS = {"KIND_CPU": "cpu", "KIND_GPU": "cuda", "KIND_AUTO": "auto"}
 MAX_OVERRIDE_CHARS = 64 << 10
 """A config override is a few hundred bytes; a longer one is refused unread."""
@@ -147,11 +152,18 @@ def parse_override(text: str, model: str) -> ConfigOverride:
             )
         if "default_queue_policy" in batching:
             policy = _object(batching["default_queue_policy"], "default_queue_policy")
-            _unknown(policy, {"max_queue_size"}, "dynamic_batching.default_queue_policy")
-            if "max_queue_size" in policy:
-                patch["max_queue_size"] = _integer(
-                    policy["max_queue_size"], "dynamic_batching.default_queue_policy.max_queue_size"
-                )
+            where = "dynamic_batching.default_queue_policy"
+            _unknown(policy, _POLICY, where)
+            for key, ours in (("max_queue_size", "max_queue_size"),
+                              ("default_timeout_microseconds", "queue_timeout_us")):  # fmt: skip
+                if key in policy:
+                    patch[ours] = _integer(policy[key], f"{where}.{key}")
+            for key, only in (("timeout_action", "REJECT"), ("allow_timeout_override", True)):
+                if key in policy and policy[key] != only:
+                    raise ConfigError(
+                        [f"config override: {where}.{key}: bitserve has only {json.dumps(only)}, "
+                         f"got {_shown(policy[key])}"]
+                    )  # fmt: skip
     if "instance_group" in top:
         patch["device"] = _device(top["instance_group"])
     io: dict[str, list[dict[str, Any]] | None] = {"input": None, "output": None}

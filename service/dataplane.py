@@ -445,6 +445,7 @@ class DataPlane:
         content_encoding: str | None = None,
         header_length: str | None = None,
         accept_encoding: str | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> EncodedResponse:
         """One V2 REST inference: body in, framed (and maybe compressed) response out.
 
@@ -459,6 +460,9 @@ class DataPlane:
             header_length: its ``Inference-Header-Content-Length`` header, if any.
             accept_encoding: an encoding the client accepts (``gzip``/``deflate``; see
                 :func:`service.protocol.choose_encoding`), or None.
+            reserve: the transport's memory budget for a compressed body's inflated copy:
+                called with its size as it grows, possibly from a worker thread (see
+                :func:`service.protocol.decompress`); it raises to refuse.
 
         Raises:
             ServiceError: with the status the transport answers.
@@ -469,7 +473,7 @@ class DataPlane:
             nonlocal body
             if body is None:
                 body = await read_body()
-            return await self._decode(handle, body, content_encoding, header_length)
+            return await self._decode(handle, body, content_encoding, header_length, reserve)
 
         async def encode(
             handle: ModelHandle, request: InferRequest, response: InferResponse
@@ -484,14 +488,17 @@ class DataPlane:
         body: bytes | bytearray,
         encoding: str | None,
         header_length: str | None,
+        reserve: Callable[[int], None] | None = None,
     ) -> InferRequest:
         limit = self.max_body_bytes
         if encoding and encoding.strip().lower() != "identity":
             raw = body
             if len(body) > _THREAD_COMPRESSED_BYTES:
-                body = await _off_loop(lambda: decompress(raw, encoding, limit=limit))
+                body = await _off_loop(
+                    lambda: decompress(raw, encoding, limit=limit, reserve=reserve)
+                )
             else:
-                body = decompress(raw, encoding, limit=limit)
+                body = decompress(raw, encoding, limit=limit, reserve=reserve)
         n = parse_header_length(header_length, len(body))
         json_bytes = len(body) if n is None else n
         if json_bytes > self.max_json_bytes:

@@ -1,4 +1,5 @@
-"""Device strings: one parser for model configs, server settings and the pipeline.
+"""Device strings: one parser for model configs, server settings and the pipeline; and the
+one worker thread per device that runs its batches (:class:`DeviceExecutors`).
 
 A device is written ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. ``auto`` in a model's config
 defers to the server's ``device`` setting; ``auto`` there means CUDA device 0 when there is
@@ -8,6 +9,8 @@ one, else the CPU (a worker of ``--workers`` may be given its own CUDA device in
 from __future__ import annotations
 
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 _SYNTAX = re.compile(r"(auto|cpu|cuda)(?::(\d{1,4}))?")
 SYNTAX = '"auto", "cpu", "cuda" or "cuda:N"'
@@ -55,3 +58,31 @@ def resolve_device(device: str, default: str = "auto") -> str:
     if index >= count:
         raise ValueError(f"device {device!r}, but this host has {count} CUDA device(s)")
     return f"cuda:{index}"
+
+
+class DeviceExecutors:
+    """One single-thread executor per device, shared by the models placed on it.
+
+    Device work is serialised per device (one CUDA context, one stream of batches), while
+    different devices run in parallel and the event loop never blocks.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+
+    def get(self, device: str) -> ThreadPoolExecutor:
+        """The executor of ``device`` (e.g. ``"cuda:0"``, ``"cpu"``), created on first use."""
+        with self._lock:
+            ex = self._executors.get(device)
+            if ex is None:
+                ex = ThreadPoolExecutor(1, thread_name_prefix=f"bitserve-{device}")
+                self._executors[device] = ex
+            return ex
+
+    def shutdown(self) -> None:
+        """Stop every worker thread once its queued work is done."""
+        with self._lock:
+            for ex in self._executors.values():
+                ex.shutdown(wait=False)
+            self._executors.clear()

@@ -16,12 +16,17 @@ Before a byte of the body is read, a request is refused when:
   microseconds instead of after reading and decoding the upload;
 - the bytes of the bodies being received would pass ``max_inflight_bytes`` (503 with
   ``Retry-After``).
+
+The budget counts a body from before it is read until its answer is ready: the declared
+``Content-Length`` at once, a chunked body as it arrives, and the inflated copy of a
+compressed body as it inflates (a refusal then comes mid-way, also 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -34,6 +39,7 @@ from service.errors import (
     RequestTimeout,
     ServiceError,
 )
+from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
 
@@ -122,6 +128,9 @@ class InferRoute:
         self._token = auth_token.encode() if auth_token is not None else None
         self.inflight_bytes = 0
         """Body bytes reserved now by requests being received or computed."""
+        self.lock = threading.Lock()
+        """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
+        self._shed = Tally(log, logging.WARNING, "POST %s -> 503 (shed): %s")
 
     async def __call__(
         self,
@@ -154,12 +163,17 @@ class InferRoute:
                 content_encoding=encoding,
                 header_length=header_length,
                 accept_encoding=accept,
+                reserve=held.inflated,
             )
         except ServiceError as e:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
-            level = logging.WARNING if e.status_code >= 500 else logging.INFO
-            log.log(level, "%s %s -> %d: %s", "POST", scope["path"], e.status_code, e)
+            path = printable_path(scope["path"])
+            if isinstance(e, Overloaded):
+                self._shed(path, e)
+            else:
+                level = logging.WARNING if e.status_code >= 500 else logging.INFO
+                log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
             await send_json_error(send, e, request_id)
             return e.status_code
         finally:
@@ -274,32 +288,46 @@ async def _gather(
 
 
 class _Held:
-    """One request's share of the route's in-flight byte budget."""
+    """One request's share of the route's in-flight byte budget: its body as received, and
+    the inflated copy of a compressed body (counted from a worker thread: hence the lock)."""
 
-    __slots__ = ("nbytes", "route")
+    __slots__ = ("body", "nbytes", "route")
 
     def __init__(self, route: InferRoute) -> None:
         self.route = route
         self.nbytes = 0
+        self.body = 0
 
     def grow(self, nbytes: int) -> None:
-        """Hold ``nbytes`` in all (more than now).
+        """Hold ``nbytes`` in all for the body (more than now).
 
         Raises:
             Overloaded: the budget would be passed; nothing more is held then.
         """
-        route, more = self.route, nbytes - self.nbytes
+        self._hold(nbytes)
+        self.body = nbytes
+
+    def inflated(self, nbytes: int) -> None:
+        """Hold ``nbytes`` for the inflated copy of the body, on top of the body."""
+        self._hold(self.body + nbytes)
+
+    def _hold(self, nbytes: int) -> None:
+        route = self.route
         limit = route.max_inflight_bytes
-        if limit and route.inflight_bytes + more > limit:
-            raise Overloaded(
-                f"the server is receiving {route.inflight_bytes} bytes of request bodies; "
-                f"{more} more would pass its limit of {limit} (max_inflight_bytes); retry later",
-                retry_after=1.0,
-            )
-        route.inflight_bytes += more
-        self.nbytes = nbytes
+        with route.lock:
+            more = nbytes - self.nbytes
+            if limit and more > 0 and route.inflight_bytes + more > limit:
+                raise Overloaded(
+                    f"the server holds {route.inflight_bytes} bytes of request bodies; "
+                    f"{more} more would pass its limit of {limit} (max_inflight_bytes); "
+                    "retry later",
+                    retry_after=1.0,
+                )
+            route.inflight_bytes += more
+            self.nbytes = nbytes
 
     def release(self) -> None:
         """Give back everything held."""
-        self.route.inflight_bytes -= self.nbytes
-        self.nbytes = 0
+        with self.route.lock:
+            self.route.inflight_bytes -= self.nbytes
+        self.nbytes = self.body = 0

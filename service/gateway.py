@@ -6,24 +6,69 @@ cannot be trusted with them: no parser bounds the number of headers, and h11 bou
 *incomplete* request head.
 
 Paths are answered without redirects: a trailing slash is dropped (``/v2/`` is ``/v2``), so
-no ``Location`` is ever built from the request's ``Host`` header.
+no ``Location`` is ever built from the request's ``Host`` header. Paths are logged escaped and
+cut (``service.observability.printable_path``): a percent-encoded newline must not forge a
+log line.
+
+A request with ``Expect: 100-continue`` that is answered before its body was asked for (an
+unknown model, a full queue) has its connection closed after the answer: the client may
+never send that body, and whatever it sends next could not be told apart from it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from service.errors import Overloaded, ServiceError
 from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_infer, send_json_error
-from service.observability import RequestIds, request_id_var
+from service.observability import RequestIds, printable_path, request_id_var
 from service.protocol.response import error_body
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _close_if_unread(receive: Receive, send: Send) -> tuple[Receive, Send]:
+    """``receive`` and ``send`` of an ``Expect: 100-continue`` request: an answer that starts
+    before the body was asked for (and so before uvicorn sent ``100 Continue``) closes the
+    connection."""
+    asked = False
+
+    async def receive_body() -> Message:
+        nonlocal asked
+        asked = True
+        return await receive()
+
+    async def send_closing(message: Message) -> None:
+        if message["type"] == "http.response.start" and not asked:
+            headers = [*message.get("headers", ()), (b"connection", b"close")]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return receive_body, send_closing
+
+
+async def _last_answer(send: Send, status: int, message: str, request_id: str) -> None:
+    """A JSON error for a request whose handler failed, closing the connection; nothing if
+    the handler had begun its own answer (uvicorn refuses a second start) or the client
+    left."""
+    body = error_body(message)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+        (b"connection", b"close"),
+    ]
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    except (RuntimeError, OSError):
+        pass
 
 
 class HeaderLimit(ServiceError):
@@ -66,28 +111,34 @@ class Gateway:
         self.max_header_bytes = max_header_bytes
         self.request_ids = RequestIds()
 
-    def _inspect(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None]:
-        """The sent ``X-Request-ID`` and why the headers are refused (None when they are not)."""
+    def _inspect(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, bool]:
+        """The sent ``X-Request-ID``, why the headers are refused (None when they are not),
+        and whether the client expects ``100 Continue``."""
         sent = None
         size = 0
+        expects = False
         for k, v in headers:
             size += len(k) + len(v) + 4  # as sent: "k: v\r\n"
             if k == b"x-request-id":
                 sent = v
+            elif k == b"expect":
+                expects = v.lower() == b"100-continue"
         if len(headers) > self.max_headers:
-            return sent, f"too many request headers: {len(headers)} (limit {self.max_headers})"
+            problem = f"too many request headers: {len(headers)} (limit {self.max_headers})"
+            return sent, problem, expects
         if size > self.max_header_bytes:
-            return sent, (
-                f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
-            )
-        return sent, None
+            problem = f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
+            return sent, problem, expects
+        return sent, None, expects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
         t0 = time.perf_counter()
-        sent, problem = self._inspect(scope["headers"])
+        sent, problem, expects = self._inspect(scope["headers"])
+        if expects:
+            receive, send = _close_if_unread(receive, send)
         rid = self.request_ids(sent)
         token = request_id_var.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
@@ -132,28 +183,26 @@ class Gateway:
             else:
                 await self.fallback(scope, receive, send_with_id)
         except Exception:
-            log.exception("unhandled error in %s %s", scope["method"], path)
+            log.exception("unhandled error in %s %s", scope["method"], printable_path(path))
             if not started and status == 0:
                 status = 500
-                body = error_body(f"internal error (request id {rid})")
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 500,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"x-request-id", rid.encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                await _last_answer(send, 500, f"internal error (request id {rid})", rid)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when graceful_shutdown_s is over;
+            # it would answer them with a plain-text 500 and log a traceback each. The task
+            # ends here either way: nothing awaits it.
+            log.warning(
+                "%s %s cancelled: the server is stopping", scope["method"], printable_path(path)
+            )
+            if not started and status == 0:
+                status = 503
+                await _last_answer(send, 503, "the server is shutting down; retry later", rid)
         finally:
             if self.access_log:
                 request_log.info(
                     "%s %s %d %.1fms",
                     scope["method"],
-                    path,
+                    printable_path(path),
                     status,
                     (time.perf_counter() - t0) * 1e3,
                 )

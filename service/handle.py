@@ -93,6 +93,12 @@ class ModelHandle:
             cfg["dynamic_batching"] = {
                 "max_queue_delay_microseconds": self.cfg.max_queue_delay_us,
                 "preferred_batch_size": [self.cfg.max_batch_size],
-                "default_queue_policy": {"max_queue_size": self.cfg.max_queue_size},
+                "default_queue_policy": {
+                    "max_queue_size": self.cfg.max_queue_size,
+                    "default_timeout_microseconds": self.cfg.queue_timeout_us,
+                    "timeout_action": "REJECT",
+                    # A request's own parameters.timeout can only shorten its wait.
+                    "allow_timeout_override": True,
+                },
             }
         return cfg

@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import math
 import os
 import re
+import time
 from typing import Any
+
+from service.config import safe_text
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
@@ -36,6 +40,45 @@ class RequestIds:
         if sent is not None and _VALID_ID.fullmatch(sent):
             return sent.decode("ascii")
         return f"{self._prefix}{next(self._count):x}"
+
+
+class Tally:
+    """Counts an event that clients can cause by the thousand (a shed request, an evicted
+    connection) and logs it at most every ``every_s`` seconds, with the count since the last
+    line: one line per occurrence would flood the log (and cost the CPU that shedding is
+    meant to save).
+
+    Args:
+        logger: where the lines go.
+        level: their level.
+        message: a %-format for the latest occurrence's arguments; the count is appended.
+        every_s: the least time between two lines.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, level: int, message: str, every_s: float = 10.0
+    ) -> None:
+        self.logger = logger
+        self.level = level
+        self.message = message + " (%d time(s) since the last such line)"
+        self.every_s = every_s
+        self._count = 0
+        self._logged_at = -math.inf
+
+    def __call__(self, *args: object) -> None:
+        """Count one occurrence (``args`` fill ``message`` if a line is written now)."""
+        self._count += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.every_s:
+            self.logger.log(self.level, self.message, *args, self._count)
+            self._count = 0
+            self._logged_at = now
+
+
+def printable_path(path: str) -> str:
+    """A request path for a log line or an error message: control characters escaped (a
+    percent-encoded newline must not forge a log line), at most 256 characters."""
+    return safe_text(path, 256)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from service.batcher import Batcher, DeviceExecutors
+from service.batcher import Batcher
 from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
@@ -29,6 +29,7 @@ from service.config import (
     valid_version,
 )
 from service.config_override import ConfigOverride
+from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
@@ -267,6 +268,7 @@ class ModelRepository:
                     max_batch_size=cfg.max_batch_size,
                     max_queue_delay_us=cfg.max_queue_delay_us,
                     max_queue_size=cfg.max_queue_size,
+                    queue_timeout_us=cfg.queue_timeout_us,
                     executor=self._executors.get(str(pipeline.device)),
                     metrics=self.metrics,
                     stats=stats,

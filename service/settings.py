@@ -88,10 +88,11 @@ class Settings(BaseSettings):
     limit. The default, 1 GiB, is about 25 times the demo's operator."""
 
     max_inflight_bytes: int = Field(default=256 << 20, ge=0)
-    """Most bytes of inference request bodies held at once, over all connections, while they
-    arrive and are computed; a request whose ``Content-Length`` would pass it is answered 503
-    with ``Retry-After`` before its body is read (0: no limit). Bounds the memory a crowd of
-    slow or large uploads can take."""
+    """Most bytes of inference request bodies held at once (per worker process), over all
+    connections, while they arrive and are computed (as received, plus the inflated copy of a
+    compressed body); a request whose ``Content-Length`` would pass it is answered 503 with
+    ``Retry-After`` before its body is read, a chunked or compressed one when it would (0: no
+    limit). Bounds the memory a crowd of slow or large uploads can take."""
 
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest HTTP request head (request line and headers); larger is answered 431."""
@@ -136,12 +137,15 @@ class Settings(BaseSettings):
 
     max_connections: int = Field(default=1000, gt=0)
     """Open connections per worker process. A new connection beyond it closes the one that has
-    waited longest for a request head (slow or idle); when all are busy it is answered 503.
-    Lowered at start to fit the process's file-descriptor limit."""
+    waited longest for a request head (slow, idle, or skipping a body answered early); when
+    all are busy it is answered 503. Lowered at start to fit the process's file-descriptor
+    limit."""
 
     head_timeout_s: float = Field(default=10.0, gt=0)
     """Most seconds a request head (request line and headers) may take to arrive, from its
-    first byte or from the connection's opening; slower clients get a 408 and are closed."""
+    first byte or from the connection's opening; slower clients get a 408 and are closed (one
+    that sent no byte is closed without an answer). The unread rest of a body answered early
+    (404, 503 from the headers) is skipped for this long at most."""
 
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""

@@ -24,6 +24,7 @@ def write_repository(
     max_batch_size: int | None = None,
     max_queue_delay_us: int | None = None,
     max_queue_size: int | None = None,
+    queue_timeout_us: int | None = None,
     model_file: Path | None = None,
 ) -> Path:
     """Write the demo model (this workload) as ``root/<name>`` with some settings changed.
@@ -32,6 +33,7 @@ def write_repository(
         root: the repository folder.
         name: the model's name.
         max_batch_size, max_queue_delay_us, max_queue_size: replace the demo's values.
+        queue_timeout_us: added to the config (the demo has none).
         model_file: a ``torch.export`` program (``.pt2``) applied to the operator's output.
 
     Returns:
@@ -52,6 +54,11 @@ def write_repository(
         if value is not None:
             text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {value}", text)
             assert n == 1, f"{key} not found in the demo config"
+    if queue_timeout_us is not None:
+        text, n = re.subn(
+            r"(?m)^(max_queue_size = \d+.*)$", rf"\1\nqueue_timeout_us = {queue_timeout_us}", text
+        )
+        assert n == 1, "max_queue_size not found in the demo config"
     if model_file is not None:
         (model / "1" / "model.pt2").write_bytes(model_file.read_bytes())
         text = text.replace("[[outputs]]", '[model]\nfile = "model.pt2"\n\n[[outputs]]', 1)

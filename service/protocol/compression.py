@@ -13,6 +13,7 @@ shrinks well; level 1 because the higher levels cost several times the CPU for a
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Literal
 
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
@@ -30,12 +31,24 @@ def _is_zlib_header(data: bytes | bytearray | memoryview) -> bool:
 
 
 def decompress(
-    body: bytes | bytearray, content_encoding: str | None, *, limit: int
+    body: bytes | bytearray,
+    content_encoding: str | None,
+    *,
+    limit: int,
+    reserve: Callable[[int], None] | None = None,
 ) -> bytes | bytearray:
     """Undo ``Content-Encoding`` (``gzip``, ``deflate`` or ``identity``), at most ``limit`` bytes.
 
     ``deflate`` accepts the zlib format (RFC 1950, what HTTP means and what tritonclient sends)
     and raw deflate (RFC 1951, what some clients send). Concatenated gzip members are joined.
+
+    Args:
+        body: the body as received.
+        content_encoding: its ``Content-Encoding`` header (None: identity).
+        limit: the most bytes the decompressed body may have.
+        reserve: called (in the calling thread) with the output's size after each step of at
+            most 1 MiB; raising stops the decompression (the server's in-flight byte budget
+            counts the inflated copy this way, at most one step late).
 
     Raises:
         UnsupportedMediaType: another encoding, or several stacked encodings.
@@ -60,8 +73,10 @@ def decompress(
             d = zlib.decompressobj(wbits)
             while True:
                 # max_length bounds each step, so memory never exceeds limit + 1 bytes.
-                chunk = d.decompress(data, limit + 1 - len(out))
+                chunk = d.decompress(data, min(_CHUNK, limit + 1 - len(out)))
                 out += chunk
+                if reserve is not None:
+                    reserve(len(out))
                 if len(out) > limit:
                     raise PayloadTooLarge(
                         f"decompressed request body exceeds the limit of {limit} bytes"

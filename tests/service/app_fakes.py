@@ -24,6 +24,7 @@ from service.config_override import ConfigOverride
 from service.errors import ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
 from service.protocol.types import InferRequest
+from service.repository import unknown_model
 from service.signature import Bound, Signature
 from service.statistics import ModelStats, Statistics
 
@@ -161,17 +162,15 @@ class FakeRepository:
 
     def ready_handles(self, name: str | None = None) -> list[FakeHandle]:
         if name is not None and name not in self.models:
-            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+            raise ModelNotFound(unknown_model(name))
         names = sorted(self.models) if name is None else [name]
         return [self.models[n] for n in names if self.is_ready and n != "busy"]
 
     def get(self, name: str, version: str | None = None) -> FakeHandle:
         if name not in self.models:
-            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+            raise ModelNotFound(unknown_model(name))  # the real repository's wording
         if version not in (None, "1"):
-            raise ModelNotFound(
-                f"Request for unknown model: '{name}' version {version} is not found"
-            )
+            raise ModelNotFound(unknown_model(name, version))
         if not self.is_ready:
             raise ModelNotReady(f"model {name!r} is not ready")
         return self.models[name]

@@ -1,10 +1,12 @@
-"""HTTP-level policies of the app in process: header limits (431), the response compression
-policy (``auto``/``always``/``never``), and the served OpenAPI schema."""
+"""HTTP-level policies of the app in process: header limits (431), paths in error messages and
+logs (escaped, cut), the response compression policy (``auto``/``always``/``never``), and the
+served OpenAPI schema."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import warnings
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -115,6 +117,27 @@ async def test_header_bytes_answer_431_whatever_the_parser_let_through() -> None
     error = resp.json()["error"]
     assert error.startswith("request headers of ")
     assert error.endswith(" exceed the limit of 2048")
+
+
+async def test_paths_are_escaped_and_cut_in_messages_and_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forged = "/v2/x%0a2026-01-01 00:00:00 INFO bitserve.access [-] GET /forged 200"
+    long = "/v2/" + "a" * 60_000
+    with caplog.at_level(logging.INFO, logger="service"):
+        async with serve(Settings(), FakeRepository()) as client:
+            r1 = await client.get(forged)
+            r2 = await client.get(long)
+            r3 = await client.post("/v2/models/%1b[2J/infer", content=b"{}")
+    assert r1.status_code == r2.status_code == r3.status_code == 404
+    expected = "no route GET /v2/x\\n2026-01-01 00:00:00 INFO bitserve.access [-] GET /forged 200"
+    assert r1.json()["error"] == expected
+    assert len(r2.json()["error"]) < 300
+    assert r2.json()["error"].endswith("...")
+    assert "\x1b" not in r3.json()["error"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 6, lines  # an access line per request, and the infer route's 404
+    assert all(line.isprintable() and len(line) < 600 for line in lines), lines
 
 
 def test_max_headers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
 
-from service.batcher import Batcher, BatchInfo, DeviceExecutors
+from service.batcher import Batcher, BatchInfo
+from service.devices import DeviceExecutors
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 
@@ -170,6 +172,80 @@ def test_deadline_expired_in_queue_is_never_computed() -> None:
             rec.gate.set()
         await asyncio.gather(running, ok, zero)
         assert flat(rec.batches) == ["running", "ok", "zero"]
+        await b.stop()
+
+    run(main)
+
+
+def test_queue_timeout_answers_503_and_never_computes() -> None:
+    async def main() -> None:
+        rec = Recorder(gated=True)
+        b = make(rec, max_batch_size=1, queue_timeout_us=50_000)
+        try:
+            running = asyncio.ensure_future(b.submit("running"))
+            await wait_entered(rec)
+            waiting = [asyncio.ensure_future(b.submit(f"w{i}")) for i in range(3)]
+            own = asyncio.ensure_future(b.submit("own", timeout_us=10_000))  # shorter: its own
+            longer = asyncio.ensure_future(b.submit("longer", timeout_us=60_000_000))
+            errors = await asyncio.gather(*waiting, own, longer, return_exceptions=True)
+        finally:
+            rec.gate.set()
+        assert all(isinstance(e, Overloaded) for e in errors[:3] + errors[4:]), errors
+        for e in errors[:3]:
+            assert isinstance(e, Overloaded)
+            assert e.status_code == 503
+            assert e.headers["Retry-After"] == "1"
+            assert "queue_timeout_us 50000" in e.message
+            assert "not computed" in e.message
+        assert isinstance(errors[3], DeadlineExceeded)  # the request's own timeout was shorter
+        await running
+        assert flat(rec.batches) == ["running"]
+        assert b.depth == 0
+        # With an idle queue, requests are computed as before.
+        assert (await b.submit("after"))[0] == ("done", "after")
+        await b.stop()
+
+    run(main)
+
+
+class Paced(Recorder):
+    """A gated recorder whose batches take at least ``seconds`` each."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, payloads: list[Any]) -> Sequence[Any]:
+        time.sleep(self.seconds)
+        return super().__call__(payloads)
+
+
+def test_queue_timeout_refuses_at_once_what_the_queue_ahead_would_delay_past_it() -> None:
+    async def main() -> None:
+        rec = Paced(0.1)
+        b = make(rec, max_batch_size=2, max_queue_size=0, queue_timeout_us=1_000_000)
+        assert b.expected_wait_s() == 0  # no pace known yet: admitted
+        await b.submit("pace")  # one batch: the pace is at least 0.1 s a batch
+        rec.gate.clear()
+        rec.entered.clear()
+        running = asyncio.ensure_future(b.submit("running"))
+        await wait_entered(rec)
+        queued = [asyncio.ensure_future(b.submit(i)) for i in range(2)]
+        await asyncio.sleep(0)
+        b.check_capacity()  # the running batch and one queued: about 0.2 s, admitted
+        queued += [asyncio.ensure_future(b.submit(i)) for i in range(2, 40)]
+        await asyncio.sleep(0)
+        assert b.expected_wait_s() > 1.0
+        with pytest.raises(Overloaded, match=r"would take about \d+ ms to start") as err:
+            b.check_capacity()
+        assert err.value.headers["Retry-After"] == "1"
+        refused = [f for f in queued if f.done() and isinstance(f.exception(), Overloaded)]
+        # 0.1 s a batch of 2, 1 s at most: about 20 are admitted (fewer if batches were
+        # slower), the rest refused before they queued.
+        assert 40 - 20 <= len(refused) < 40 - 2
+        rec.gate.set()
+        await asyncio.gather(running, *queued, return_exceptions=True)
+        assert len(flat(rec.batches)) == 2 + 40 - len(refused)
         await b.stop()
 
     run(main)

@@ -31,7 +31,12 @@ def test_tritons_fields_become_config_keys() -> None:
                 "dynamic_batching": {
                     "max_queue_delay_microseconds": 250,
                     "preferred_batch_size": [16],
-                    "default_queue_policy": {"max_queue_size": "7"},
+                    "default_queue_policy": {
+                        "max_queue_size": "7",
+                        "default_timeout_microseconds": 400000,
+                        "timeout_action": "REJECT",
+                        "allow_timeout_override": True,
+                    },
                 },
                 "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [1]}],
             }
@@ -42,6 +47,7 @@ def test_tritons_fields_become_config_keys() -> None:
         "max_batch_size": 16,
         "max_queue_delay_us": 250,
         "max_queue_size": 7,
+        "queue_timeout_us": 400000,
         "device": "cuda:1",
     }
     assert o.inputs is None
@@ -65,6 +71,18 @@ def test_tritons_fields_become_config_keys() -> None:
         ('{"dynamic_batching": {"priority_levels": 2}}', "in dynamic_batching"),
         ('{"dynamic_batching": []}', "dynamic_batching must be an object"),
         ('{"dynamic_batching": {"default_queue_policy": {"timeout_action": 1}}}', "policy"),
+        (
+            '{"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY"}}}',
+            "timeout_action: bitserve has only \"REJECT\", got 'DELAY'",
+        ),
+        (
+            '{"dynamic_batching": {"default_queue_policy": {"allow_timeout_override": false}}}',
+            "allow_timeout_override: bitserve has only true",
+        ),
+        (
+            '{"dynamic_batching": {"default_queue_policy": {"priority": 1}}}',
+            "unknown field(s) ['priority'] in dynamic_batching.default_queue_policy",
+        ),
         ('{"name": "other"}', "name 'other' is not 'm'"),
         ('{"platform": "pytorch_libtorch"}', "this server's is 'bitserve'"),
         ('{"instance_group": [{"kind": "KIND_CPU", "count": 2}]}', "one instance per model"),

@@ -188,7 +188,12 @@ def test_demo_builtin_and_written_repository_agree(tmp_path: Path) -> None:
         assert cfg["dynamic_batching"] == {
             "max_queue_delay_microseconds": 1000,
             "preferred_batch_size": [16],
-            "default_queue_policy": {"max_queue_size": 128},
+            "default_queue_policy": {
+                "max_queue_size": 128,
+                "default_timeout_microseconds": 0,
+                "timeout_action": "REJECT",
+                "allow_timeout_override": True,
+            },
         }
         await builtin.stop()
         await on_disk.stop()
