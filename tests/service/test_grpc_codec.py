@@ -354,7 +354,9 @@ def test_model_config_and_metadata_keep_every_field() -> None:
     handle = FakeHandle("m", "1", CONFIG)
     rest = handle.config()
     got = json_format.MessageToDict(
-        codec.model_config(rest).config, preserving_proto_field_name=True
+        codec.model_config(rest).config,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,  # zero enums (timeout_action REJECT) too
     )
     for entry in rest["input"]:
         params = entry.pop("parameters", {})
