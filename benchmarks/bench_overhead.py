@@ -12,19 +12,24 @@ so the load costs the measured cores little) at concurrency 8 and 32:
   (``benchmarks/overhead/asgi_v2.py``).
 
 Every server is started once and measured in interleaved rounds (the median of the rounds is
-reported), so drift in a shared machine's load hits all of them alike. Each answer's maths is
+reported), so drift in a shared machine's load hits all of them alike. ``--before DIR`` adds
+one more server: an earlier bitserve checked out in DIR (``git worktree add DIR <rev>``), with
+its defaults, so a change is measured before and after in the same run. Each answer's maths is
 checked first. Then the demo workload (20 x 50000 bits per request) runs on bitserve at
 concurrency 8 and 32: throughput should hold or rise with the deeper queue.
 
     python -m benchmarks.bench_overhead            # writes benchmarks/results/overhead.md
     python -m benchmarks.bench_overhead --smoke    # short runs, prints only
+    python -m benchmarks.bench_overhead --before /tmp/bitserve-fa22f22
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import struct
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,6 +46,16 @@ WORKERS_1 = "bitserve --workers 1"
 WORKERS_2 = "bitserve --workers 2"
 FASTAPI = "hand-written FastAPI V2"
 FLOOR = "raw ASGI floor"
+BEFORE = "bitserve before"
+
+
+def _revision(checkout: Path) -> str:
+    import subprocess
+
+    out = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or checkout.name
 
 
 def check_answer(server: Running) -> None:
@@ -64,8 +79,19 @@ def check_answer(server: Running) -> None:
         raise AssertionError(f"{server.label} answered {got}")
 
 
+def before_server(checkout: Path, repository: Path) -> list[str]:
+    """``bitserve serve`` from an earlier checkout (its ``service`` package, this venv)."""
+    return [
+        "env", "-C", str(checkout), f"PYTHONPATH={checkout}",
+        sys.executable, "-m", "service.cli", "serve", "--model-repository", str(repository),
+    ]  # fmt: skip
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--before", type=Path, default=None)
+    known, rest = pre.parse_known_args()
+    args = parse_args(__doc__.splitlines()[0], rest)
     command = perf.perf_analyzer()
     if command is None:
         if not args.smoke:
@@ -82,6 +108,9 @@ def main() -> None:
             (FASTAPI, perf.module("benchmarks.overhead.fastapi_v2")),
             (FLOOR, perf.module("benchmarks.overhead.asgi_v2")),
         ]
+        if known.before is not None:
+            rev = known.before.resolve()
+            servers.insert(0, (f"{BEFORE} ({_revision(rev)})", before_server(rev, repo)))
         loads: dict[tuple[str, int], list[Load]] = {}
         with perf.start(servers) as running:
             for r in running:
@@ -92,15 +121,21 @@ def main() -> None:
                         load = perf.measure(command, r, tiny.NAME, c, smoke=args.smoke)
                         loads.setdefault((r.label, c), []).append(load)
                         print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
-        demo: dict[int, Load] = {}
         from service.demo import write_demo_repository
 
         demo_repo = Path(tmp) / "demo"
         write_demo_repository(demo_repo)
-        with perf.start([(DEFAULTS, perf.bitserve(demo_repo))]) as (server,):
-            for c in CONCURRENCY:
-                demo[c] = perf.measure(command, server, "demo", c, smoke=args.smoke)
-                print(f"demo c={c}: {demo[c].rps:.1f} req/s", flush=True)
+        demo_servers = [(DEFAULTS, perf.bitserve(demo_repo))]
+        if known.before is not None:
+            demo_servers.insert(
+                0, (servers[0][0], before_server(known.before.resolve(), demo_repo))
+            )
+        demo: dict[tuple[str, int], Load] = {}
+        with perf.start(demo_servers) as running:
+            for r in running:
+                for c in CONCURRENCY:
+                    demo[(r.label, c)] = perf.measure(command, r, "demo", c, smoke=args.smoke)
+                    print(f"demo {r.label} c={c}: {demo[(r.label, c)].rps:.1f} req/s", flush=True)
 
     def med(label: str, c: int, field: str) -> float:
         return statistics.median(getattr(x, field) for x in loads[(label, c)])
@@ -129,12 +164,22 @@ def main() -> None:
         ):
             targets.append([f"c={c}: {label} / {base}", ratio(label, base, c), target])
     targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), ">= 1.3"])
-    targets.append(["demo: req/s at c=32 / c=8", demo[32].rps / demo[8].rps, ">= 1.0"])
-    targets.append(["demo: p99 at c=32 / c=8", demo[32].p99_us / demo[8].p99_us, "<= 4"])
+    if known.before is not None:
+        before = servers[0][0]
+        for c in CONCURRENCY:
+            targets.append([f"c={c}: {before} / {FASTAPI}", ratio(before, FASTAPI, c), "was"])
+            targets.append([f"c={c}: {DEFAULTS} / {before}", ratio(DEFAULTS, before, c), "gain"])
+    for label, _ in demo_servers:
+        d8, d32 = demo[(label, 8)], demo[(label, 32)]
+        targets.append([f"demo, {label}: req/s at c=32 / c=8", d32.rps / d8.rps, ">= 1.0"])
+        targets.append([f"demo, {label}: p99 at c=32 / c=8", d32.p99_us / d8.p99_us, "<= 4"])
     demo_rows = [
-        [c, demo[c].rps, demo[c].p50_us / 1e3, demo[c].p99_us / 1e3, demo[c].cpu_us_per_request]
-        for c in CONCURRENCY
+        [label, c, d.rps, d.p50_us / 1e3, d.p99_us / 1e3, d.cpu_us_per_request]
+        for (label, c), d in demo.items()
     ]
+    demo_table = markdown_table(
+        ["server", "concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], demo_rows
+    )
     body = f"""
 Tiny model (one packed byte in, one float out: the serving layer is the whole cost), V2 binary
 requests from perf_analyzer (`--measurement-interval 4000 --stability-percentage 50`) over
@@ -145,9 +190,10 @@ loopback; {rounds} interleaved round(s), medians. The load generator shares the 
 {table}
 
 Demo workload on bitserve (defaults; 20 x 50000 bits packed per request, dynamic batching up
-to 16, perf_analyzer random data):
+to 16, perf_analyzer random data; its operator runs on torch's threads, so this is bound by the
+two cores, not by serving):
 
-{markdown_table(["concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], demo_rows)}
+{demo_table}
 
 {markdown_table(["measure", "value", "target"], targets)}
 """
