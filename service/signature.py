@@ -222,20 +222,16 @@ class Signature:
             return "UINT8", spec.packed_shape, params
         return spec.datatype, list(spec.shape), {}
 
+    def _wire_inputs(self) -> list[tuple[str, str, list[int], dict[str, Any]]]:
+        """``(name, datatype, dims, parameters)`` of every input in its wire form."""
+        return [(spec.name, *self._wire(spec)) for spec in self.inputs]
+
     def input_metadata(self) -> list[dict[str, Any]]:
         """V2 metadata of the inputs; a packed input is advertised in its wire form (UINT8)."""
-        out = []
-        for spec in self.inputs:
-            datatype, dims, params = self._wire(spec)
-            entry: dict[str, Any] = {
-                "name": spec.name,
-                "datatype": datatype,
-                "shape": self._batch_dims + dims,
-            }
-            if params:
-                entry["parameters"] = params
-            out.append(entry)
-        return out
+        return [
+            _entry(params, name=name, datatype=datatype, shape=self._batch_dims + dims)
+            for name, datatype, dims, params in self._wire_inputs()
+        ]
 
     def output_metadata(self) -> list[dict[str, Any]]:
         """V2 metadata of the outputs."""
@@ -246,18 +242,10 @@ class Signature:
 
     def input_config(self) -> list[dict[str, Any]]:
         """Triton-style ``input`` entries of the model configuration."""
-        out = []
-        for spec in self.inputs:
-            datatype, dims, params = self._wire(spec)
-            entry: dict[str, Any] = {
-                "name": spec.name,
-                "data_type": f"TYPE_{datatype}",
-                "dims": dims,
-            }
-            if params:
-                entry["parameters"] = params
-            out.append(entry)
-        return out
+        return [
+            _entry(params, name=name, data_type=f"TYPE_{datatype}", dims=dims)
+            for name, datatype, dims, params in self._wire_inputs()
+        ]
 
     def output_config(self) -> list[dict[str, Any]]:
         """Triton-style ``output`` entries of the model configuration."""
@@ -279,3 +267,8 @@ class Signature:
             )
         datatype, dims, _ = self._wire(self.inputs[0])
         return RawInputSpec(self.inputs[0].name, datatype, tuple(self._batch_dims + dims))
+
+
+def _entry(params: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A metadata or config entry: ``fields``, then ``parameters`` when there are any."""
+    return {**fields, "parameters": params} if params else fields

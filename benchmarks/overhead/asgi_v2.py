@@ -2,8 +2,9 @@
 
 No framework at all: the path is compared as a string, the body gathered from ``receive``,
 the answer written with two ``send`` calls. Nothing a real server can skip is skipped (the
-JSON header is parsed, the answer framed), and nothing else is done. What bitserve costs
-above this is the price of its guarantees.
+JSON header is parsed, the answer framed: :func:`~benchmarks.overhead.tiny.infer_binary`, as
+in the FastAPI baseline), and nothing else is done. What bitserve costs above this is the
+price of its guarantees.
 
 Run: ``python -m benchmarks.overhead.asgi_v2 --port PORT`` (binds 127.0.0.1).
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from benchmarks.overhead.tiny import CONFIG, METADATA, NAME, OUTPUT, SERVER, count_ones
+from benchmarks.overhead.tiny import CONFIG, METADATA, NAME, SERVER, infer_binary
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -67,22 +68,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     for k, v in scope["headers"]:
         if k == b"inference-header-content-length":
             n = int(v)
-    header = json.loads(body[:n])
-    out = count_ones(memoryview(body)[n:]).tobytes()
-    head = json.dumps(
-        {
-            "model_name": NAME,
-            "outputs": [
-                {
-                    "name": OUTPUT,
-                    "datatype": "FP32",
-                    "shape": [len(out) // 4, 1, 1],
-                    "parameters": {"binary_data_size": len(out)},
-                }
-            ],
-            "id": header.get("id", ""),
-        }
-    ).encode()
+    head, out = infer_binary(body, n)
     headers = [
         (b"content-type", b"application/octet-stream"),
         (b"inference-header-content-length", str(len(head)).encode()),

@@ -1,10 +1,12 @@
 """The hand-written baseline: a FastAPI V2 endpoint for the tiny model, as a user writes it.
 
-One infer route: ``await request.body()``, ``json.loads`` of the JSON header, the binary
-tensor after it (Triton's binary extension, which perf_analyzer sends), the maths in NumPy
-and a ``Response`` carrying a binary V2 answer. The metadata and config routes are there
-because perf_analyzer reads them first. No validation beyond what the maths needs, no
-batching, no metrics, no auth: the least a working V2 endpoint is.
+One infer route: ``await request.body()``, the binary V2 request (a JSON header, then the
+tensor: Triton's binary extension, which perf_analyzer sends) answered by
+:func:`~benchmarks.overhead.tiny.infer_binary` (header parsed, maths in NumPy, answer framed:
+the same function the raw ASGI floor calls, so the two differ only by the framework), and a
+``Response`` carrying the binary V2 answer. The metadata and config routes are there because
+perf_analyzer reads them first. No validation beyond what the maths needs, no batching, no
+metrics, no auth: the least a working V2 endpoint is.
 
 Run: ``python -m benchmarks.overhead.fastapi_v2 --port PORT`` (binds 127.0.0.1).
 """
@@ -12,14 +14,13 @@ Run: ``python -m benchmarks.overhead.fastapi_v2 --port PORT`` (binds 127.0.0.1).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from benchmarks.overhead.tiny import CONFIG, METADATA, NAME, OUTPUT, SERVER, count_ones
+from benchmarks.overhead.tiny import CONFIG, METADATA, NAME, SERVER, infer_binary
 
 
 def create_app() -> FastAPI:
@@ -46,22 +47,7 @@ def create_app() -> FastAPI:
     async def infer(request: Request) -> Response:
         body = await request.body()
         n = int(request.headers.get("inference-header-content-length", len(body)))
-        header = json.loads(body[:n])
-        out = count_ones(memoryview(body)[n:]).tobytes()
-        head = json.dumps(
-            {
-                "model_name": NAME,
-                "outputs": [
-                    {
-                        "name": OUTPUT,
-                        "datatype": "FP32",
-                        "shape": [len(out) // 4, 1, 1],
-                        "parameters": {"binary_data_size": len(out)},
-                    }
-                ],
-                "id": header.get("id", ""),
-            }
-        ).encode()
+        head, out = infer_binary(body, n)
         return Response(
             head + out,
             media_type="application/octet-stream",

@@ -20,9 +20,9 @@ from ._base import (
     VerifyTypes,
     _Request,
 )
-from ._bulk import Options, infer_many_async, iter_async
+from ._bulk import Job, Options, infer_many_async, iter_async
 from ._client import BulkData, BulkOut, Headers
-from ._exceptions import BitserveError, ServerError
+from ._exceptions import ServerError
 from ._retry import Retry
 from ._spec import ModelSpec
 from ._types import BulkResult, InferResult, Inputs
@@ -40,6 +40,8 @@ class AsyncClient(BaseClient):
         async with AsyncClient("http://127.0.0.1:8000") as client:
             result = await client.infer("demo", {"spikes": bits})
     """
+
+    _http: httpx.AsyncClient
 
     def __init__(
         self,
@@ -99,10 +101,8 @@ class AsyncClient(BaseClient):
     async def _send(self, request: _Request) -> httpx.Response:
         """Send with retries; return a 200 response or raise."""
         attempt = 0
-        error: BitserveError
         while True:
-            if self._http.is_closed:
-                raise self._closed_error(request)
+            self._check_open(request)
             content = request.content()
             try:
                 response = await self._http.request(
@@ -110,27 +110,17 @@ class AsyncClient(BaseClient):
                     request.path,
                     content=_aiter(content) if isinstance(content, list) else content,
                     headers=request.headers,
-                    timeout=httpx.USE_CLIENT_DEFAULT
-                    if request.timeout is None
-                    else request.timeout,
+                    timeout=request.timeout or httpx.USE_CLIENT_DEFAULT,
                 )
             except httpx.TransportError as exc:
-                error = self._transport_error(exc, request.method, self._url + request.path)
-                delay = self._retry_delay(request, attempt, error, exc)
-                if delay is None:
-                    raise error from exc
+                delay = self._after_failure(request, attempt, exc)
             except RuntimeError as exc:  # httpx: closed by another task meanwhile
-                if self._http.is_closed:
-                    raise self._closed_error(request) from exc
+                self._check_open(request, exc)
                 raise
             else:
                 if response.status_code == 200:
                     return response
-                error = self._server_error(response)
-                delay = self._retry_delay(request, attempt, error)
-                if delay is None:
-                    raise error
-            self._log_retry(request, error, delay, attempt)
+                delay = self._after_refusal(request, attempt, response)
             await self._sleep(delay)
             attempt += 1
 
@@ -201,18 +191,16 @@ class AsyncClient(BaseClient):
         spec = self._cached_spec(model, version)
         if spec is not None:
             return spec
-        async with self._spec_lock:
+        async with self._spec_lock:  # one fetch, however many tasks ask at once
             spec = self._cached_spec(model, version)
             if spec is not None:
                 return spec
             metadata = await self.model_metadata(model, version, headers=headers, timeout=timeout)
+            config: dict[str, Any] | None
             try:
-                config: dict[str, Any] | None = await self.model_config(
-                    model, version, headers=headers, timeout=timeout
-                )
+                config = await self.model_config(model, version, headers=headers, timeout=timeout)
             except ServerError as exc:  # a plain V2 server (KServe) has no /config
-                if exc.status in (401, 403):
-                    raise
+                self._raise_if_denied(exc)
                 config = None
             return self._store_spec(model, version, metadata, config)
 
@@ -260,22 +248,12 @@ class AsyncClient(BaseClient):
         """Run one inference; the arguments, result and errors of ``Client.infer``."""
         spec = await self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
-            spec,
-            model,
-            inputs,
-            outputs,
-            version=version,
-            request_id=request_id,
-            deadline=deadline,
-            binary=binary,
-            headers=headers,
-            timeout=timeout,
+            spec, model, inputs, outputs, version, request_id, deadline, binary, headers, timeout
         )
         try:
             response = await self._send(request)
         except ServerError as exc:
-            if exc.status in (400, 404):  # the model may have been reloaded: refetch its spec
-                self._forget_spec(model)
+            self._infer_refused(model, exc)
             raise
         return self._decode_infer(response, request.single)
 
@@ -297,15 +275,8 @@ class AsyncClient(BaseClient):
         ``data`` may also be an async iterable of batches. Close the iterator when you stop
         early (``contextlib.aclosing``), so that what is pending is cancelled at once.
         """
-        results = iter_async(
-            self,
-            model,
-            data,
-            outputs,
-            batch_size=batch_size,
-            concurrency=concurrency,
-            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
-        )
+        options = Options(version=version, deadline=deadline, headers=headers, timeout=timeout)
+        results = iter_async(self, Job(model, data, outputs, batch_size, concurrency, options))
         try:
             async for result, _ in results:
                 yield result
@@ -333,18 +304,9 @@ class AsyncClient(BaseClient):
         ``data`` may also be an async iterable of batches; ``concurrency`` requests are in
         flight at once on this event loop.
         """
-        return await infer_many_async(
-            self,
-            model,
-            data,
-            outputs,
-            batch_size=batch_size,
-            concurrency=concurrency,
-            progress=progress,
-            out=out,
-            resume=resume,
-            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
-        )
+        options = Options(version=version, deadline=deadline, headers=headers, timeout=timeout)
+        job = Job(model, data, outputs, batch_size, concurrency, options)
+        return await infer_many_async(self, job, progress=progress, out=out, resume=resume)
 
 
 async def _aiter(chunks: list[bytes]) -> AsyncIterator[bytes]:

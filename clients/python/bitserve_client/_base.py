@@ -211,6 +211,9 @@ class BaseClient:
         }
         self._specs: dict[tuple[str, str | None], ModelSpec] = {}
 
+    # Set by Client / AsyncClient: the httpx client that sends.
+    _http: httpx.Client | httpx.AsyncClient
+
     @property
     def url(self) -> str:
         """The server's base URL (``$BITSERVE_URL`` or ``http://127.0.0.1:8000`` by default)."""
@@ -317,16 +320,15 @@ class BaseClient:
         spec: ModelSpec | None,
         model: str,
         inputs: Inputs,
-        outputs: Sequence[str] | None = None,
-        *,
-        version: str | None = None,
-        request_id: str | None = None,
-        deadline: float | None = None,
-        binary: bool = True,
-        headers: Mapping[str, str] | None = None,
-        timeout: TimeoutTypes = None,
+        outputs: Sequence[str] | None,
+        version: str | None,
+        request_id: str | None,
+        deadline: float | None,
+        binary: bool,
+        headers: Mapping[str, str] | None,
+        timeout: TimeoutTypes,
     ) -> _Request:
-        """Check, pack and frame one inference call (see ``Client.infer``)."""
+        """Check, pack and frame one inference call (the arguments of ``Client.infer``)."""
         if not isinstance(inputs, Mapping):
             if spec is None or len(spec.inputs) != 1:
                 names = list(spec.inputs) if spec is not None else "unknown"
@@ -420,6 +422,22 @@ class BaseClient:
         )
 
     @staticmethod
+    def _raise_if_denied(error: ServerError) -> None:
+        """Raise ``error`` if it refused the call for want of credentials (401, 403).
+
+        A refused ``/config`` fetch otherwise means no config: a plain V2 server (KServe)
+        has no ``/config``.
+        """
+        if error.status in (401, 403):
+            raise error
+
+    def _infer_refused(self, model: str, error: ServerError) -> None:
+        """An inference refused with 400 or 404: the model may have been reloaded with
+        another config, so its spec is fetched again next time."""
+        if error.status in (400, 404):
+            self._forget_spec(model)
+
+    @staticmethod
     def _probe_answer(error: ServerError, model: str | None) -> bool:
         """A health probe's non-200 answer: False for "not ready", else raise ``error``.
 
@@ -446,6 +464,34 @@ class BaseClient:
     @staticmethod
     def _closed_error(request: _Request) -> BitserveError:
         return BitserveError(f"{request.method} {request.path}: the client is closed")
+
+    def _check_open(self, request: _Request, cause: BaseException | None = None) -> None:
+        """Raise ``BitserveError`` if the client is closed (``cause``: what httpx raised)."""
+        if self._http.is_closed:
+            raise self._closed_error(request) from cause
+
+    def _after_failure(self, request: _Request, attempt: int, exc: httpx.TransportError) -> float:
+        """Seconds to wait before retrying after a transport failure; raises if not retried."""
+        error = self._transport_error(exc, request.method, self._url + request.path)
+        return self._next_attempt(request, attempt, error, exc)
+
+    def _after_refusal(self, request: _Request, attempt: int, response: httpx.Response) -> float:
+        """Seconds to wait before retrying after a non-200 answer; raises if not retried."""
+        return self._next_attempt(request, attempt, self._server_error(response))
+
+    def _next_attempt(
+        self,
+        request: _Request,
+        attempt: int,
+        error: BitserveError,
+        cause: BaseException | None = None,
+    ) -> float:
+        """Log and return the delay before the next attempt, or raise ``error``."""
+        delay = self._retry_delay(request, attempt, error, cause)
+        if delay is None:
+            raise error from cause
+        self._log_retry(request, error, delay, attempt)
+        return delay
 
     def _retry_delay(
         self,

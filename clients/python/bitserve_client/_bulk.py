@@ -23,6 +23,8 @@ from collections.abc import (
     Sequence,
 )
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
@@ -48,6 +50,27 @@ class Options(TypedDict):
     deadline: float | None
     headers: Mapping[str, str] | None
     timeout: TimeoutTypes
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``infer_iter`` / ``infer_many`` call's input and how to send it.
+
+    Attributes:
+        model: the model's name.
+        data: the input, as given (see ``Client.infer_many``).
+        outputs: the outputs asked for (None: all).
+        batch_size: rows per request, or None for the model's default.
+        concurrency: requests in flight.
+        options: what every request is sent with.
+    """
+
+    model: str
+    data: Any
+    outputs: Sequence[str] | None
+    batch_size: int | None
+    concurrency: int
+    options: Options
 
 
 # -- cutting the input into batches -----------------------------------------------------------
@@ -170,32 +193,30 @@ class _Run:
 
     Args:
         spec: the model's spec.
-        data: the input, as given.
-        outputs: the outputs asked for.
-        batch_size: rows per request, or None for the model's default.
-        concurrency: requests in flight.
+        job: the call's input and options.
         progress: show progress.
         out: where the results go (see ``_Sink``).
         resume: keep the rows ``out`` already holds.
     """
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        data: Any,
-        outputs: Sequence[str] | None,
-        batch_size: int | None,
-        concurrency: int,
-        progress: bool,
-        out: Out,
-        resume: bool,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, job: Job, progress: bool, out: Out, resume: bool) -> None:
         self.spec = spec
-        self.size = _check(spec, batch_size, concurrency)
-        self.cols = _source(spec, data)
+        self.size = _check(spec, job.batch_size, job.concurrency)
+        self.cols = _source(spec, job.data)
         total = None if self.cols is None else _rows(self.cols)
-        self.sink = _Sink(spec, outputs, total, out, resume)
+        self.sink = _Sink(spec, job.outputs, total, out, resume)
         self.bar = make_progress(progress, total, spec.name, initial=self.sink.done)
+
+    @contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around sending the batches: a failure is raised as the error of :meth:`stopped`,
+        and the sink and the progress display are closed in the end."""
+        try:
+            yield
+        except Exception as exc:
+            raise self.stopped(exc) from exc
+        finally:
+            self.close()
 
     def record(self, result: InferResult, rows: int) -> None:
         """The next batch's result, in order."""
@@ -225,28 +246,31 @@ class _Run:
         self.sink.close()
 
 
-def _spec_options(options: Options) -> dict[str, Any]:
-    """The ``model_spec`` arguments among a call's options."""
-    return {"headers": options["headers"], "timeout": options["timeout"]}
+def _spec_args(job: Job) -> dict[str, Any]:
+    """The ``model_spec`` arguments of a job: model, version, headers and timeout."""
+    options = job.options
+    return {
+        "model": job.model,
+        "version": options["version"],
+        "headers": options["headers"],
+        "timeout": options["timeout"],
+    }
 
 
 # -- sync ---------------------------------------------------------------------------------------
 
 
 def _ordered_sync(
-    client: Client,
-    model: str,
-    batches: Iterator[tuple[Batch, int]],
-    outputs: Sequence[str] | None,
-    concurrency: int,
-    options: Options,
+    client: Client, job: Job, batches: Iterator[tuple[Batch, int]]
 ) -> Iterator[tuple[InferResult, int]]:
-    """(result, rows) per batch in input order, from a pool of ``concurrency`` threads."""
+    """(result, rows) per batch in input order, from a pool of ``job.concurrency`` threads."""
     pending: deque[tuple[Future[InferResult], int]] = deque()
+    concurrency = job.concurrency
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bitserve-bulk")
     try:
         for batch, rows in batches:
-            pending.append((pool.submit(client.infer, model, batch, outputs, **options), rows))
+            future = pool.submit(client.infer, job.model, batch, job.outputs, **job.options)
+            pending.append((future, rows))
             while len(pending) >= 2 * concurrency or (pending and pending[0][0].done()):
                 head, n = pending.popleft()
                 yield head.result(), n
@@ -257,47 +281,24 @@ def _ordered_sync(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def iter_sync(
-    client: Client,
-    model: str,
-    data: Any,
-    outputs: Sequence[str] | None,
-    *,
-    batch_size: int | None,
-    concurrency: int,
-    options: Options,
-) -> Iterator[tuple[InferResult, int]]:
+def iter_sync(client: Client, job: Job) -> Iterator[tuple[InferResult, int]]:
     """``Client.infer_iter``: (result, rows) per batch in input order."""
-    spec = client.model_spec(model, options["version"], **_spec_options(options))
-    size = _check(spec, batch_size, concurrency)
-    batches = _sync_batches(spec, data, _source(spec, data), size, 0)
-    return _ordered_sync(client, model, batches, outputs, concurrency, options)
+    spec = client.model_spec(**_spec_args(job))
+    size = _check(spec, job.batch_size, job.concurrency)
+    batches = _sync_batches(spec, job.data, _source(spec, job.data), size, 0)
+    return _ordered_sync(client, job, batches)
 
 
 def infer_many_sync(
-    client: Client,
-    model: str,
-    data: Any,
-    outputs: Sequence[str] | None,
-    *,
-    batch_size: int | None,
-    concurrency: int,
-    progress: bool,
-    out: Out,
-    resume: bool,
-    options: Options,
+    client: Client, job: Job, *, progress: bool, out: Out, resume: bool
 ) -> BulkResult:
-    """``Client.infer_many``: a thread pool of ``concurrency`` workers sharing the client."""
-    spec = client.model_spec(model, options["version"], **_spec_options(options))
-    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
-    batches = _sync_batches(spec, data, run.cols, run.size, run.sink.done)
-    try:
-        for result, rows in _ordered_sync(client, model, batches, outputs, concurrency, options):
+    """``Client.infer_many``: a thread pool of ``job.concurrency`` workers sharing the client."""
+    spec = client.model_spec(**_spec_args(job))
+    run = _Run(spec, job, progress, out, resume)
+    batches = _sync_batches(spec, job.data, run.cols, run.size, run.sink.done)
+    with run.sending():
+        for result, rows in _ordered_sync(client, job, batches):
             run.record(result, rows)
-    except Exception as exc:
-        raise run.stopped(exc) from exc
-    finally:
-        run.close()
     return run.sink.result()
 
 
@@ -315,19 +316,15 @@ async def _next_in_order(
 
 
 async def _ordered_async(
-    client: AsyncClient,
-    model: str,
-    batches: AsyncIterator[tuple[Batch, int]],
-    outputs: Sequence[str] | None,
-    concurrency: int,
-    options: Options,
+    client: AsyncClient, job: Job, batches: AsyncIterator[tuple[Batch, int]]
 ) -> AsyncGenerator[tuple[InferResult, int]]:
-    """(result, rows) per batch in input order, at most ``concurrency`` requests in flight."""
+    """(result, rows) per batch in input order, at most ``job.concurrency`` requests in flight."""
+    concurrency = job.concurrency
     gate = asyncio.Semaphore(concurrency)
 
     async def one(batch: Batch) -> InferResult:
         async with gate:
-            return await client.infer(model, batch, outputs, **options)
+            return await client.infer(job.model, batch, job.outputs, **job.options)
 
     pending: deque[tuple[asyncio.Task[InferResult], int]] = deque()
     try:
@@ -343,21 +340,12 @@ async def _ordered_async(
         await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
 
 
-async def iter_async(
-    client: AsyncClient,
-    model: str,
-    data: Any,
-    outputs: Sequence[str] | None,
-    *,
-    batch_size: int | None,
-    concurrency: int,
-    options: Options,
-) -> AsyncGenerator[tuple[InferResult, int]]:
+async def iter_async(client: AsyncClient, job: Job) -> AsyncGenerator[tuple[InferResult, int]]:
     """``AsyncClient.infer_iter``: (result, rows) per batch in input order."""
-    spec = await client.model_spec(model, options["version"], **_spec_options(options))
-    size = _check(spec, batch_size, concurrency)
-    batches = _async_batches(spec, data, _source(spec, data), size, 0)
-    ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
+    spec = await client.model_spec(**_spec_args(job))
+    size = _check(spec, job.batch_size, job.concurrency)
+    batches = _async_batches(spec, job.data, _source(spec, job.data), size, 0)
+    ordered = _ordered_async(client, job, batches)
     try:
         async for item in ordered:
             yield item
@@ -366,29 +354,17 @@ async def iter_async(
 
 
 async def infer_many_async(
-    client: AsyncClient,
-    model: str,
-    data: Any,
-    outputs: Sequence[str] | None,
-    *,
-    batch_size: int | None,
-    concurrency: int,
-    progress: bool,
-    out: Out,
-    resume: bool,
-    options: Options,
+    client: AsyncClient, job: Job, *, progress: bool, out: Out, resume: bool
 ) -> BulkResult:
-    """``AsyncClient.infer_many``: at most ``concurrency`` requests in flight on one loop."""
-    spec = await client.model_spec(model, options["version"], **_spec_options(options))
-    run = _Run(spec, data, outputs, batch_size, concurrency, progress, out, resume)
-    batches = _async_batches(spec, data, run.cols, run.size, run.sink.done)
-    ordered = _ordered_async(client, model, batches, outputs, concurrency, options)
-    try:
-        async for result, rows in ordered:
-            run.record(result, rows)
-    except Exception as exc:
-        raise run.stopped(exc) from exc
-    finally:
-        await ordered.aclose()
-        run.close()
+    """``AsyncClient.infer_many``: at most ``job.concurrency`` requests in flight on one loop."""
+    spec = await client.model_spec(**_spec_args(job))
+    run = _Run(spec, job, progress, out, resume)
+    batches = _async_batches(spec, job.data, run.cols, run.size, run.sink.done)
+    ordered = _ordered_async(client, job, batches)
+    with run.sending():
+        try:
+            async for result, rows in ordered:
+                run.record(result, rows)
+        finally:
+            await ordered.aclose()
     return run.sink.result()

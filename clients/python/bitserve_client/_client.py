@@ -22,8 +22,8 @@ from ._base import (
     VerifyTypes,
     _Request,
 )
-from ._bulk import Options, infer_many_sync, iter_sync
-from ._exceptions import BitserveError, ServerError
+from ._bulk import Job, Options, infer_many_sync, iter_sync
+from ._exceptions import ServerError
 from ._retry import Retry
 from ._spec import ModelSpec
 from ._types import ArrayLike, BulkResult, InferResult, Inputs
@@ -71,6 +71,8 @@ class Client(BaseClient):
         limits: connection pool limits (default 64 connections, all kept alive).
         transport: an httpx transport to send through (tests use ``httpx.MockTransport``).
     """
+
+    _http: httpx.Client
 
     def __init__(
         self,
@@ -130,37 +132,25 @@ class Client(BaseClient):
     def _send(self, request: _Request) -> httpx.Response:
         """Send with retries; return a 200 response or raise."""
         attempt = 0
-        error: BitserveError
         while True:
-            if self._http.is_closed:
-                raise self._closed_error(request)
+            self._check_open(request)
             try:
                 response = self._http.request(
                     request.method,
                     request.path,
                     content=request.content(),
                     headers=request.headers,
-                    timeout=httpx.USE_CLIENT_DEFAULT
-                    if request.timeout is None
-                    else request.timeout,
+                    timeout=request.timeout or httpx.USE_CLIENT_DEFAULT,
                 )
             except httpx.TransportError as exc:
-                error = self._transport_error(exc, request.method, self._url + request.path)
-                delay = self._retry_delay(request, attempt, error, exc)
-                if delay is None:
-                    raise error from exc
+                delay = self._after_failure(request, attempt, exc)
             except RuntimeError as exc:  # httpx: closed by another thread meanwhile
-                if self._http.is_closed:
-                    raise self._closed_error(request) from exc
+                self._check_open(request, exc)
                 raise
             else:
                 if response.status_code == 200:
                     return response
-                error = self._server_error(response)
-                delay = self._retry_delay(request, attempt, error)
-                if delay is None:
-                    raise error
-            self._log_retry(request, error, delay, attempt)
+                delay = self._after_refusal(request, attempt, response)
             self._sleep(delay)
             attempt += 1
 
@@ -248,18 +238,16 @@ class Client(BaseClient):
         spec = self._cached_spec(model, version)
         if spec is not None:
             return spec
-        with self._spec_lock:
+        with self._spec_lock:  # one fetch, however many threads ask at once
             spec = self._cached_spec(model, version)
             if spec is not None:
                 return spec
             metadata = self.model_metadata(model, version, headers=headers, timeout=timeout)
+            config: dict[str, Any] | None
             try:
-                config: dict[str, Any] | None = self.model_config(
-                    model, version, headers=headers, timeout=timeout
-                )
+                config = self.model_config(model, version, headers=headers, timeout=timeout)
             except ServerError as exc:  # a plain V2 server (KServe) has no /config
-                if exc.status in (401, 403):
-                    raise
+                self._raise_if_denied(exc)
                 config = None
             return self._store_spec(model, version, metadata, config)
 
@@ -352,22 +340,12 @@ class Client(BaseClient):
         """
         spec = self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
-            spec,
-            model,
-            inputs,
-            outputs,
-            version=version,
-            request_id=request_id,
-            deadline=deadline,
-            binary=binary,
-            headers=headers,
-            timeout=timeout,
+            spec, model, inputs, outputs, version, request_id, deadline, binary, headers, timeout
         )
         try:
             response = self._send(request)
         except ServerError as exc:
-            if exc.status in (400, 404):  # the model may have been reloaded: refetch its spec
-                self._forget_spec(model)
+            self._infer_refused(model, exc)
             raise
         return self._decode_infer(response, request.single)
 
@@ -390,14 +368,9 @@ class Client(BaseClient):
         At most ``2 * concurrency`` batches are pending; a result is yielded as soon as it
         and every earlier one are in. Closing the iterator early cancels what is pending.
         """
+        options = Options(version=version, deadline=deadline, headers=headers, timeout=timeout)
         for result, _ in iter_sync(
-            self,
-            model,
-            data,
-            outputs,
-            batch_size=batch_size,
-            concurrency=concurrency,
-            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
+            self, Job(model, data, outputs, batch_size, concurrency, options)
         ):
             yield result
 
@@ -449,15 +422,6 @@ class Client(BaseClient):
                 many rows are done and holds their results.
             InvalidInputError: bad arguments, found before anything is sent.
         """
-        return infer_many_sync(
-            self,
-            model,
-            data,
-            outputs,
-            batch_size=batch_size,
-            concurrency=concurrency,
-            progress=progress,
-            out=out,
-            resume=resume,
-            options=Options(version=version, deadline=deadline, headers=headers, timeout=timeout),
-        )
+        options = Options(version=version, deadline=deadline, headers=headers, timeout=timeout)
+        job = Job(model, data, outputs, batch_size, concurrency, options)
+        return infer_many_sync(self, job, progress=progress, out=out, resume=resume)
