@@ -71,10 +71,7 @@ def reference(root: Path, name: str, bits: np.ndarray) -> np.ndarray:  # type: i
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("repo")
-    write_model(root, "tri", max_batch_size=8, delay_us=20_000)
-    write_model(root, "tri_nobatch", max_batch_size=0, delay_us=0)
-    return root
+    return write_models(tmp_path_factory.mktemp("repo"), tri=(8, 20_000), tri_nobatch=(0, 0))
 
 
 @pytest.fixture(scope="module")
