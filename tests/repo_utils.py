@@ -33,6 +33,7 @@ def toml_value(value: Any) -> str:
 
 
 def _table(header: str, keys: Mapping[str, Any]) -> str:
+    """A TOML table: its ``header`` line, then one ``key = value`` line a key."""
     return "\n".join([header, *(f"{k} = {toml_value(v)}" for k, v in keys.items())])
 
 
