@@ -134,18 +134,21 @@ def raw_request(
             if i and pause_s:
                 time.sleep(pause_s)
             s.sendall(chunk)
-        if not read:
-            return b""
-        parts = []
-        while True:
-            try:
-                part = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not part:
-                break
-            parts.append(part)
-        return b"".join(parts)
+        return read_until_closed(s) if read else b""
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    """Everything the server sends on ``s`` until it closes (or resets) the connection."""
+    parts = []
+    while True:
+        try:
+            part = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        parts.append(part)
+    return b"".join(parts)
 
 
 def http_status(answer: bytes) -> int:

@@ -23,8 +23,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +174,30 @@ def start_server(
         finally:
             server.terminate()
         return
+
+
+def terminate_under_load(
+    server: BitserveServer,
+    client: Callable[[int], None],
+    clients: int,
+    stop: threading.Event,
+    timeout: float,
+) -> tuple[int, float, float]:
+    """Run ``client(k)`` in ``clients`` threads, SIGTERM ``server`` 2 s in, then set ``stop``.
+
+    Returns the exit code and the ``time.monotonic()`` of the signal and of the exit; the
+    clients' exceptions are raised here.
+    """
+    with ThreadPoolExecutor(clients) as ex:
+        futures = [ex.submit(client, k) for k in range(clients)]
+        time.sleep(2.0)
+        t_term = time.monotonic()
+        code = server.terminate(timeout=timeout)
+        t_exit = time.monotonic()
+        stop.set()
+        for f in futures:
+            f.result()
+    return code, t_term, t_exit
 
 
 def _chosen_grpc_port(args: Sequence[str], env: Mapping[str, str]) -> int | None:

@@ -28,6 +28,8 @@ from bitserve_client import (
     Unavailable,
 )
 
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
+
 from .conftest import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
@@ -37,31 +39,21 @@ SEED = 7
 
 
 def _config(*, queue: int, delay_us: int, batch: int, bitorder: str) -> str:
-    return f"""\
-max_batch_size = {batch}
-max_queue_delay_us = {delay_us}
-max_queue_size = {queue}
-device = "cpu"
-
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-packing = "bits"
-bitorder = "{bitorder}"
-
-[operator]
-file = "operator.safetensors"
-response = "gaussian"
-sigma = {SIGMA}
-support = 4.0
-dtype = "float32"
-
-[[outputs]]
-name = "out"
-datatype = "FP32"
-shape = [{N}, {A}]
-"""
+    return model_toml(
+        max_batch_size=batch,
+        max_queue_delay_us=delay_us,
+        max_queue_size=queue,
+        device="cpu",
+        inputs=[bits_input(N, B, bitorder=bitorder)],
+        operator={
+            "file": "operator.safetensors",
+            "response": "gaussian",
+            "sigma": SIGMA,
+            "support": 4.0,
+            "dtype": "float32",
+        },
+        outputs=[tensor("out", "FP32", [N, A])],
+    )
 
 
 def operator_tensors() -> dict[str, np.ndarray[Any, Any]]:
@@ -81,8 +73,6 @@ def reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from safetensors.numpy import save_file
-
     root = tmp_path_factory.mktemp("repo")
     models = {
         "small": _config(queue=128, delay_us=2000, batch=8, bitorder="little"),
@@ -90,9 +80,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "slow": _config(queue=128, delay_us=3_000_000, batch=8, bitorder="big"),
     }
     for name, text in models.items():
-        (root / name).mkdir()
-        (root / name / "config.toml").write_text(text)
-        save_file(operator_tensors(), str(root / name / "operator.safetensors"))
+        write_model_folder(root / name, text, operator_tensors(), "operator.safetensors")
     return root
 
 

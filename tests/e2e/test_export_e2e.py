@@ -22,6 +22,7 @@ from torch import nn
 import gpu_ops
 from gpu_ops import BandedResampler, OnTheFlyResampler
 from tests.e2e.conftest import BitserveServer
+from tests.repo_utils import model_toml, tensor
 
 pytestmark = pytest.mark.e2e
 
@@ -46,29 +47,14 @@ class UnpackResample(nn.Module):
         return self.stored(bits), self.fit(bits)
 
 
-CONFIG = f"""
-max_batch_size = 16
-max_queue_delay_us = 2000
-device = "cpu"
-
-[[inputs]]
-name = "packed"
-datatype = "UINT8"
-shape = [{N}, {PACKED}]
-
-[model]
-file = "model.pt2"
-
-[[outputs]]
-name = "stored"
-datatype = "FP32"
-shape = [{N}, {A}]
-
-[[outputs]]
-name = "on_the_fly"
-datatype = "FP32"
-shape = [{N}, {A}]
-"""
+CONFIG = model_toml(
+    max_batch_size=16,
+    max_queue_delay_us=2000,
+    device="cpu",
+    inputs=[tensor("packed", "UINT8", [N, PACKED])],
+    model={"file": "model.pt2"},
+    outputs=[tensor(name, "FP32", [N, A]) for name in ("stored", "on_the_fly")],
+)
 
 
 @pytest.fixture(scope="module")

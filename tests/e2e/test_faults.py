@@ -33,7 +33,7 @@ from benchmarks.e2e.probes import (
     write_repository,
 )
 from benchmarks.e2e.workload import N_FINE, N_FUNCTIONS, Pool, check
-from tests.e2e.conftest import BitserveServer
+from tests.e2e.conftest import BitserveServer, terminate_under_load
 
 pytestmark = pytest.mark.e2e
 
@@ -150,15 +150,7 @@ def test_sigterm_under_load_drains_and_exits(
                         outcome = "wrong"
                 log.append((t0, time.monotonic(), outcome))
 
-    with ThreadPoolExecutor(8) as ex:
-        futures = [ex.submit(client, k) for k in range(8)]
-        time.sleep(2.0)
-        t_term = time.monotonic()
-        code = server.terminate(timeout=grace_s + 20)
-        t_exit = time.monotonic()
-        stop.set()
-        for f in futures:
-            f.result()
+    code, t_term, t_exit = terminate_under_load(server, client, 8, stop, timeout=grace_s + 20)
 
     before = [o for t0, t1, o in log if t0 < t_term - 0.25]
     after = [o for t0, t1, o in log if t0 > t_term]

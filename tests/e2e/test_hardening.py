@@ -33,19 +33,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from benchmarks.e2e import hostile
 from benchmarks.e2e.fuzzcases import RAW_CASES, examples, judge_raw, raw_requests
-from benchmarks.e2e.hostile import (
-    DemoRequests,
-    Peak,
-    closed_loop,
-    open_files_of,
-    open_loop,
-    raise_fd_limit,
-    rss_of,
-    send_all,
-    side_client,
-    upload_crowd,
-)
 from benchmarks.e2e.probes import write_repository
 from benchmarks.e2e.workload import Pool
 from tests.e2e.conftest import BitserveServer, start_server
@@ -59,7 +48,7 @@ BUDGET = 48 * MiB
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]:
-    raise_fd_limit()  # for the tricklers (the server inherits it, and lowers nothing)
+    hostile.raise_fd_limit()  # for the tricklers (the server inherits it, and lowers nothing)
     root = write_repository(tmp_path_factory.mktemp("repo"), queue_timeout_us=400_000)
     args = ["--no-access-log", "--max-inflight-bytes", str(BUDGET)]
     with start_server(root, args=args) as s:
@@ -70,13 +59,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]
 
 
 @pytest.fixture(scope="module")
-def demo() -> DemoRequests:
-    return DemoRequests(Pool.make(4))
+def demo() -> hostile.DemoRequests:
+    return hostile.DemoRequests(Pool.make(4))
 
 
 def test_hostile_http_requests_get_json_answers_under_500(server: BitserveServer) -> None:
     cases = RAW_CASES + examples(raw_requests(), 200)
-    stats = asyncio.run(send_all(server.port, cases, judge_raw))
+    stats = asyncio.run(hostile.send_all(server.port, cases, judge_raw))
     print(f"{stats.sent} raw requests: {dict(sorted(stats.statuses.items()))}")
     assert stats.sent == len(cases)
     assert stats.problems == []
@@ -85,7 +74,7 @@ def test_hostile_http_requests_get_json_answers_under_500(server: BitserveServer
 
 
 def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
-    server_factory: Callable[..., BitserveServer], demo: DemoRequests
+    server_factory: Callable[..., BitserveServer], demo: hostile.DemoRequests
 ) -> None:
     server = server_factory(
         args=["--no-access-log", "--max-connections", str(CAP), "--head-timeout-s", "2"]
@@ -94,11 +83,11 @@ def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
     cmd = [sys.executable, "-m", "benchmarks.e2e.hostile", "trickle", "--port", str(server.port)]
     cmd += ["--connections", str(n), "--seconds", "7", "--ramp-s", "1"]
     request = demo.requests()[0]
-    with Peak(open_files_of(server.process.pid), every_s=0.2) as files:
+    with hostile.Peak(hostile.open_files_of(server.process.pid), every_s=0.2) as files:
         tricklers = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         time.sleep(1.5)
         side = asyncio.run(
-            side_client(server.port, request, 4.5, check=functools.partial(demo.right, 0))
+            hostile.side_client(server.port, request, 4.5, check=functools.partial(demo.right, 0))
         )
         out, _ = tricklers.communicate(timeout=120)
     stats = json.loads(out)
@@ -122,9 +111,9 @@ def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
 def test_concurrent_big_uploads_stay_within_the_budget(
     server: BitserveServer, chunked: bool
 ) -> None:
-    with Peak(rss_of(server.process.pid)) as rss:
+    with hostile.Peak(hostile.rss_of(server.process.pid)) as rss:
         results = asyncio.run(
-            upload_crowd(
+            hostile.upload_crowd(
                 server.port,
                 16,
                 24 * MiB,  # 384 MiB at once without the budget
@@ -146,12 +135,14 @@ def test_concurrent_big_uploads_stay_within_the_budget(
 
 
 def test_open_loop_overload_answers_every_request_200_or_503(
-    server: BitserveServer, demo: DemoRequests
+    server: BitserveServer, demo: hostile.DemoRequests
 ) -> None:
     requests = demo.requests()
-    asyncio.run(closed_loop(server.port, requests, 32, 1.0))  # warm-up
-    capacity = asyncio.run(closed_loop(server.port, requests, 32, 2.0))
-    outcomes = asyncio.run(open_loop(server.port, requests, 3 * capacity, 5.0, check=demo.right))
+    asyncio.run(hostile.closed_loop(server.port, requests, 32, 1.0))  # warm-up
+    capacity = asyncio.run(hostile.closed_loop(server.port, requests, 32, 2.0))
+    outcomes = asyncio.run(
+        hostile.open_loop(server.port, requests, 3 * capacity, 5.0, check=demo.right)
+    )
     statuses = Counter(o.status for o in outcomes)
     lat = np.array([o.latency_s for o in outcomes])
     good = np.array([o.latency_s for o in outcomes if o.status == 200])

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import tritonclient.http as tc
 import tritonclient.http.aio as tca
-from safetensors.numpy import save_file
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.conftest import BitserveServer
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 pytestmark = pytest.mark.e2e
 
@@ -35,35 +35,28 @@ def write_model(root: Path, name: str, *, max_batch_size: int, delay_us: int) ->
     rng = np.random.default_rng(7)
     x = np.arange(L, dtype=np.float32)
     c = np.sort(rng.uniform(0, L - 1, size=(N, A)), axis=1).astype(np.float32)
-    folder = root / name / "1"
-    folder.mkdir(parents=True)
-    save_file({"x": x, "c": c}, str(folder / "operator.safetensors"))
-    (folder / "config.toml").write_text(
-        f"""
-max_batch_size = {max_batch_size}
-max_queue_delay_us = {delay_us}
-max_queue_size = 256
-device = "cpu"
-
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {L}]
-packing = "bits"
-bitorder = "big"
-
-[operator]
-file = "operator.safetensors"
-response = "triangle"
-half_width = {HALF_WIDTH}
-dtype = "float32"
-
-[[outputs]]
-name = "out"
-datatype = "FP32"
-shape = [{N}, {A}]
-"""
+    config = model_toml(
+        max_batch_size=max_batch_size,
+        max_queue_delay_us=delay_us,
+        max_queue_size=256,
+        device="cpu",
+        inputs=[bits_input(N, L, bitorder="big")],
+        operator={
+            "file": "operator.safetensors",
+            "response": "triangle",
+            "half_width": HALF_WIDTH,
+            "dtype": "float32",
+        },
+        outputs=[tensor("out", "FP32", [N, A])],
     )
+    write_model_folder(root / name / "1", config, {"x": x, "c": c}, "operator.safetensors")
+
+
+def write_models(root: Path, **models: tuple[int, int]) -> Path:
+    """:func:`write_model` each ``name=(max_batch_size, delay_us)`` under ``root``; return it."""
+    for name, (max_batch_size, delay_us) in models.items():
+        write_model(root, name, max_batch_size=max_batch_size, delay_us=delay_us)
+    return root
 
 
 def reference(root: Path, name: str, bits: np.ndarray) -> np.ndarray:  # type: ignore[type-arg]
@@ -78,10 +71,7 @@ def reference(root: Path, name: str, bits: np.ndarray) -> np.ndarray:  # type: i
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("repo")
-    write_model(root, "tri", max_batch_size=8, delay_us=20_000)
-    write_model(root, "tri_nobatch", max_batch_size=0, delay_us=0)
-    return root
+    return write_models(tmp_path_factory.mktemp("repo"), tri=(8, 20_000), tri_nobatch=(0, 0))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -28,8 +27,14 @@ import numpy.typing as npt
 import pytest
 
 from benchmarks.e2e.probes import metric
-from tests.e2e.conftest import BitserveServer, bitserve_command, free_port, start_server
-from tests.e2e.test_server import L, N, reference, write_model
+from tests.e2e.conftest import (
+    BitserveServer,
+    bitserve_command,
+    free_port,
+    start_server,
+    terminate_under_load,
+)
+from tests.e2e.test_server import L, N, reference, write_models
 
 pytestmark = pytest.mark.e2e
 
@@ -81,10 +86,7 @@ def answer_of(r: httpx.Response) -> npt.NDArray[np.float32]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("repo")
-    write_model(root, "tri", max_batch_size=8, delay_us=20_000)
-    write_model(root, "other", max_batch_size=8, delay_us=0)
-    return root
+    return write_models(tmp_path_factory.mktemp("repo"), tri=(8, 20_000), other=(8, 0))
 
 
 @pytest.fixture(scope="module")
@@ -301,15 +303,9 @@ def test_sigterm_under_load_drains_every_worker_and_exits_0(repo: Path, tmp_path
                     outcome = "wrong"
                 log.append((t0, outcome, r.headers.get("x-bitserve-worker", "")))
 
-        with ThreadPoolExecutor(len(clients)) as ex:
-            futures = [ex.submit(client, k) for k in range(len(clients))]
-            time.sleep(2.0)
-            t_term = time.monotonic()
-            code = server.terminate(timeout=grace_s + 20)
-            t_exit = time.monotonic()
-            stop.set()
-            for f in futures:
-                f.result()
+        code, t_term, t_exit = terminate_under_load(
+            server, client, len(clients), stop, timeout=grace_s + 20
+        )
         for c in clients:
             c.close()
     text = server.log()

@@ -12,34 +12,16 @@ from pathlib import Path
 
 import torch
 
-SIMPLE_CONFIG = """\
-max_batch_size = 8
-max_queue_delay_us = 0
-device = "cpu"
+from tests.repo_utils import model_toml, tensor, write_model_folder
 
-[[inputs]]
-name = "INPUT0"
-datatype = "INT32"
-shape = [16]
-
-[[inputs]]
-name = "INPUT1"
-datatype = "INT32"
-shape = [16]
-
-[model]
-file = "model.pt"
-
-[[outputs]]
-name = "OUTPUT0"
-datatype = "INT32"
-shape = [16]
-
-[[outputs]]
-name = "OUTPUT1"
-datatype = "INT32"
-shape = [16]
-"""
+SIMPLE_CONFIG = model_toml(
+    max_batch_size=8,
+    max_queue_delay_us=0,
+    device="cpu",
+    inputs=[tensor(name, "INT32", [16]) for name in ("INPUT0", "INPUT1")],
+    model={"file": "model.pt"},
+    outputs=[tensor(name, "INT32", [16]) for name in ("OUTPUT0", "OUTPUT1")],
+)
 
 
 class SumAndDifference(torch.nn.Module):
@@ -51,9 +33,7 @@ class SumAndDifference(torch.nn.Module):
 
 def write_simple(root: Path, name: str = "simple") -> Path:
     """Write the model as ``root/name/1/`` (config.toml and model.pt); returns its folder."""
-    folder = root / name / "1"
-    folder.mkdir(parents=True)
-    (folder / "config.toml").write_text(SIMPLE_CONFIG)
+    folder = write_model_folder(root / name / "1", SIMPLE_CONFIG)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is still served
         scripted = torch.jit.script(SumAndDifference())  # type: ignore[no-untyped-call]

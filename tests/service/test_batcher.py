@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -17,9 +18,13 @@ from service.metrics import Metrics
 
 
 class Recorder:
-    """A compute function that records its batches and can be held at a gate."""
+    """A compute function that records its batches and can be held at a gate.
 
-    def __init__(self, *, gated: bool = False) -> None:
+    With ``pace_s``, each batch takes at least that long (slept before the gate).
+    """
+
+    def __init__(self, *, gated: bool = False, pace_s: float = 0.0) -> None:
+        self.pace_s = pace_s
         self.batches: list[list[Any]] = []
         self.gate = threading.Event()
         self.entered = threading.Event()
@@ -27,6 +32,7 @@ class Recorder:
             self.gate.set()
 
     def __call__(self, payloads: list[Any]) -> Sequence[Any]:
+        time.sleep(self.pace_s)
         self.entered.set()
         assert self.gate.wait(30), "test gate never opened"
         self.batches.append(list(payloads))
@@ -54,6 +60,21 @@ def make(rec: Recorder, **kw: Any) -> Batcher[Any, Any]:
 async def wait_entered(rec: Recorder) -> None:
     while not rec.entered.is_set():
         await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def one_running(
+    **kw: Any,
+) -> AsyncIterator[tuple[Recorder, Batcher[Any, Any], asyncio.Future[Any]]]:
+    """A batcher of one-item batches computing ``"running"``, held at the gate until exit."""
+    rec = Recorder(gated=True)
+    b = make(rec, max_batch_size=1, **kw)
+    try:
+        running = asyncio.ensure_future(b.submit("running"))
+        await wait_entered(rec)
+        yield rec, b, running
+    finally:
+        rec.gate.set()
 
 
 def test_concurrent_requests_merge_into_one_batch() -> None:
@@ -131,11 +152,7 @@ def test_no_batching_runs_each_request_alone() -> None:
 
 def test_full_queue_is_overloaded_at_once() -> None:
     async def main() -> None:
-        rec = Recorder(gated=True)
-        b = make(rec, max_batch_size=1, max_queue_size=2)
-        try:
-            running = asyncio.ensure_future(b.submit("running"))
-            await wait_entered(rec)
+        async with one_running(max_queue_size=2) as (rec, b, running):
             queued = [asyncio.ensure_future(b.submit(f"q{i}")) for i in range(2)]
             await asyncio.sleep(0)
             assert b.depth == 2
@@ -143,8 +160,6 @@ def test_full_queue_is_overloaded_at_once() -> None:
                 await b.submit("rejected")
             assert err.value.status_code == 503
             assert err.value.headers["Retry-After"] == "1"
-        finally:
-            rec.gate.set()
         await asyncio.gather(running, *queued)
         assert flat(rec.batches) == ["running", "q0", "q1"]
         await b.stop()
@@ -154,11 +169,7 @@ def test_full_queue_is_overloaded_at_once() -> None:
 
 def test_deadline_expired_in_queue_is_never_computed() -> None:
     async def main() -> None:
-        rec = Recorder(gated=True)
-        b = make(rec, max_batch_size=1)
-        try:
-            running = asyncio.ensure_future(b.submit("running"))
-            await wait_entered(rec)
+        async with one_running() as (rec, b, running):
             with pytest.raises(DeadlineExceeded, match="not computed") as err:
                 await b.submit("late", timeout_us=1000)
             assert err.value.status_code == 504
@@ -168,8 +179,6 @@ def test_deadline_expired_in_queue_is_never_computed() -> None:
             zero = asyncio.ensure_future(b.submit("zero", timeout_us=0))
             await asyncio.sleep(0.01)
             assert b.depth == 2
-        finally:
-            rec.gate.set()
         await asyncio.gather(running, ok, zero)
         assert flat(rec.batches) == ["running", "ok", "zero"]
         await b.stop()
@@ -179,17 +188,11 @@ def test_deadline_expired_in_queue_is_never_computed() -> None:
 
 def test_queue_timeout_answers_503_and_never_computes() -> None:
     async def main() -> None:
-        rec = Recorder(gated=True)
-        b = make(rec, max_batch_size=1, queue_timeout_us=50_000)
-        try:
-            running = asyncio.ensure_future(b.submit("running"))
-            await wait_entered(rec)
+        async with one_running(queue_timeout_us=50_000) as (rec, b, running):
             waiting = [asyncio.ensure_future(b.submit(f"w{i}")) for i in range(3)]
             own = asyncio.ensure_future(b.submit("own", timeout_us=10_000))  # shorter: its own
             longer = asyncio.ensure_future(b.submit("longer", timeout_us=60_000_000))
             errors = await asyncio.gather(*waiting, own, longer, return_exceptions=True)
-        finally:
-            rec.gate.set()
         assert all(isinstance(e, Overloaded) for e in errors[:3] + errors[4:]), errors
         for e in errors[:3]:
             assert isinstance(e, Overloaded)
@@ -208,21 +211,9 @@ def test_queue_timeout_answers_503_and_never_computes() -> None:
     run(main)
 
 
-class Paced(Recorder):
-    """A gated recorder whose batches take at least ``seconds`` each."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def __call__(self, payloads: list[Any]) -> Sequence[Any]:
-        time.sleep(self.seconds)
-        return super().__call__(payloads)
-
-
 def test_queue_timeout_refuses_at_once_what_the_queue_ahead_would_delay_past_it() -> None:
     async def main() -> None:
-        rec = Paced(0.1)
+        rec = Recorder(pace_s=0.1)
         b = make(rec, max_batch_size=2, max_queue_size=0, queue_timeout_us=1_000_000)
         assert b.expected_wait_s() == 0  # no pace known yet: admitted
         await b.submit("pace")  # one batch: the pace is at least 0.1 s a batch
@@ -255,16 +246,10 @@ def test_huge_timeouts_do_not_overflow() -> None:
     # timeout_us / 1e6 overflows a float past about 1.8e308 µs; callers other than the V2
     # decoder (which refuses past 2**63 - 1) reach the batcher too. Past a day: no deadline.
     async def main() -> None:
-        rec = Recorder(gated=True)
-        b = make(rec, max_batch_size=1)
-        try:
-            running = asyncio.ensure_future(b.submit("running"))
-            await wait_entered(rec)
+        async with one_running() as (rec, b, running):
             huge = [asyncio.ensure_future(b.submit(t, timeout_us=t)) for t in (10**400, 2**63)]
             await asyncio.sleep(0.01)
             assert b.depth == 2  # queued, without a deadline
-        finally:
-            rec.gate.set()
         await asyncio.gather(running, *huge)
         assert flat(rec.batches) == ["running", 10**400, 2**63]
         await b.stop()
@@ -306,11 +291,7 @@ def test_exception_in_a_merged_batch_fails_all_of_its_requests() -> None:
 
 def test_cancelled_request_leaves_the_queue_and_is_not_computed() -> None:
     async def main() -> None:
-        rec = Recorder(gated=True)
-        b = make(rec, max_batch_size=1)
-        try:
-            running = asyncio.ensure_future(b.submit("running"))
-            await wait_entered(rec)
+        async with one_running() as (rec, b, running):
             gone = asyncio.ensure_future(b.submit("gone"))
             await asyncio.sleep(0)
             assert b.depth == 1
@@ -318,8 +299,6 @@ def test_cancelled_request_leaves_the_queue_and_is_not_computed() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await gone
             assert b.depth == 0
-        finally:
-            rec.gate.set()
         await running
         assert (await b.submit("next"))[0] == ("done", "next")
         assert flat(rec.batches) == ["running", "next"]
@@ -506,17 +485,13 @@ def test_retiring_batcher_does_not_drop_the_new_versions_queue_depth() -> None:
     async def main() -> None:
         metrics = Metrics()
         old = make(Recorder(), metrics=metrics)
-        rec = Recorder(gated=True)
-        new = make(rec, max_batch_size=1, metrics=metrics)
-        running = asyncio.ensure_future(new.submit("running"))
-        await wait_entered(rec)
-        queued = asyncio.ensure_future(new.submit("queued"))
-        await asyncio.sleep(0)
-        value = metrics.registry.get_sample_value
-        assert value("bitserve_queue_depth", {"model": "m"}) == 1
-        await old.stop()  # the reload retires the old version
-        assert value("bitserve_queue_depth", {"model": "m"}) == 1
-        rec.gate.set()
+        async with one_running(metrics=metrics) as (_, new, running):
+            queued = asyncio.ensure_future(new.submit("queued"))
+            await asyncio.sleep(0)
+            value = metrics.registry.get_sample_value
+            assert value("bitserve_queue_depth", {"model": "m"}) == 1
+            await old.stop()  # the reload retires the old version
+            assert value("bitserve_queue_depth", {"model": "m"}) == 1
         await asyncio.gather(running, queued)
         assert value("bitserve_queue_depth", {"model": "m"}) == 0
         await new.stop()

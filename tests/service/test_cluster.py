@@ -275,14 +275,22 @@ def stubbed(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Worker, Stu
     return w, peers
 
 
+async def post_answered(
+    stubbed: tuple[Worker, StubPeers], path: str, *answers: tuple[int, int, bytes]
+) -> httpx.Response:
+    """POST ``path`` to the stubbed worker, its peers answering ``(worker, status, body)``."""
+    w, peers = stubbed
+    peers.answers = [(i, _Answer(status, [], body)) for i, status, body in answers]
+    async with w.client() as c:
+        return await c.post(path)
+
+
 async def test_a_failure_on_a_peer_is_reported(stubbed: tuple[Worker, StubPeers]) -> None:
     w, peers = stubbed
-    peers.answers = [
-        (1, _Answer(400, [], b'{"error": "model \'echo\' failed to load: out of memory"}')),
-        (2, _Answer(200, [], b"{}")),
-    ]
-    async with w.client() as c:
-        r = await c.post("/v2/repository/models/echo/load")
+    oom = b'{"error": "model \'echo\' failed to load: out of memory"}'
+    r = await post_answered(
+        stubbed, "/v2/repository/models/echo/load", (1, 400, oom), (2, 200, b"{}")
+    )
     assert r.status_code == 400
     assert r.json() == {"error": "worker 1: model 'echo' failed to load: out of memory"}
     assert w.repo.loaded == ["echo"]  # applied here, and recorded: a restart retries it
@@ -292,13 +300,12 @@ async def test_a_failure_on_a_peer_is_reported(stubbed: tuple[Worker, StubPeers]
 async def test_several_failures_and_timeouts_are_all_named(
     stubbed: tuple[Worker, StubPeers],
 ) -> None:
-    w, peers = stubbed
-    peers.answers = [
-        (1, _Answer(504, [], b'{"error": "no answer within 600 s"}')),
-        (2, _Answer(503, [], b"Service Unavailable")),
-    ]
-    async with w.client() as c:
-        r = await c.post("/v2/repository/models/echo/unload")
+    r = await post_answered(
+        stubbed,
+        "/v2/repository/models/echo/unload",
+        (1, 504, b'{"error": "no answer within 600 s"}'),
+        (2, 503, b"Service Unavailable"),
+    )
     assert r.status_code == 504
     assert r.json()["error"] == "worker 1: no answer within 600 s; worker 2: Service Unavailable"
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
@@ -20,45 +19,30 @@ from service.config import (
 )
 from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
 from service.model_files import check_repository as _check_repository
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 
 def check_repository(root: Path) -> list[str]:
     return _check_repository(root, max_operator_bytes=DEFAULT_MAX_OPERATOR_BYTES)
 
 
-GOOD = """
-max_batch_size = 4
-max_queue_delay_us = 100
-
-[[inputs]]
-name = "spikes"
-datatype = "BOOL"
-shape = [3, 40]
-packing = "bits"
-
-[operator]
-file = "op.safetensors"
-response = "gaussian"
-sigma = 2.0
-
-[[outputs]]
-name = "out"
-datatype = "FP32"
-"""
+GOOD = model_toml(
+    max_batch_size=4,
+    max_queue_delay_us=100,
+    inputs=[bits_input(3, 40, name="spikes")],
+    operator={"file": "op.safetensors", "response": "gaussian", "sigma": 2.0},
+    outputs=[tensor("out", "FP32")],
+)
 
 
 def write_model(
     root: Path, name: str, text: str = GOOD, *, version: str | None = None, a: int = 5
 ) -> Path:
-    folder = root / name / version if version else root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(text)
     tensors = {
         "x": np.arange(40, dtype=np.float32),
         "c": np.sort(np.random.default_rng(0).uniform(0, 39, (3, a)), 1).astype(np.float32),
     }
-    save_file(tensors, str(folder / "op.safetensors"))
-    return folder
+    return write_model_folder(root / name / version if version else root / name, text, tensors)
 
 
 def problems_of(text: str) -> list[str]:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from benchmarks.e2e.probes import read_until_closed
 from service.app import create_app
 from service.cli import uvicorn_config
 from service.settings import Settings
@@ -86,20 +87,6 @@ def port() -> Iterator[int]:
 def connect(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
     return s
-
-
-def read_until_closed(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
-    out = []
-    while True:
-        try:
-            part = s.recv(65536)
-        except ConnectionResetError:
-            break
-        if not part:
-            break
-        out.append(part)
-    return b"".join(out)
 
 
 def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:

@@ -13,44 +13,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from gpu_ops.resample import BandedResampler
 from service.config import ConfigError, model_versions, parse_config
 from service.model_files import check_operator, check_repository, load_version, operator_bytes
 from service.pipeline import build_operator
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B = 3, 40
 
-TEXT = """
-max_batch_size = 2
-device = "cpu"
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{n}, {b}]
-packing = "bits"
-[operator]
-file = "op.safetensors"
-{response}
-dtype = "{dtype}"
-[[outputs]]
-name = "out"
-datatype = "FP32"
-"""
 GAUSS = 'response = "gaussian"\nsigma = 2.0'
 
 
 def text(response: str = GAUSS, dtype: str = "float32", n: int = N, b: int = B) -> str:
-    return TEXT.format(response=response, dtype=dtype, n=n, b=b)
+    """The model's config.toml; ``response`` is the operator's response keys as TOML."""
+    return model_toml(
+        max_batch_size=2,
+        device="cpu",
+        inputs=[bits_input(n, b)],
+        operator={"file": "op.safetensors", **tomllib.loads(response), "dtype": dtype},
+        outputs=[tensor("out", "FP32")],
+    )
 
 
 def write(root: Path, tensors: dict[str, torch.Tensor], body: str | None = None) -> Path:
-    folder = root / "m"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(body or text())
-    save_file(tensors, str(folder / "op.safetensors"))
-    return folder
+    return write_model_folder(root / "m", body or text(), tensors)
 
 
 def grid(seed: int = 0, a: int = 5) -> dict[str, torch.Tensor]:
@@ -214,26 +201,13 @@ def test_only_the_needed_tensors_are_read(tmp_path: Path) -> None:
 
 
 def test_the_operator_input_is_the_one_named() -> None:
-    body = f"""
-max_batch_size = 2
-[[inputs]]
-name = "other"
-datatype = "FP32"
-shape = [7]
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-[operator]
-input = "bits"
-file = "op.safetensors"
-{GAUSS}
-[model]
-file = "m.pt2"
-[[outputs]]
-name = "out"
-datatype = "FP32"
-"""
+    body = model_toml(
+        max_batch_size=2,
+        inputs=[tensor("other", "FP32", [7]), tensor("bits", "BOOL", [N, B])],
+        operator={"input": "bits", "file": "op.safetensors", **tomllib.loads(GAUSS)},
+        model={"file": "m.pt2"},
+        outputs=[tensor("out", "FP32")],
+    )
     cfg = parse_config(tomllib.loads(body), "m/config.toml")
     t = grid()
     check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)

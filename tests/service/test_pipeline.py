@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +17,33 @@ from service.model_files import load_version
 from service.pipeline import Artifacts, Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
+
+
+GAUSS = 'response = "gaussian"\nsigma = 2.5\nsupport = 4'
+OUT = tensor("out", "FP32")
 
 
 def config(
     *,
     max_batch_size: int = 4,
-    response: str = 'response = "gaussian"\nsigma = 2.5\nsupport = 4',
+    response: str = GAUSS,
     dtype: str = "float32",
     bitorder: str = "big",
-    extra: str = "",
-    outputs: str = '[[outputs]]\nname = "out"\ndatatype = "FP32"\n',
+    more_inputs: Sequence[dict[str, Any]] = (),
+    model: dict[str, Any] | None = None,
+    outputs: Sequence[dict[str, Any]] = (OUT,),
 ) -> ModelConfig:
-    text = f"""
-max_batch_size = {max_batch_size}
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-packing = "bits"
-bitorder = "{bitorder}"
-[operator]
-file = "op.safetensors"
-{response}
-dtype = "{dtype}"
-{extra}
-{outputs}
-"""
+    """The bits -> operator [-> model] config; ``response`` is the operator's keys as TOML."""
+    text = model_toml(
+        max_batch_size=max_batch_size,
+        inputs=[bits_input(N, B, bitorder=bitorder), *more_inputs],
+        operator={"file": "op.safetensors", **tomllib.loads(response), "dtype": dtype},
+        model=model,
+        outputs=outputs,
+    )
     return parse_config(tomllib.loads(text), "test/config.toml")
 
 
@@ -179,7 +179,7 @@ def test_tabulated_asymmetric_response() -> None:
 
 
 def test_declared_output_shape_is_checked() -> None:
-    bad = '[[outputs]]\nname = "out"\ndatatype = "FP32"\nshape = [3, 7]\n'
+    bad = [tensor("out", "FP32", [3, 7])]
     with pytest.raises(
         ConfigError, match=r"outputs\[0\]\.shape: \[3, 7\], but the model gives \[3, 6\]"
     ):
@@ -201,40 +201,21 @@ class Head(torch.nn.Module):
         return y @ self.weight, y.sum(dim=(1, 2))
 
 
-TWO_OUTPUTS = """
-[model]
-file = "{file}"
-[[outputs]]
-name = "proj"
-datatype = "FP32"
-[[outputs]]
-name = "total"
-datatype = "FP64"
-"""
+TWO_OUTPUTS = (tensor("proj", "FP32"), tensor("total", "FP64"))
 
 
 def write_version(folder: Path, cfg_text: str, t: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(cfg_text)
-    save_file(t, str(folder / "op.safetensors"))
+    write_model_folder(folder, cfg_text, t)
 
 
-def model_config_text(file: str) -> str:
-    return f"""
-max_batch_size = 4
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-packing = "bits"
-[operator]
-file = "op.safetensors"
-response = "gaussian"
-sigma = 2.5
-{TWO_OUTPUTS.format(file=file)}
-"""
+def model_config_text(file: str, outputs: Sequence[dict[str, Any]] = TWO_OUTPUTS) -> str:
+    return model_toml(
+        max_batch_size=4,
+        inputs=[bits_input(N, B)],
+        operator={"file": "op.safetensors", "response": "gaussian", "sigma": 2.5},
+        model={"file": file},
+        outputs=outputs,
+    )
 
 
 _EXPORTED: dict[str, bytes] = {}
@@ -285,9 +266,7 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
 def test_model_output_count_must_match(tmp_path: Path) -> None:
     from service.config import model_versions
 
-    text = model_config_text("head.pt2").replace(
-        '[[outputs]]\nname = "total"\ndatatype = "FP64"\n', ""
-    )
+    text = model_config_text("head.pt2", outputs=TWO_OUTPUTS[:1])  # no "total"
     write_version(tmp_path / "m", text, tensors())
     save_export(tmp_path / "m" / "head.pt2")
     cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
@@ -335,30 +314,16 @@ def script(module: torch.nn.Module) -> Any:
         return torch.jit.script(module)  # type: ignore[no-untyped-call]
 
 
-MIX_INPUTS = f"""
-[[inputs]]
-name = "scale"
-datatype = "FP32"
-shape = [{N}]
-[[inputs]]
-name = "mask"
-datatype = "BOOL"
-shape = [{N}]
-packing = "bits"
-[model]
-file = "mix.pt"
-[[outputs]]
-name = "scaled"
-datatype = "FP32"
-[[outputs]]
-name = "total"
-datatype = "FP64"
-"""
+MIX_INPUTS: dict[str, Any] = {
+    "more_inputs": [tensor("scale", "FP32", [N]), tensor("mask", "BOOL", [N], packing="bits")],
+    "model": {"file": "mix.pt"},
+    "outputs": [tensor("scaled", "FP32"), tensor("total", "FP64")],
+}
 
 
 def test_several_inputs_reach_the_model_in_config_order() -> None:
     t = tensors()
-    cfg = config(outputs=MIX_INPUTS)
+    cfg = config(**MIX_INPUTS)
     assert [s.name for s in cfg.inputs] == ["bits", "scale", "mask"]
     model = script(Mix())
     pipe = Pipeline("m", cfg, Artifacts(t, model), "cpu", warmup=False)
@@ -398,29 +363,13 @@ def test_several_inputs_reach_the_model_in_config_order() -> None:
 def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
     t = tensors()
     # The operator applies to the second input here; the first goes to the model as is.
-    text = f"""
-max_batch_size = 2
-[[inputs]]
-name = "scale"
-datatype = "FP32"
-shape = [{N}]
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-packing = "bits"
-[operator]
-input = "bits"
-file = "op.safetensors"
-response = "gaussian"
-sigma = 2.5
-support = 4
-[model]
-file = "m.pt"
-[[outputs]]
-name = "scaled"
-datatype = "FP32"
-"""
+    text = model_toml(
+        max_batch_size=2,
+        inputs=[tensor("scale", "FP32", [N]), bits_input(N, B)],
+        operator={"input": "bits", "file": "op.safetensors", **tomllib.loads(GAUSS)},
+        model={"file": "m.pt"},
+        outputs=[tensor("scaled", "FP32")],
+    )
 
     class Scale(torch.nn.Module):
         def forward(self, scale: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

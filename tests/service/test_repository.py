@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from service import dataplane
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, ServiceError
@@ -18,36 +17,25 @@ from service.handle import ModelHandle
 from service.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse, RequestInput, RequestOutput
 from service.repository import ModelRepository
+from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B, A = 2, 21, 4
 
 
-def cfg_text(max_batch_size: int = 4, delay_us: int = 0, extra: str = "") -> str:
-    return f"""
-max_batch_size = {max_batch_size}
-max_queue_delay_us = {delay_us}
-device = "cpu"
-{extra}
-[[inputs]]
-name = "bits"
-datatype = "BOOL"
-shape = [{N}, {B}]
-packing = "bits"
-[operator]
-file = "op.safetensors"
-response = "boxcar"
-half_width = 1.5
-[[outputs]]
-name = "out"
-datatype = "FP32"
-"""
+def cfg_text(max_batch_size: int = 4, delay_us: int = 0) -> str:
+    return model_toml(
+        max_batch_size=max_batch_size,
+        max_queue_delay_us=delay_us,
+        device="cpu",
+        inputs=[bits_input(N, B)],
+        operator={"file": "op.safetensors", "response": "boxcar", "half_width": 1.5},
+        outputs=[tensor("out", "FP32")],
+    )
 
 
 def write(folder: Path, text: str, shift: float = 0.0) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(text)
     c = torch.linspace(0, B - 1, A).repeat(N, 1) + shift
-    save_file({"x": torch.arange(B, dtype=torch.float32), "c": c}, str(folder / "op.safetensors"))
+    write_model_folder(folder, text, {"x": torch.arange(B, dtype=torch.float32), "c": c})
 
 
 def boxcar_reference(bits: np.ndarray, shift: float = 0.0) -> np.ndarray:
