@@ -164,7 +164,7 @@ def trickle_row(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> lis
     with Peak(open_files_of(server.process.pid), every_s=0.5) as files:
         tricklers = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         time.sleep(ramp_s + 1)  # all connected (or turned away) before the side clients start
-        keep, new = asyncio.run(both(sizes.trickle_s - ramp_s - 2))
+        keep, new = asyncio.run(both(max(1.0, sizes.trickle_s - ramp_s - 2)))
         out, _ = tricklers.communicate(timeout=sizes.trickle_s + 120)
     stats = json.loads(out)
     rows = []
