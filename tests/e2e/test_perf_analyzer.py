@@ -35,9 +35,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]
         yield s
 
 
-def run(server: BitserveServer, *flags: str) -> str:
+def run(server: BitserveServer, *flags: str, protocol: str = "http") -> str:
     assert COMMAND is not None
-    cmd = [*COMMAND, "-m", "simple", "-u", server.host_port, "-i", "http", *QUICK, *flags]
+    url = server.host_port if protocol == "http" else server.grpc_target
+    cmd = [*COMMAND, "-m", "simple", "-u", url, "-i", protocol, *QUICK, *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path.cwd())
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
@@ -45,7 +46,7 @@ def run(server: BitserveServer, *flags: str) -> str:
 
 
 def server_section(out: str) -> dict[str, int]:
-    """The counts of perf_analyzer's server-side section."""
+    """The counts of perf_analyzer's server-side section (from the statistics extension)."""
     assert "Server: " in out, out[-4000:]
     counts = {
         key: int(value)
@@ -85,3 +86,13 @@ def test_perf_analyzer_collects_metrics(server: BitserveServer) -> None:
     )
     assert server_section(out)["Successful request count"] > 0
     assert "Server Prometheus Metrics" in out
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "streaming"])
+def test_perf_analyzer_over_grpc(server: BitserveServer, streaming: bool) -> None:
+    flags = ["--concurrency-range", "2"] + (["--streaming"] if streaming else [])
+    counts = server_section(run(server, *flags, protocol="grpc"))
+    # ModelStatistics over gRPC: the same counts as REST's (perf_analyzer takes the
+    # difference over its own windows, so a count is positive only if gRPC calls were counted).
+    assert counts["Successful request count"] > 0
+    assert counts["Inference count"] >= counts["Execution count"] > 0
