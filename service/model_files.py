@@ -16,6 +16,7 @@ exception out for a bad file, and nothing here prints.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +34,7 @@ from service.config import (
     model_versions,
     safe_text,
 )
-from service.pipeline import COMPUTE_DTYPES, Artifacts
+from service.pipeline import COMPUTE_DTYPES, Artifacts, torch_dtype
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
 _FLOAT_DTYPES = {
@@ -70,6 +71,10 @@ def load_version(
     """
     cfg = load_config(src.checked_config_path(), src.source, patch=patch)
     errors: list[ConfigError] = []
+    try:
+        check_buffers(cfg, src.source, max_operator_bytes)
+    except ConfigError as exc:
+        errors.append(exc)
     model_path: Path | None = None
     if cfg.model is not None:
         try:
@@ -91,6 +96,41 @@ def load_version(
         except Exception as exc:  # torch's loaders raise many types for a bad file
             raise hidden_error(f"{src.source}: model.file", "cannot load", exc) from exc
     return cfg, Artifacts(tensors, model)
+
+
+def buffer_bytes(cfg: ModelConfig) -> list[int]:
+    """Bytes of each input's device buffer: ``max(max_batch_size, 1)`` items of its logical
+    shape, in the dtype it is computed in (the operator's input in the operator's dtype, the
+    others in their own; bit-packed ones unpacked)."""
+    capacity = max(cfg.max_batch_size, 1)
+    sizes = []
+    for i, spec in enumerate(cfg.inputs):
+        if cfg.operator is not None and i == cfg.operator_input:
+            itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
+        else:
+            itemsize = torch_dtype(spec.datatype).itemsize
+        sizes.append(capacity * math.prod(spec.shape) * itemsize)
+    return sizes
+
+
+def check_buffers(cfg: ModelConfig, source: str, limit: int) -> None:
+    """Refuse a config whose input buffers (allocated whole at load) would pass ``limit``.
+
+    A load's config override can raise ``max_batch_size``: without this bound one request
+    could make the server allocate, and touch, more memory than the host has.
+
+    Raises:
+        ConfigError: naming the input, its size and the limit.
+    """
+    problems = [
+        f"{source}: inputs[{i}] ({safe_text(spec.name)}): max_batch_size "
+        f"{cfg.max_batch_size} x shape {spec.shape} needs a device buffer of {n:,} bytes, "
+        f"more than max_operator_bytes ({limit:,})"
+        for i, (spec, n) in enumerate(zip(cfg.inputs, buffer_bytes(cfg), strict=True))
+        if n > limit
+    ]
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_operator(

@@ -33,7 +33,7 @@ from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.model_files import check_operator, load_version
+from service.model_files import check_buffers, check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.signature import Bound, Signature
 from service.statistics import Statistics
@@ -302,6 +302,7 @@ class ModelRepository:
             source = "<built-in demo>/config.toml"
             cfg = demo_config(patch)
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
+            check_buffers(cfg, source, self.max_operator_bytes)
             check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,

@@ -173,6 +173,15 @@ def test_override_of_the_builtin_demo() -> None:
             assert repo.get("demo").config()["max_batch_size"] == 2
             with pytest.raises(InvalidInput, match=r"built-in demo.*\+ config override"):
                 await dp.load("demo", '{"max_batch_size": -1}')
+            # A valid but huge batch would allocate (and touch) 262 GB of input buffer at
+            # load: refused before anything is allocated, and the demo keeps serving.
+            with pytest.raises(InvalidInput) as info:
+                await dp.load("demo", '{"max_batch_size": 65536}')
+            assert (
+                "inputs[0] (spikes): max_batch_size 65536 x shape [20, 50000] needs a device "
+                "buffer of 262,144,000,000 bytes, more than max_operator_bytes (1,073,741,824)"
+            ) in info.value.message
+            assert repo.get("demo").config()["max_batch_size"] == 2
         finally:
             await repo.stop()
 

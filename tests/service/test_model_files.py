@@ -16,7 +16,13 @@ import torch
 
 from gpu_ops.resample import BandedResampler
 from service.config import ConfigError, model_versions, parse_config
-from service.model_files import check_operator, check_repository, load_version, operator_bytes
+from service.model_files import (
+    buffer_bytes,
+    check_operator,
+    check_repository,
+    load_version,
+    operator_bytes,
+)
 from service.pipeline import build_operator
 from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
@@ -224,3 +230,24 @@ def responses_width(t: dict[str, torch.Tensor]) -> int:
     op = build_operator(cfg.operator, t, torch.device("cpu"))
     assert isinstance(op, BandedResampler)
     return op.band_width
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_input_buffers_are_bounded_like_the_operator(tmp_path: Path, dtype: str) -> None:
+    # Each input's device buffer is allocated whole at load: max(max_batch_size, 1) items of
+    # its logical shape in the dtype it is computed in. One byte over the limit is refused,
+    # naming the input and the size; exactly the limit loads.
+    b = 4000
+    itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
+    body = text(dtype=dtype, b=b).replace("max_batch_size = 2", "max_batch_size = 64")
+    cfg = parse_config(tomllib.loads(body), "m")
+    x = torch.linspace(0, b - 1, b)
+    write(tmp_path, {"x": x, "c": x[::50].repeat(N, 1).contiguous()}, body)
+    need = 64 * N * b * itemsize
+    assert buffer_bytes(cfg) == [need]
+    load(tmp_path, limit=need)
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, limit=need - 1)
+    said = f"inputs[0] (bits): max_batch_size 64 x shape [{N}, {b}] needs a device buffer of "
+    assert f"{said}{need:,} bytes, more than max_operator_bytes ({need - 1:,})" in str(e.value)
+    assert check_repository(tmp_path, max_operator_bytes=need - 1) == e.value.problems
