@@ -133,6 +133,7 @@ def create_app(
             default_device=settings.device,
             warmup=settings.warmup,
             max_operator_bytes=settings.max_operator_bytes,
+            max_batch_bytes=settings.max_batch_bytes,
         )
     repo = repository
 

@@ -93,14 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "print one line per problem, exit 1 if there is any.",
     )
     check.add_argument("root", type=Path, metavar="DIR")
-    limit = Settings.model_fields["max_operator_bytes"]
-    check.add_argument(
-        "--max-operator-bytes",
-        metavar="N",
-        default=None,
-        help="refuse operators bigger than this, as `serve` does [env "
-        f"BITSERVE_MAX_OPERATOR_BYTES; default {limit.default}]",
-    )
+    for name, what in (("max_operator_bytes", "operators"), ("max_batch_bytes", "input buffers")):
+        check.add_argument(
+            "--" + name.replace("_", "-"),
+            metavar="N",
+            default=None,
+            help=f"refuse {what} bigger than this, as `serve` does [env "
+            f"BITSERVE_{name.upper()}; default {Settings.model_fields[name].default}]",
+        )
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
     return parser
@@ -222,31 +222,37 @@ def serve(settings: Settings) -> int:
     return run_server(Server(uvicorn_config(settings, app, log_config)))
 
 
-def _operator_limit(flag: str | None) -> int:
-    """``--max-operator-bytes``, else ``BITSERVE_MAX_OPERATOR_BYTES``, else the default: the
-    limit ``serve`` would apply in the same environment, validated as the setting is."""
-    field = Settings.model_fields["max_operator_bytes"]
-    raw = flag if flag is not None else os.environ.get("BITSERVE_MAX_OPERATOR_BYTES") or None
+def _limit(name: str, flag: str | None) -> int:
+    """A size limit of check-repo: its flag, else its ``BITSERVE_`` variable, else the
+    default: the limit ``serve`` would apply in the same environment, validated as the setting
+    is."""
+    field = Settings.model_fields[name]
+    raw = flag if flag is not None else os.environ.get(f"BITSERVE_{name.upper()}") or None
     if raw is None:
         return int(field.default)
     adapter: TypeAdapter[int] = TypeAdapter(Annotated[int, *field.metadata])
     return adapter.validate_python(raw.strip())
 
 
-def check_repo(root: Path, max_operator_bytes: str | None = None) -> int:
+def check_repo(
+    root: Path, max_operator_bytes: str | None = None, max_batch_bytes: str | None = None
+) -> int:
     """``bitserve check-repo``: one line per problem on stderr; 0 when valid, 1 if not, 2 for
     a bad limit. Never a traceback: every error is a problem of the file it came from."""
-    try:
-        limit = _operator_limit(max_operator_bytes)
-    except ValidationError as e:
-        print(f"bitserve check-repo: max_operator_bytes: {e.errors()[0]['msg']}", file=sys.stderr)
-        return 2
+    limits: dict[str, int] = {}
+    for name, flag in (("max_operator_bytes", max_operator_bytes),
+                       ("max_batch_bytes", max_batch_bytes)):  # fmt: skip
+        try:
+            limits[name] = _limit(name, flag)
+        except ValidationError as e:
+            print(f"bitserve check-repo: {name}: {e.errors()[0]['msg']}", file=sys.stderr)
+            return 2
     if not root.is_dir():
         print(f"{root}: not a folder", file=sys.stderr)
         return 1
     from service.model_files import check_repository
 
-    problems = check_repository(root, max_operator_bytes=limit)
+    problems = check_repository(root, **limits)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
@@ -269,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return serve(settings)
     if args.command == "check-repo":
-        return check_repo(args.root, args.max_operator_bytes)
+        return check_repo(args.root, args.max_operator_bytes, args.max_batch_bytes)
     if args.command == "demo-repo":
         from service.demo import write_demo_repository
 

@@ -65,6 +65,8 @@ def safe_text(text: str, limit: int = 200) -> str:
 CONFIG_FILE = "config.toml"
 DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
 """Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
+DEFAULT_MAX_BATCH_BYTES = 4 << 30
+"""Default of the ``max_batch_bytes`` setting (and ``check-repo --max-batch-bytes``)."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
 

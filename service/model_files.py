@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from service.config import (
+    DEFAULT_MAX_BATCH_BYTES,
     ConfigError,
     ModelConfig,
     VersionSource,
@@ -52,13 +53,19 @@ Header = Mapping[str, tuple[list[int], str]]
 
 
 def load_version(
-    src: VersionSource, *, max_operator_bytes: int, patch: Mapping[str, Any] | None = None
+    src: VersionSource,
+    *,
+    max_operator_bytes: int,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    patch: Mapping[str, Any] | None = None,
 ) -> tuple[ModelConfig, Artifacts]:
     """Read and check one version's config and files, on the host (never with pickle).
 
     Args:
         src: where the version lives (from :func:`service.config.model_versions`).
         max_operator_bytes: the most bytes its response operator may take once built.
+        max_batch_bytes: the most bytes each of its input buffers may take (see
+            :func:`check_buffers`).
         patch: ``config.toml`` keys a load's config override replaces (see
             :func:`service.config.load_config`).
 
@@ -72,7 +79,7 @@ def load_version(
     cfg = load_config(src.checked_config_path(), src.source, patch=patch)
     errors: list[ConfigError] = []
     try:
-        check_buffers(cfg, src.source, max_operator_bytes)
+        check_buffers(cfg, src.source, max_batch_bytes)
     except ConfigError as exc:
         errors.append(exc)
     model_path: Path | None = None
@@ -114,7 +121,8 @@ def buffer_bytes(cfg: ModelConfig) -> list[int]:
 
 
 def check_buffers(cfg: ModelConfig, source: str, limit: int) -> None:
-    """Refuse a config whose input buffers (allocated whole at load) would pass ``limit``.
+    """Refuse a config whose input buffers (allocated whole at load) would pass ``limit``
+    (the ``max_batch_bytes`` setting).
 
     A load's config override can raise ``max_batch_size``: without this bound one request
     could make the server allocate, and touch, more memory than the host has.
@@ -125,7 +133,7 @@ def check_buffers(cfg: ModelConfig, source: str, limit: int) -> None:
     problems = [
         f"{source}: inputs[{i}] ({safe_text(spec.name)}): max_batch_size "
         f"{cfg.max_batch_size} x shape {spec.shape} needs a device buffer of {n:,} bytes, "
-        f"more than max_operator_bytes ({limit:,})"
+        f"more than max_batch_bytes ({limit:,})"
         for i, (spec, n) in enumerate(zip(cfg.inputs, buffer_bytes(cfg), strict=True))
         if n > limit
     ]
@@ -161,7 +169,13 @@ def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted
     return n * num_coarse * per_point
 
 
-def check_model(root: Path, name: str, *, max_operator_bytes: int) -> list[str]:
+def check_model(
+    root: Path,
+    name: str,
+    *,
+    max_operator_bytes: int,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+) -> list[str]:
     """Every problem of one model of a repository, through :func:`load_version`.
 
     Returns:
@@ -175,7 +189,9 @@ def check_model(root: Path, name: str, *, max_operator_bytes: int) -> list[str]:
     problems: list[str] = []
     for src in versions.values():
         try:
-            load_version(src, max_operator_bytes=max_operator_bytes)
+            load_version(
+                src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes
+            )
         except ConfigError as exc:
             problems += exc.details
         except Exception as exc:  # a bug of ours: still one line, never a traceback
@@ -183,7 +199,9 @@ def check_model(root: Path, name: str, *, max_operator_bytes: int) -> list[str]:
     return problems
 
 
-def check_repository(root: Path, *, max_operator_bytes: int) -> list[str]:
+def check_repository(
+    root: Path, *, max_operator_bytes: int, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+) -> list[str]:
     """Validate a repository without putting anything on a device (``bitserve check-repo``).
 
     Returns:
@@ -197,7 +215,8 @@ def check_repository(root: Path, *, max_operator_bytes: int) -> list[str]:
         return [f"{root}: not a directory"]
     if not names:
         return [f"{root}: no model folders"]
-    return [p for n in names for p in check_model(root, n, max_operator_bytes=max_operator_bytes)]
+    limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
+    return [p for n in names for p in check_model(root, n, **limits)]
 
 
 # --- the operator -------------------------------------------------------------------------

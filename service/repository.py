@@ -19,6 +19,7 @@ import torch
 
 from service.batcher import Batcher
 from service.config import (
+    DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
@@ -67,6 +68,7 @@ class ModelRepository:
         warmup: run a full-size batch through each model at load.
         max_operator_bytes: the most bytes a model's response operator may take once built
             (checked by :func:`service.model_files.load_version`, as ``check-repo`` does).
+        max_batch_bytes: the most bytes each of a model's input buffers may take (the same).
         initial_models: the models :meth:`start` loads; None: every model of the repository
             (``--workers``: the set the workers agreed on, see ``service.cluster``).
     """
@@ -79,10 +81,12 @@ class ModelRepository:
         default_device: str = "auto",
         warmup: bool = True,
         max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         initial_models: list[str] | None = None,
     ) -> None:
         self.root = root
         self.max_operator_bytes = max_operator_bytes
+        self.max_batch_bytes = max_batch_bytes
         self.metrics = metrics
         self.statistics = metrics.statistics if metrics is not None else Statistics()
         """Every version's counts (the metrics' own, so Triton's metrics show them)."""
@@ -302,7 +306,7 @@ class ModelRepository:
             source = "<built-in demo>/config.toml"
             cfg = demo_config(patch)
             tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-            check_buffers(cfg, source, self.max_operator_bytes)
+            check_buffers(cfg, source, self.max_batch_bytes)
             check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
             pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
@@ -314,7 +318,10 @@ class ModelRepository:
         for v, src in sources.items():
             try:
                 cfg, artifacts = load_version(
-                    src, max_operator_bytes=self.max_operator_bytes, patch=patch
+                    src,
+                    max_operator_bytes=self.max_operator_bytes,
+                    max_batch_bytes=self.max_batch_bytes,
+                    patch=patch,
                 )
                 device = resolve_device(cfg.device, self.default_device, source=src.source)
                 pipe = Pipeline(name, cfg, artifacts, device, warmup=self.warmup,

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.config import DEFAULT_MAX_OPERATOR_BYTES
+from service.config import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_OPERATOR_BYTES
 from service.devices import cuda_count, parse_device
 
 
@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     huge ``support`` or a fine grid too coarse for it, is refused at load with its size,
     before anything is built; ``bitserve check-repo --max-operator-bytes`` applies the same
     limit. The default, 1 GiB, is about 25 times the demo's operator."""
+
+    max_batch_bytes: int = Field(default=DEFAULT_MAX_BATCH_BYTES, gt=0)
+    """Most bytes each input buffer of a model may take on its device: ``max(max_batch_size,
+    1)`` items of the input's shape, in the dtype it is computed in, allocated whole at load.
+    A bigger one is refused at load with its size (a load's config override of
+    ``max_batch_size`` could otherwise ask for more memory than the host has); ``bitserve
+    check-repo --max-batch-bytes`` applies the same limit. The default, 4 GiB, is 64 times
+    the demo's."""
 
     max_inflight_bytes: int = Field(default=256 << 20, ge=0)
     """Most bytes of inference request bodies held at once (per worker process), over all

@@ -111,3 +111,22 @@ def test_check_repo_operator_limit(
         assert main(["check-repo", str(tmp_path), "--max-operator-bytes", bad]) == 2
         assert "bitserve check-repo: max_operator_bytes: " in capsys.readouterr().err
     assert Settings().max_operator_bytes == 1000000
+
+
+def test_check_repo_batch_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["demo-repo", str(tmp_path)]) == 0
+    capsys.readouterr()
+    buffer = 16 * 20 * 50000 * 4  # max_batch_size x shape x float32
+    assert main(["check-repo", str(tmp_path), "--max-batch-bytes", str(buffer)]) == 0
+    assert main(["check-repo", str(tmp_path), "--max-batch-bytes", str(buffer - 1)]) == 1
+    assert (
+        f"demo/1/config.toml: inputs[0] (spikes): max_batch_size 16 x shape [20, 50000] needs a "
+        f"device buffer of {buffer:,} bytes, more than max_batch_bytes ({buffer - 1:,})"
+    ) in capsys.readouterr().err
+    monkeypatch.setenv("BITSERVE_MAX_BATCH_BYTES", str(buffer - 1))
+    assert main(["check-repo", str(tmp_path)]) == 1
+    assert main(["check-repo", str(tmp_path), "--max-batch-bytes", "lots"]) == 2
+    assert "bitserve check-repo: max_batch_bytes: " in capsys.readouterr().err
+    assert Settings().max_batch_bytes == buffer - 1

@@ -179,7 +179,7 @@ def test_override_of_the_builtin_demo() -> None:
                 await dp.load("demo", '{"max_batch_size": 65536}')
             assert (
                 "inputs[0] (spikes): max_batch_size 65536 x shape [20, 50000] needs a device "
-                "buffer of 262,144,000,000 bytes, more than max_operator_bytes (1,073,741,824)"
+                "buffer of 262,144,000,000 bytes, more than max_batch_bytes (4,294,967,296)"
             ) in info.value.message
             assert repo.get("demo").config()["max_batch_size"] == 2
         finally:

@@ -233,7 +233,7 @@ def responses_width(t: dict[str, torch.Tensor]) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_input_buffers_are_bounded_like_the_operator(tmp_path: Path, dtype: str) -> None:
+def test_input_buffers_are_bounded(tmp_path: Path, dtype: str) -> None:
     # Each input's device buffer is allocated whole at load: max(max_batch_size, 1) items of
     # its logical shape in the dtype it is computed in. One byte over the limit is refused,
     # naming the input and the size; exactly the limit loads.
@@ -245,9 +245,12 @@ def test_input_buffers_are_bounded_like_the_operator(tmp_path: Path, dtype: str)
     write(tmp_path, {"x": x, "c": x[::50].repeat(N, 1).contiguous()}, body)
     need = 64 * N * b * itemsize
     assert buffer_bytes(cfg) == [need]
-    load(tmp_path, limit=need)
+    src = model_versions(tmp_path, "m")["1"]
+    load_version(src, max_operator_bytes=1 << 30, max_batch_bytes=need)
     with pytest.raises(ConfigError) as e:
-        load(tmp_path, limit=need - 1)
+        load_version(src, max_operator_bytes=1 << 30, max_batch_bytes=need - 1)
     said = f"inputs[0] (bits): max_batch_size 64 x shape [{N}, {b}] needs a device buffer of "
-    assert f"{said}{need:,} bytes, more than max_operator_bytes ({need - 1:,})" in str(e.value)
-    assert check_repository(tmp_path, max_operator_bytes=need - 1) == e.value.problems
+    assert f"{said}{need:,} bytes, more than max_batch_bytes ({need - 1:,})" in str(e.value)
+    limits = {"max_operator_bytes": 1 << 30, "max_batch_bytes": need - 1}
+    assert check_repository(tmp_path, **limits) == e.value.problems
+    assert check_repository(tmp_path, max_operator_bytes=1 << 30) == []  # default: 4 GiB
