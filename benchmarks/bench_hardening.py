@@ -333,8 +333,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = markdown_table(["test", "target", "measured", "met"], rows)
     body = f"""
 One `bitserve serve --workers 1` (otherwise default settings: max_connections 1000,
-head_timeout_s 10, max_inflight_bytes 256 MiB, torch threads = cores - 1) with the demo model as built in (`demo`) and the same with
-`queue_timeout_us = {QUEUE_TIMEOUT_US}` (`demo_qt`); clients on raw asyncio sockets in the
+head_timeout_s 10, max_inflight_bytes 256 MiB, torch threads = cores - 1) with the demo
+model as built in (`demo`) and the same with `queue_timeout_us = {QUEUE_TIMEOUT_US}`
+(`demo_qt`); clients on raw asyncio sockets in the
 benchmark's process, the tricklers in their own (file-descriptor limit {fd_limit}).
 {"Smoke run: tiny sizes; the targets are not meant to be met." if args.smoke else ""}
 Tracebacks in the server's log over the whole run: {tracebacks}.
