@@ -1,6 +1,6 @@
 """The data plane: everything about a request, decided once, for every transport.
 
-Transports (the REST fast path in ``service.rest``, FastAPI's control routes, gRPC) are thin
+Transports (the REST fast path in ``service.fastpath``, FastAPI's control routes, gRPC) are thin
 adapters: they take their envelope apart, call a method here, and write the answer back in
 their own envelope. The data plane decodes (the V2 REST framing), checks the request against
 the model once (``service.signature``), submits it to the model's batcher, builds the
@@ -362,19 +362,6 @@ class DataPlane:
         await self.repository.unload(name)
 
     # --- inference ------------------------------------------------------------------------
-
-    async def infer(self, handle: ModelHandle, request: InferRequest) -> InferResponse:
-        """:func:`infer` of a request already decoded for ``handle``, counted in the model's
-        statistics (a transport goes through :meth:`infer_with`, which also looks the model
-        up, checks its queue and counts the metrics)."""
-        t0 = time.perf_counter_ns()
-        ok = False
-        try:
-            response = await infer(handle, request)
-            ok = True
-            return response
-        finally:
-            handle.stats.request_done(ok, time.perf_counter_ns() - t0)
 
     async def infer_with(
         self,

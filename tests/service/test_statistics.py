@@ -387,6 +387,8 @@ async def test_metrics_carry_tritons_names_next_to_bitserves(client: httpx.Async
 
 
 def test_transports_that_decode_on_their_own_are_counted_too() -> None:
+    # gRPC decodes its own messages and frames its own answers: what it hands the data plane
+    # (DataPlane.infer_with) is counted in the statistics as REST's requests are.
     from service.dataplane import DataPlane
     from service.protocol.types import InferRequest, RequestInput
 
@@ -395,11 +397,19 @@ def test_transports_that_decode_on_their_own_are_counted_too() -> None:
         dp = DataPlane(repo, Metrics(nvml=None))
         handle = repo.models["echo"]
         x = np.ones((1, 4), np.uint8)
-        ok = InferRequest(id=None, inputs=[RequestInput("x", "UINT8", (1, 4), x)])
-        await dp.infer(handle, ok)
-        missing = InferRequest(id=None, inputs=[RequestInput("y", "UINT8", (1, 4), x)])
+
+        async def run(name: str) -> None:
+            async def decode(h: Any) -> InferRequest:
+                return InferRequest(id=None, inputs=[RequestInput(name, "UINT8", (1, 4), x)])
+
+            async def encode(h: Any, request: InferRequest, response: Any) -> None:
+                return None
+
+            await dp.infer_with("echo", None, decode, encode)
+
+        await run("x")
         with pytest.raises(InvalidInput, match="missing input 'x'"):
-            await dp.infer(handle, missing)
+            await run("y")
         await handle.batcher.stop()
         assert (handle.stats.success_count, handle.stats.fail_count) == (1, 1)
 
