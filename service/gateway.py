@@ -18,14 +18,14 @@ never send that body, and whatever it sends next could not be told apart from it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.errors import Overloaded, ServiceError
+from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_infer, send_json_error
 from service.observability import RequestIds, printable_path, request_id_var
-from service.protocol.response import error_body
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
@@ -53,22 +53,12 @@ def _close_if_unread(receive: Receive, send: Send) -> tuple[Receive, Send]:
     return receive_body, send_closing
 
 
-async def _last_answer(send: Send, status: int, message: str, request_id: str) -> None:
+async def _last_answer(send: Send, error: ServiceError, request_id: str) -> None:
     """A JSON error for a request whose handler failed, closing the connection; nothing if
     the handler had begun its own answer (uvicorn refuses a second start) or the client
     left."""
-    body = error_body(message)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", request_id.encode()),
-        (b"connection", b"close"),
-    ]
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-    except (RuntimeError, OSError):
-        pass
+    with contextlib.suppress(RuntimeError, OSError):
+        await send_json_error(send, error, request_id, close=True)
 
 
 class HeaderLimit(ServiceError):
@@ -186,7 +176,7 @@ class Gateway:
             log.exception("unhandled error in %s %s", scope["method"], printable_path(path))
             if not started and status == 0:
                 status = 500
-                await _last_answer(send, 500, f"internal error (request id {rid})", rid)
+                await _last_answer(send, ServiceError(f"internal error (request id {rid})"), rid)
         except asyncio.CancelledError:
             # uvicorn cancels the requests still running when graceful_shutdown_s is over;
             # it would answer them with a plain-text 500 and log a traceback each. The task
@@ -196,7 +186,9 @@ class Gateway:
             )
             if not started and status == 0:
                 status = 503
-                await _last_answer(send, 503, "the server is shutting down; retry later", rid)
+                await _last_answer(
+                    send, ModelNotReady("the server is shutting down; retry later"), rid
+                )
         finally:
             if self.access_log:
                 request_log.info(
