@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,8 +51,6 @@ BEFORE = "bitserve before"
 
 
 def _revision(checkout: Path) -> str:
-    import subprocess
-
     out = subprocess.run(
         ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
@@ -98,6 +97,8 @@ def main() -> None:
             raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
         print("perf_analyzer not found: a small Python load stands in for this smoke run")
     rounds = 1 if args.smoke else 3
+    before = known.before.resolve() if known.before is not None else None
+    before_label = f"{BEFORE} ({_revision(before)})" if before is not None else ""
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         repo = tiny.write_repository(Path(tmp) / "tiny")
         quiet = ["--no-access-log"] if args.smoke else []
@@ -108,9 +109,8 @@ def main() -> None:
             (FASTAPI, perf.module("benchmarks.overhead.fastapi_v2")),
             (FLOOR, perf.module("benchmarks.overhead.asgi_v2")),
         ]
-        if known.before is not None:
-            rev = known.before.resolve()
-            servers.insert(0, (f"{BEFORE} ({_revision(rev)})", before_server(rev, repo)))
+        if before is not None:
+            servers.insert(0, (before_label, before_server(before, repo)))
         loads: dict[tuple[str, int], list[Load]] = {}
         with perf.start(servers) as running:
             for r in running:
@@ -126,10 +126,8 @@ def main() -> None:
         demo_repo = Path(tmp) / "demo"
         write_demo_repository(demo_repo)
         demo_servers = [(DEFAULTS, perf.bitserve(demo_repo))]
-        if known.before is not None:
-            demo_servers.insert(
-                0, (servers[0][0], before_server(known.before.resolve(), demo_repo))
-            )
+        if before is not None:
+            demo_servers.insert(0, (before_label, before_server(before, demo_repo)))
         demo: dict[tuple[str, int], Load] = {}
         with perf.start(demo_servers) as running:
             for r in running:
@@ -164,11 +162,12 @@ def main() -> None:
         ):
             targets.append([f"c={c}: {label} / {base}", ratio(label, base, c), target])
     targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), ">= 1.3"])
-    if known.before is not None:
-        before = servers[0][0]
+    if before is not None:
         for c in CONCURRENCY:
-            targets.append([f"c={c}: {before} / {FASTAPI}", ratio(before, FASTAPI, c), "was"])
-            targets.append([f"c={c}: {DEFAULTS} / {before}", ratio(DEFAULTS, before, c), "gain"])
+            was = ratio(before_label, FASTAPI, c)
+            targets.append([f"c={c}: {before_label} / {FASTAPI}", was, "was"])
+            gain = ratio(DEFAULTS, before_label, c)
+            targets.append([f"c={c}: {DEFAULTS} / {before_label}", gain, "gain"])
     for label, _ in demo_servers:
         d8, d32 = demo[(label, 8)], demo[(label, 32)]
         targets.append([f"demo, {label}: req/s at c=32 / c=8", d32.rps / d8.rps, ">= 1.0"])
