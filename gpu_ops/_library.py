@@ -13,7 +13,7 @@ kernel through :func:`torch.library.register_fake`, autograd through
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ LIBRARY = torch.library.Library("bitserve", "DEF")  # type: ignore[no-untyped-ca
 # Where a kernel registered for a device goes; None: the kernel of every other device.
 _KEYS = {"cpu": "CPU", "cuda": "CUDA", None: "CompositeExplicitAutograd"}
 F = Callable[..., Any]
+K = TypeVar("K", bound=F)
 
 
 class Op:
@@ -47,10 +48,10 @@ class Op:
     def __call__(self, *args: Any) -> Any:
         return self.overload(*args)
 
-    def register_kernel(self, device: str | None) -> Callable[[F], F]:
+    def register_kernel(self, device: str | None) -> Callable[[K], K]:
         """Decorator: the kernel of ``device`` (``"cpu"``, ``"cuda"``; None: every other)."""
 
-        def register(fn: F) -> F:
+        def register(fn: K) -> K:
             LIBRARY.impl(self.name, fn, _KEYS[device])  # type: ignore[no-untyped-call]
             self.kernels[device] = fn
             return fn

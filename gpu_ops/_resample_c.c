@@ -418,7 +418,7 @@ INLINE void response(const int code, const double *xs, double c, int64_t len, fl
     }
 }
 
-/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero, never called). */
+/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere). */
 INLINE void derivatives(const int code, const double *xs, double c, int64_t len, float p,
                         float *dd, float *dp) {
     const float ip = 1.0f / p;
@@ -432,6 +432,9 @@ INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
             const float r = exp_neg(-0.5f * u * u);
             a = -u * ip * r;
             b = u * u * ip * r;
+        } else if (code == 1) {
+            a = 0.0f;
+            b = 0.0f;
         } else if (code == 2) {
             const float ad = __builtin_fabsf(d);
             const float on = (float)(ad < p);

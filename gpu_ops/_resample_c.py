@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from gpu_ops import _cbuild
+from gpu_ops import _cbuild, responses
 
 _SOURCE = Path(__file__).with_name("_resample_c.c")
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Fine points per task in the transposed band: big enough that scanning the A windows per
 # task is cheap, small enough that M such rows stay in L2.
 _BACKWARD_BLOCK = 2048
+_BOXCAR = responses.named("boxcar").code
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -130,9 +131,8 @@ class Windows:
     def __init__(self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, half: float):
         self.x = x.contiguous()
         self.c = c.detach().to(torch.float64).contiguous()
-        self.first = torch.searchsorted(self.x, self.c - half, side="left")
-        self.last = torch.searchsorted(self.x, self.c + half, side="right")
-        self.wmax = int((self.last - self.first).max()) if self.c.numel() else 0
+        # wmax sizes the kernels' per-thread buffers (at least 1).
+        self.first, self.last, self.wmax = responses.windows(self.x, self.c, -half, half)
         self.code, self.param = code, param
 
     def args(self) -> tuple[int, int, int, int, int, float, int]:
@@ -165,17 +165,18 @@ def otf_backward_f(lib: ctypes.CDLL, g: torch.Tensor, win: Windows, B: int) -> t
 
 
 def otf_backward_c_param(
-    lib: ctypes.CDLL, f: torch.Tensor, g: torch.Tensor, win: Windows, boxcar: bool
+    lib: ctypes.CDLL, f: torch.Tensor, g: torch.Tensor, win: Windows
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_c (N, A), grad_param 0-d), float32, from contiguous float32 f and g.
 
-    A boxcar's derivatives are zero almost everywhere: zeros without a kernel call.
+    A boxcar's derivatives are zero almost everywhere (the kernel says so too): zeros without
+    a kernel call.
     """
     M, N, B = f.shape
     A = g.shape[-1]
     gc = torch.zeros(N, A, dtype=torch.float32)
     gp = torch.zeros(N, A, dtype=torch.float32)
-    if not boxcar:
+    if win.code != _BOXCAR:
         lib.bs_otf_backward_cp(
             f.data_ptr(), g.data_ptr(), *win.args(), gc.data_ptr(), gp.data_ptr(), M, N, A, B,
             win.wmax, torch.get_num_threads(),

@@ -65,7 +65,9 @@ banded_forward = Op(
 
 
 @banded_forward.register_kernel(None)
-def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor:
+def _torch_banded_forward(
+    f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool
+) -> Tensor:
     """out (M, N, A) in f's dtype: ``sum_j weights[n, a, j] * f[m, n, starts[n, a] + j]``.
 
     Args:
@@ -84,7 +86,7 @@ def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor
 def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor:
     lib = _resample_c.kernels()
     if lib is None or _wide(f, weights):
-        return _resample_torch.forward(f, starts, weights).to(f.dtype)
+        return _torch_banded_forward(f, starts, weights, sorted_starts)
     s, w = starts.contiguous(), weights.contiguous()
     return _resample_c.forward(lib, _f32(f), s, w).to(f.dtype)
 
@@ -101,7 +103,9 @@ banded_backward_f = Op(
 
 
 @banded_backward_f.register_kernel(None)
-def _(grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool) -> Tensor:
+def _torch_banded_backward_f(
+    grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool
+) -> Tensor:
     """grad_f (M, N, B) in grad's dtype from grad (M, N, A): the transposed band."""
     return _resample_torch.backward_f(grad, starts, weights, num_fine).to(grad.dtype)
 
@@ -110,7 +114,7 @@ def _(grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_start
 def _(grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool) -> Tensor:
     lib = _resample_c.kernels()
     if lib is None or _wide(grad, weights):
-        return _resample_torch.backward_f(grad, starts, weights, num_fine).to(grad.dtype)
+        return _torch_banded_backward_f(grad, starts, weights, num_fine, sorted_starts)
     s, w = starts.contiguous(), weights.contiguous()
     return _resample_c.backward_f(lib, _f32(grad), s, w, num_fine, sorted_starts).to(grad.dtype)
 
@@ -126,7 +130,7 @@ banded_backward_w = Op(
 
 
 @banded_backward_w.register_kernel(None)
-def _(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
+def _torch_banded_backward_w(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
     """grad_w (N, A, W), float32 (float64 for float64 operands), from grad and f."""
     return _resample_torch.backward_w(grad, f, starts, width)
 
@@ -135,7 +139,7 @@ def _(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
 def _(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
     lib = _resample_c.kernels()
     if lib is None or _wide(grad, f):
-        return _resample_torch.backward_w(grad, f, starts, width)
+        return _torch_banded_backward_w(grad, f, starts, width)
     return _resample_c.backward_w(lib, _f32(grad), _f32(f), starts.contiguous(), width)
 
 
@@ -177,7 +181,7 @@ on_the_fly_forward = Op(
 
 
 @on_the_fly_forward.register_kernel(None)
-def _(
+def _torch_otf_forward(
     f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
 ) -> Tensor:
     """out (M, N, A) in f's dtype, ``sum_b r(c[n, a] - x[b]) f[m, n, b]`` over the windows.
@@ -213,8 +217,7 @@ def _(
 ) -> Tensor:
     lib = _resample_c.kernels()
     if lib is None or _wide(f, c):
-        spec = responses.named(response)
-        return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
+        return _torch_otf_forward(f, x, c, param, response, support)
     win = _c_windows(x, c, param, response, support)
     return _resample_c.otf_forward(lib, _f32(f), win).to(f.dtype)
 
@@ -233,7 +236,7 @@ on_the_fly_backward_f = Op(
 
 
 @on_the_fly_backward_f.register_kernel(None)
-def _(
+def _torch_otf_backward_f(
     grad: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
     num_fine: int,
 ) -> Tensor:  # fmt: skip
@@ -250,9 +253,8 @@ def _(
 ) -> Tensor:  # fmt: skip
     lib = _resample_c.kernels()
     if lib is None or _wide(grad, c):
-        spec = responses.named(response)
-        out = _resample_torch.otf_backward_f(grad, x, c, spec, param, support, num_fine)
-        return out.to(grad.dtype)
+        args = (grad, x, c, param, response, support, num_fine)
+        return _torch_otf_backward_f(*args)
     win = _c_windows(x, c, param, response, support)
     return _resample_c.otf_backward_f(lib, _f32(grad), win, num_fine).to(grad.dtype)
 
@@ -272,7 +274,7 @@ on_the_fly_backward_c_param = Op(
 
 
 @on_the_fly_backward_c_param.register_kernel(None)
-def _(
+def _torch_otf_backward_c_param(
     grad: Tensor, f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
     support: float | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -289,13 +291,10 @@ def _(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     lib = _resample_c.kernels()
     if lib is None or _wide(grad, f, c):
-        spec = responses.named(response)
-        gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, spec, param, support)
-    else:
-        win = _c_windows(x, c, param, response, support)
-        gc, gp = _resample_c.otf_backward_c_param(
-            lib, _f32(f), _f32(grad), win, response == "boxcar"
-        )
+        args = (grad, f, x, c, param, response, support)
+        return _torch_otf_backward_c_param(*args)
+    win = _c_windows(x, c, param, response, support)
+    gc, gp = _resample_c.otf_backward_c_param(lib, _f32(f), _f32(grad), win)
     return gc.to(c.dtype), gp.to(param.dtype)
 
 
@@ -338,7 +337,7 @@ if _triton_band is not None:
     @banded_forward.register_kernel("cuda")
     def _(f: Tensor, starts: Tensor, weights: Tensor, sorted_starts: bool) -> Tensor:
         if _wide(f, weights):
-            return _resample_torch.forward(f, starts, weights).to(f.dtype)
+            return _torch_banded_forward(f, starts, weights, sorted_starts)
         return _band.forward(f.contiguous(), starts.contiguous(), weights.contiguous()).to(f.dtype)
 
     @banded_backward_f.register_kernel("cuda")
@@ -346,14 +345,14 @@ if _triton_band is not None:
         grad: Tensor, starts: Tensor, weights: Tensor, num_fine: int, sorted_starts: bool
     ) -> Tensor:
         if _wide(grad, weights):
-            return _resample_torch.backward_f(grad, starts, weights, num_fine).to(grad.dtype)
+            return _torch_banded_backward_f(grad, starts, weights, num_fine, sorted_starts)
         s, w = starts.contiguous(), weights.contiguous()
         return _band.backward_f(_f32(grad), s, w, num_fine, sorted_starts).to(grad.dtype)
 
     @banded_backward_w.register_kernel("cuda")
     def _(grad: Tensor, f: Tensor, starts: Tensor, width: int) -> Tensor:
         if _wide(grad, f):
-            return _resample_torch.backward_w(grad, f, starts, width)
+            return _torch_banded_backward_w(grad, f, starts, width)
         return _band.backward_w(_f32(grad), _f32(f), starts.contiguous(), width)
 
 
@@ -368,8 +367,7 @@ if _triton_otf is not None:
         f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
     ) -> Tensor:
         if _wide(f, c):
-            spec = responses.named(response)
-            return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
+            return _torch_otf_forward(f, x, c, param, response, support)
         geo = _geometry(x, c, param, response, support)
         return _otf.forward(_f32(f), geo).to(f.dtype)
 
@@ -379,9 +377,8 @@ if _triton_otf is not None:
         support: float | None, num_fine: int,
     ) -> Tensor:  # fmt: skip
         if _wide(grad, c):
-            spec = responses.named(response)
-            out = _resample_torch.otf_backward_f(grad, x, c, spec, param, support, num_fine)
-            return out.to(grad.dtype)
+            args = (grad, x, c, param, response, support, num_fine)
+            return _torch_otf_backward_f(*args)
         geo = _geometry(x, c, param, response, support)
         return _otf.grad_f(_f32(grad), geo, num_fine).to(grad.dtype)
 
@@ -391,9 +388,8 @@ if _triton_otf is not None:
         support: float | None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         if _wide(grad, f, c):
-            spec = responses.named(response)
-            gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, spec, param, support)
-        else:
-            geo = _geometry(x, c, param, response, support)
-            gc, gp = _otf.grad_c_param(_f32(f), _f32(grad), geo)
+            args = (grad, f, x, c, param, response, support)
+            return _torch_otf_backward_c_param(*args)
+        geo = _geometry(x, c, param, response, support)
+        gc, gp = _otf.grad_c_param(_f32(f), _f32(grad), geo)
         return gc.to(c.dtype), gp.to(param.dtype)
