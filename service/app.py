@@ -127,14 +127,7 @@ def create_app(
     if repository is None:
         from service.repository import ModelRepository
 
-        repository = ModelRepository(
-            settings.model_repository,
-            metrics=metrics,
-            default_device=settings.device,
-            warmup=settings.warmup,
-            max_operator_bytes=settings.max_operator_bytes,
-            max_batch_bytes=settings.max_batch_bytes,
-        )
+        repository = ModelRepository.from_settings(settings, metrics)
     repo = repository
 
     @asynccontextmanager

@@ -36,6 +36,7 @@ from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.model_files import check_buffers, check_operator, load_version
 from service.pipeline import Artifacts, Pipeline, resolve_device
+from service.settings import Settings
 from service.signature import Bound, Signature
 from service.statistics import Statistics
 
@@ -100,6 +101,33 @@ class ModelRepository:
         self._memory_devices: dict[str, set[str]] = {}
         self._started = False
         self._closing = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        device: str | None = None,
+        initial_models: list[str] | None = None,
+    ) -> ModelRepository:
+        """The server's repository as ``settings`` describe it (its folder, warm-up and
+        limits): the one way ``serve`` and every ``--workers`` worker build it.
+
+        Args:
+            device: the device for ``device = "auto"`` configs (a worker's own GPU);
+                None: ``settings.device``.
+            initial_models: see the class.
+        """
+        return cls(
+            settings.model_repository,
+            metrics=metrics,
+            default_device=settings.device if device is None else device,
+            warmup=settings.warmup,
+            max_operator_bytes=settings.max_operator_bytes,
+            max_batch_bytes=settings.max_batch_bytes,
+            initial_models=initial_models,
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
 

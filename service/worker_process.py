@@ -99,12 +99,8 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
         max_body_bytes=settings.max_body_bytes,
     )
     metrics.statistics_source = cluster.statistics  # /metrics and the stats routes: all of it
-    repository = ModelRepository(
-        settings.model_repository,
-        metrics=metrics,
-        default_device=spec.device,
-        warmup=settings.warmup,
-        initial_models=cluster.initial_models(),
+    repository = ModelRepository.from_settings(
+        settings, metrics, device=spec.device, initial_models=cluster.initial_models()
     )
     app = create_app(settings, repository, metrics=metrics, grpc=True, grpc_shared_port=True)
     cluster.install(app)

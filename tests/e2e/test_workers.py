@@ -389,3 +389,25 @@ def test_shared_memory_log_settings_and_statistics_are_the_whole_servers(
     finally:
         region.close()
         region.unlink()
+
+
+def test_every_worker_applies_the_size_limits(tmp_path: Path) -> None:
+    # Each worker builds its repository from the server's settings: a flag's limit holds in
+    # every worker, as in one process. Input buffers: max_batch_size x N x L float32 bytes.
+    limit = 8 * N * L * 4
+    repo = write_models(tmp_path / "repo", big=(16, 0), small=(8, 0))
+    args = ["--workers", "2", "--max-batch-bytes", str(limit)]
+    with start_server(repo, args=args, ready=False, log_dir=tmp_path) as server:
+        seen: dict[str, dict[str, dict[str, str]]] = {}
+        for _ in range(50):  # a new connection each: the kernel spreads them over the workers
+            r = httpx.post(server.url + "/v2/repository/index", timeout=30)
+            seen[r.headers["X-Bitserve-Worker"]] = {e["name"]: e for e in r.json()}
+            if set(seen) == set(WORKERS):
+                break
+    assert set(seen) == set(WORKERS), seen
+    for index in seen.values():
+        assert index["small"]["state"] == "READY"
+        assert index["big"]["state"] == "UNAVAILABLE"
+        assert (
+            f"needs a device buffer of {2 * limit:,} bytes, more than max_batch_bytes ({limit:,})"
+        ) in index["big"]["reason"]
