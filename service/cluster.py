@@ -45,7 +45,9 @@ from typing import Any
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.bodies import CONTROL_BODY_BYTES, read_body
 from service.control import ControlEntry, ControlState
+from service.errors import ServiceError
 from service.protocol.response import dumps
 from service.statistics import Snapshot, merge
 
@@ -137,7 +139,8 @@ class Cluster:
         repository_ready: whether this worker's own models are ready.
         statistics: this worker's statistics snapshots (published for its peers to add up).
         auth_token: the server's bearer token, for the changes this worker replays itself.
-        max_body_bytes: the largest repository request body accepted.
+        max_body_bytes: the largest control request body accepted (as the routes accept).
+        body_timeout_s: the most seconds a control request body may take to arrive.
     """
 
     def __init__(
@@ -150,7 +153,8 @@ class Cluster:
         repository_ready: Callable[[], bool],
         statistics: Callable[[], list[Snapshot]] = list,
         auth_token: str | None = None,
-        max_body_bytes: int = 64 << 20,
+        max_body_bytes: int = CONTROL_BODY_BYTES,
+        body_timeout_s: float | None = 60.0,
     ) -> None:
         self.run_dir = run_dir
         self.index = index
@@ -162,6 +166,7 @@ class Cluster:
         self._published: list[dict[str, Any]] | None = None
         self._auth_token = auth_token
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self._applied: dict[str, int] = {}  # model -> seq of the change applied here
         self._caught_up = False
         self._app: ASGIApp | None = None
@@ -417,13 +422,17 @@ class ClusterMiddleware:
                 self.cluster.applied(name, seq)
             await _send(send, answer)
             return
-        try:
-            body = await _read_all(receive, self.cluster.max_body_bytes)
-        except ConnectionError:
-            return  # the client left mid-body: nothing is applied, nobody to answer
-        if body is None:
-            message = f"request body exceeds the limit of {self.cluster.max_body_bytes} bytes"
-            await _send(send, _Answer(413, [], dumps({"error": message})))
+        try:  # bounded as the routes bound it, before it is held for every worker
+            body = bytes(
+                await read_body(
+                    receive,
+                    declared=None,
+                    limit=self.cluster.max_body_bytes,
+                    timeout_s=self.cluster.body_timeout_s,
+                )
+            )
+        except ServiceError as e:  # too big, too slow, or the client left: nothing applied
+            await _send(send, _Answer(e.status_code, [], dumps({"error": e.message})))
             return
         async with self.cluster.control.locked():
             local = await self._local(scope, _replay_receive(body))
@@ -466,28 +475,6 @@ class ClusterMiddleware:
         await self.app(scope, receive, capture)
         answer.body = b"".join(chunks)
         return answer
-
-
-async def _read_all(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None past ``limit`` bytes.
-
-    Raises:
-        ConnectionError: the client disconnected before the end of the body.
-    """
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionError("client disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 def _replay_receive(body: bytes) -> Receive:

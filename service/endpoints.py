@@ -17,15 +17,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.bodies import CONTROL_BODY_BYTES
 from service.config import safe_text
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.fastpath import InferRoute
 from service.metrics import Metrics
 from service.protocol.response import dumps_plain
-
-# Control bodies (repository index options, load parameters) are small JSON objects.
-_CONTROL_BODY_BYTES = 1 << 20
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -50,15 +48,15 @@ async def read_json_object(
         PayloadTooLarge: more than 1 MiB. RequestTimeout: slower than ``timeout_s``.
     """
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > _CONTROL_BODY_BYTES:
-        raise PayloadTooLarge(f"{what} body of {declared} bytes exceeds {_CONTROL_BODY_BYTES}")
+    if declared is not None and declared.isdigit() and int(declared) > CONTROL_BODY_BYTES:
+        raise PayloadTooLarge(f"{what} body of {declared} bytes exceeds {CONTROL_BODY_BYTES}")
     body = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 body += chunk
-                if len(body) > _CONTROL_BODY_BYTES:
-                    raise PayloadTooLarge(f"{what} body exceeds {_CONTROL_BODY_BYTES} bytes")
+                if len(body) > CONTROL_BODY_BYTES:
+                    raise PayloadTooLarge(f"{what} body exceeds {CONTROL_BODY_BYTES} bytes")
     except TimeoutError:
         raise RequestTimeout(f"the {what} body did not arrive within {timeout_s:g} s") from None
     except ClientDisconnect:

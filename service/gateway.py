@@ -23,8 +23,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from service.bodies import Message, Receive
 from service.errors import ModelNotReady, Overloaded, ServiceError
-from service.fastpath import InferRoute, Message, Receive, Scope, Send, match_infer, send_json_error
+from service.fastpath import InferRoute, Scope, Send, match_infer, send_json_error
 from service.observability import RequestIds, printable_path, request_id_var
 
 log = logging.getLogger(__name__)

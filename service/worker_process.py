@@ -96,7 +96,7 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
         repository_ready=lambda: repository is not None and repository.ready,
         statistics=metrics.statistics.snapshots,
         auth_token=token,
-        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
     )
     metrics.statistics_source = cluster.statistics  # /metrics and the stats routes: all of it
     repository = ModelRepository.from_settings(

@@ -21,8 +21,9 @@ import pytest
 import service.dataplane as dataplane
 import service.protocol.tensors as tensors
 from service.app import create_app
+from service.bodies import Receive, read_body
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
-from service.fastpath import Receive, parse_content_length, read_body
+from service.fastpath import parse_content_length
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
@@ -240,6 +241,10 @@ async def test_read_body_reads_declared_and_chunked_bodies() -> None:
         await read([b"12", b"3456"], 5, 10)
     with pytest.raises(PayloadTooLarge, match="exceeds the limit of 10 bytes"):
         await read([b"123456", b"78901"], None, 10)
+    # In one piece too: a body without a Content-Length is held to the limit however it came.
+    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 10 bytes"):
+        await read([b"12345678901"], None, 10)
+    assert await read([b"1234567890"], None, 10) == b"1234567890"
 
 
 async def test_slow_body_times_out_holding_only_what_arrived() -> None:

@@ -325,6 +325,26 @@ async def test_what_changed_nothing_here_is_not_forwarded(
     assert [call[0] for call in peers.calls] == ["/v2/repository/models/echo/unload"]
 
 
+async def test_a_slow_control_body_times_out_and_changes_nothing(
+    stubbed: tuple[Worker, StubPeers],
+) -> None:
+    # The middleware reads a body whole before it replays it to every worker: it is bounded
+    # in time as the routes bound it (body_timeout_s), so a trickling client holds nothing.
+    w, peers = stubbed
+    w.cluster.body_timeout_s = 0.2
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b"{"
+        await asyncio.sleep(5)
+        yield b"}"
+
+    async with w.client() as c:
+        r = await c.post("/v2/repository/models/echo/unload", content=trickle())
+    assert r.status_code == 408
+    assert r.json() == {"error": "the request body did not arrive within 0.2 s (body timeout)"}
+    assert peers.calls == []
+
+
 async def test_auth_is_checked_before_anything_is_forwarded(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
