@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("root", type=Path, metavar="DIR")
     for name, what in (("max_operator_bytes", "operators"), ("max_batch_bytes", "input buffers")):
         check.add_argument(
-            "--" + name.replace("_", "-"),
+            _flag(name),
             metavar="N",
             default=None,
             help=f"refuse {what} bigger than this, as `serve` does [env "

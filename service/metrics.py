@@ -116,6 +116,8 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        # Each version's batcher adds its own changes (inc/dec of its cached child), so
+        # versions served side by side, or a retiring one, add up and never overwrite.
         self.queue_depth = Gauge(
             "bitserve_queue_depth",
             "Requests waiting in a model's queue.",
@@ -151,11 +153,6 @@ class Metrics:
         self.batch_size.labels(model).observe(items)
         self.batch_requests.labels(model).observe(requests)
         self.compute_time.labels(model).observe(compute_seconds)
-
-    def add_queue_depth(self, model: str, delta: int) -> None:
-        """Change ``model``'s queue depth by ``delta``: each version's batcher reports its own
-        changes, so versions served side by side (or a retiring one) add up, never overwrite."""
-        self.queue_depth.labels(model).inc(delta)
 
     def set_device_memory(self, model: str, device: str, nbytes: int) -> None:
         """Set the device bytes held by ``model``."""

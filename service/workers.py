@@ -319,7 +319,7 @@ class _Supervisor:
                     del self.due[i]
                     self._start(i)
             if not self.ever_ready and all(
-                (self.run_dir / "ready" / f"w{i}").exists() for i in range(self.plan.workers)
+                ready_path(self.run_dir, i).exists() for i in range(self.plan.workers)
             ):
                 self.ever_ready = True
                 log.info("all %d workers are ready", self.plan.workers)

@@ -46,7 +46,7 @@ def exported_series() -> dict[str, set[str]]:
     m.observe_request("demo", "success", 0.01)
     m.observe_queue("demo", [0.001])
     m.observe_batch("demo", items=4, requests=2, compute_seconds=0.005)
-    m.add_queue_depth("demo", 3)
+    m.queue_depth.labels("demo").inc(3)
     m.set_device_memory("demo", "cuda:0", 1 << 20)
     m.in_flight.inc()
     series: dict[str, set[str]] = {}
