@@ -207,10 +207,9 @@ def serve(settings: Settings) -> int:
     if plan.workers > 1:
         return workers.supervise(settings, plan, gpus)
     logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
-    if plan.torch_threads is not None:
-        import torch
+    from service.worker_process import set_torch_threads
 
-        torch.set_num_threads(plan.torch_threads)
+    set_torch_threads(plan.torch_threads, plan.interop_threads)
     from service.app import begin_shutdown, create_app
 
     class Server(uvicorn.Server):

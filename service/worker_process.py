@@ -54,16 +54,23 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def set_torch_threads(torch_threads: int | None, interop_threads: int) -> None:
+    """Apply a :class:`service.workers.WorkerPlan`'s threads to this process (a worker, or
+    the one process of ``--workers 1``): intra-op threads (None: torch's default, as
+    ``OMP_NUM_THREADS`` set them) and inter-op threads."""
+    import torch
+
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    torch.set_num_interop_threads(interop_threads)
+
+
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process: its own torch threads, models, uvicorn server and private socket."""
     # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
     # drains. (uvicorn takes SIGINT over again once it serves.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    if spec.torch_threads is not None:
-        torch.set_num_threads(spec.torch_threads)
-    torch.set_num_interop_threads(spec.interop_threads)
+    set_torch_threads(spec.torch_threads, spec.interop_threads)
     from service.observability import configure_logging
 
     log_config = configure_logging(spec.settings.log_level, worker=spec.index)
