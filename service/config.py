@@ -431,16 +431,13 @@ class VersionSource:
             ConfigError: naming ``key`` when it escapes (through symlinks), loops, or is not
                 a regular file.
         """
-        try:
-            path = (self.folder / file).resolve()
-            inside = path.is_relative_to(self.model_folder.resolve())
-        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
-            raise ConfigError([f"{self.source}: {key}: {file!r} is a symlink loop"]) from None
-        if not inside:
-            raise ConfigError([f"{self.source}: {key}: {file!r} resolves outside the model"])
-        if not path.is_file():
-            raise ConfigError([f"{self.source}: {key}: file {file!r} not found"])
-        return path
+        where = f"{self.source}: {key}: "
+        return self._inside(
+            self.folder / file,
+            loop=f"{where}{file!r} is a symlink loop",
+            outside=f"{where}{file!r} resolves outside the model",
+            missing=f"{where}file {file!r} not found",
+        )
 
     def checked_config_path(self) -> Path:
         """The version's ``config.toml``, refused when it resolves outside the model's folder.
@@ -451,16 +448,26 @@ class VersionSource:
         Raises:
             ConfigError: it leaves the model's folder, loops, or is not a regular file.
         """
+        return self._inside(
+            self.config_path,
+            loop=f"{self.source}: is a symlink loop",
+            outside=f"{self.source}: resolves outside the model's folder",
+            missing=f"{self.source}: missing",
+        )
+
+    def _inside(self, path: Path, *, loop: str, outside: str, missing: str) -> Path:
+        """``path`` resolved, when it is a regular file inside the model's folder; else a
+        ConfigError with the message for what is wrong."""
         try:
-            path = self.config_path.resolve()
-            inside = path.is_relative_to(self.model_folder.resolve())
-        except (OSError, RuntimeError):
-            raise ConfigError([f"{self.source}: is a symlink loop"]) from None
+            resolved = path.resolve()
+            inside = resolved.is_relative_to(self.model_folder.resolve())
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+            raise ConfigError([loop]) from None
         if not inside:
-            raise ConfigError([f"{self.source}: resolves outside the model's folder"])
-        if not path.is_file():
-            raise ConfigError([f"{self.source}: missing"])
-        return path
+            raise ConfigError([outside])
+        if not resolved.is_file():
+            raise ConfigError([missing])
+        return resolved
 
 
 def model_versions(root: Path, name: str) -> dict[str, VersionSource]:
