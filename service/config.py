@@ -12,6 +12,7 @@ Every problem is reported as ``<file>: <key>: <message>``, e.g.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import tomllib
@@ -32,6 +33,8 @@ from pydantic import (
 
 from service.devices import parse_device
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
+
+log = logging.getLogger(__name__)
 
 
 def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
@@ -518,3 +521,18 @@ def model_versions(root: Path, name: str) -> dict[str, VersionSource]:
 def model_names(root: Path) -> list[str]:
     """Sub-folder names of ``root`` that look like models (hidden entries are skipped), sorted."""
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def repository_models(root: Path | None) -> list[str]:
+    """The models a server serves from ``root``: the built-in ``demo`` without a repository,
+    else every sub-folder with a valid model name (others are logged and skipped). The one
+    answer for a single server and for the ``--workers`` supervisor."""
+    if root is None:
+        return ["demo"]
+    names = []
+    for name in model_names(root):
+        if valid_model_name(name):
+            names.append(name)
+        else:
+            log.warning("skipping %r: not a valid model name", name)
+    return names

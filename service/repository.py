@@ -24,8 +24,8 @@ from service.config import (
     ConfigError,
     ModelConfig,
     VersionSource,
-    model_names,
     model_versions,
+    repository_models,
     valid_model_name,
     valid_version,
 )
@@ -140,7 +140,7 @@ class ModelRepository:
         if self._initial_models is not None:
             names = self._initial_models
         else:
-            names = ["demo"] if self.root is None else self._disk_names()
+            names = repository_models(self.root)
         for name in names:
             try:
                 await self.load(name)
@@ -166,22 +166,12 @@ class ModelRepository:
             for e in versions.values()
         )
 
-    def _disk_names(self) -> list[str]:
-        assert self.root is not None
-        names = []
-        for name in model_names(self.root):
-            if valid_model_name(name):
-                names.append(name)
-            else:
-                log.warning("skipping %r: not a valid model name", name)
-        return names
-
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: every model version with its state and reason."""
         out: list[dict[str, Any]] = []
         names = set(self._models)
         if self.root is not None and self.root.is_dir():
-            names |= set(self._disk_names())
+            names |= set(repository_models(self.root))
         for name in sorted(names):
             versions = self._models.get(name)
             if not versions:

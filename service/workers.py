@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from service.cluster import ready_path
+from service.config import repository_models
 from service.control import ControlState
 from service.devices import cuda_count, parse_device
 from service.settings import Settings
@@ -236,7 +237,7 @@ class _Supervisor:
         wake_r, wake_w = socket.socketpair()
         previous: dict[int, Any] = {}
         try:
-            ControlState.create(self.run_dir, _boot_models(self.settings))
+            ControlState.create(self.run_dir, repository_models(self.settings.model_repository))
             try:
                 self.sock = _hold_port(self.settings.host, self.settings.port)
             except OSError as e:
@@ -395,16 +396,6 @@ def _hold_port(host: str, port: int) -> socket.socket:
         probe.bind((host, port))
         port = probe.getsockname()[1]
     return bind_port(host, port)
-
-
-def _boot_models(settings: Settings) -> list[str]:
-    """The models every worker loads at start (what a single server would load)."""
-    from service.config import model_names, valid_model_name
-
-    root = settings.model_repository
-    if root is None:
-        return ["demo"]
-    return [n for n in model_names(root) if valid_model_name(n)]
 
 
 def _remove_stale_run_dirs() -> None:
