@@ -171,7 +171,7 @@ def create_app(
         log_level=settings.log_level,
         shared_memory=shm,
     )
-    token = settings.auth_token.get_secret_value() if settings.auth_token else None
+    token = settings.token
     infer = InferRoute(
         dataplane,
         max_body_bytes=settings.max_body_bytes,

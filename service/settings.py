@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     """If set, every endpoint except health needs ``Authorization: Bearer <token>`` (prefer
     the environment variable: a flag is visible to other users in ``ps``)."""
 
+    @property
+    def token(self) -> str | None:
+        """``auth_token``'s value, or None when the server takes every client."""
+        return self.auth_token.get_secret_value() if self.auth_token else None
+
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """Logging level of the server and of uvicorn."""
 

@@ -92,7 +92,7 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
 
     settings = spec.settings
     run_dir = Path(spec.run_dir)
-    token = settings.auth_token.get_secret_value() if settings.auth_token else None
+    token = settings.token
     repository: ModelRepository | None = None
     metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cluster = Cluster(

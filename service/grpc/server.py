@@ -104,7 +104,7 @@ class GrpcServer:
     ) -> None:
         self.settings = settings
         self.shared_port = shared_port
-        token = settings.auth_token.get_secret_value() if settings.auth_token else None
+        token = settings.token
         rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
         self.endpoints = GrpcEndpoints(dataplane, rpcs, AppRoutes(app, token))
         self.port: int | None = None
