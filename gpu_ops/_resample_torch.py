@@ -111,16 +111,16 @@ class Windows:
     def offsets(
         self, x: torch.Tensor, c: torch.Tensor, sl: slice
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(starts (N, k) int32, d (N, k, W), inside (N, k, W)) of the chunk ``sl``."""
+        """(starts (N, k) int64, d (N, k, W), inside (N, k, W)) of the chunk ``sl``."""
         s = self.starts[:, sl]
         d, inside = responses.band_offsets(
             x, c[:, sl], self.first[:, sl], self.last[:, sl], s, self.W
         )
-        return s.to(torch.int32).contiguous(), d, inside
+        return s, d, inside
 
 
 def _masked(values: torch.Tensor, inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.where(inside, values, torch.zeros_like(values)).to(dtype).contiguous()
+    return torch.where(inside, values, torch.zeros_like(values)).to(dtype)
 
 
 def otf_forward(
@@ -186,7 +186,8 @@ def otf_backward_c_param(
     for sl in win.chunks(A):
         s, d, inside = win.offsets(x, c, sl)
         dd, dp = spec.derivatives(d, p)
-        gk = g[:, :, sl].to(ct)
-        grad_c[:, sl] = (gk * forward(f, s, _masked(dd, inside, ct))).sum(0)
-        grad_p += (gk * forward(f, s, _masked(dp, inside, ct))).sum(dtype=torch.float64)
+        # sum_m g[m, n, a] f[m, n, window]: gathered once for both derivatives.
+        gf = backward_w(g[:, :, sl], f, s, win.W).to(ct)  # (N, k, W)
+        grad_c[:, sl] = (gf * _masked(dd, inside, ct)).sum(-1)
+        grad_p += (gf * _masked(dp, inside, ct)).sum(dtype=torch.float64)
     return grad_c, grad_p
