@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_ops import _resample_ops, _resampler_base, responses
+from gpu_ops import _resample_ops, _resample_torch, _resampler_base, responses
 
 
 class OnTheFlyResampler(_resampler_base.Resampler):
@@ -90,24 +90,23 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         )
         return out
 
-    def _windows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        half = self.spec.half_width(float(self.param.detach()), self.support)
-        first, last, W = responses.windows(self.x, self.c, -half, half)
-        return first, last, responses.clipped_starts(first, W, self.num_fine), W
+    def _windows(self) -> _resample_torch.Windows:
+        """The windows of the current c and parameter (as the kernels find them)."""
+        return _resample_torch.Windows(self.x, self.c, self.spec, self.param.detach(), self.support)
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` built from the current c and parameter."""
-        first, last, starts, W = self._windows()
+        win = self._windows()
         p = {self.spec.param: self.param.detach().to(self.x.dtype)}
         w = responses.evaluate_band(
-            self.x, self.c.detach(), self.spec.bind(p), first, last, starts, W
+            self.x, self.c.detach(), self.spec.bind(p), win.first, win.last, win.starts, win.W
         )
-        return starts.to(torch.int32), w.to(self.c.dtype)
+        return win.starts.to(torch.int32), w.to(self.c.dtype)
 
     @property
     def band_width(self) -> int:
         """W, the longest window in fine points (from the windows alone, no weights built)."""
-        return self._windows()[3]
+        return self._windows().W
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``.to()``/``.cuda()``/``.half()``...: moves x, c and the parameter, keeps dtypes."""
