@@ -101,9 +101,15 @@ def _(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Ten
 
     Bits past 8n are zeros. This body is the kernel for devices without their own.
     """
+    return _unpack(_bits_torch.unpack_into, x, dim, count, bitorder, dtype)
+
+
+def _unpack(
+    kernel: Kernel, x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype
+) -> Tensor:
     out = torch.empty(_unpacked_shape(x, dim, count), dtype=dtype, device=x.device)
     if out.numel():
-        _bits_torch.unpack_into(x, _as_bytes(out), dim, bitorder)
+        kernel(x, _as_bytes(out), dim, bitorder)
     return out
 
 
@@ -158,10 +164,7 @@ if _triton_bits is not None:
 
     @unpackbits.register_kernel("cuda")
     def _(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Tensor:
-        out = torch.empty(_unpacked_shape(x, dim, count), dtype=dtype, device=x.device)
-        if out.numel():
-            _triton_unpack(x, _as_bytes(out), dim, bitorder)
-        return out
+        return _unpack(_triton_unpack, x, dim, count, bitorder, dtype)
 
     @unpackbits_into.register_kernel("cuda")
     def _(x: Tensor, dim: int, bitorder: str, out: Tensor) -> None:
