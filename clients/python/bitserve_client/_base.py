@@ -320,6 +320,7 @@ class BaseClient:
         spec: ModelSpec | None,
         model: str,
         inputs: Inputs,
+        *,
         outputs: Sequence[str] | None,
         version: str | None,
         request_id: str | None,

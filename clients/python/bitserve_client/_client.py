@@ -340,8 +340,9 @@ class Client(BaseClient):
         """
         spec = self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
-            spec, model, inputs, outputs, version, request_id, deadline, binary, headers, timeout
-        )
+            spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
+            deadline=deadline, binary=binary, headers=headers, timeout=timeout,
+        )  # fmt: skip
         try:
             response = self._send(request)
         except ServerError as exc:
