@@ -1,4 +1,4 @@
-"""Shared test set-up: the ``needs_cuda`` marker and Triton's CPU interpreter."""
+"""Shared test set-up: the ``needs_cuda`` marker, Triton's CPU interpreter, anyio on asyncio."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ except ImportError:  # pragma: no cover - only in the client-only venv
 # tensors (small inputs only).
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """``@pytest.mark.anyio`` tests run on asyncio (the server's loop), never trio."""
+    return "asyncio"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -37,11 +37,6 @@ HUGE = json.dumps(
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def settings() -> Settings:
     return Settings(max_body_bytes=4096, access_log=False)
 

@@ -32,11 +32,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def settings() -> Settings:
     return Settings(
         max_body_bytes=4 << 20, max_json_bytes=2048, body_timeout_s=30, access_log=False

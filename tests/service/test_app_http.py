@@ -29,11 +29,6 @@ pytestmark = pytest.mark.anyio
 Client = Callable[..., Any]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class NoiseHandle(FakeHandle):
     """Answers ``y``: ``rows`` x 100 random normal float32 (incompressible, like real
     outputs) or, with ``smooth``, a constant (compresses to almost nothing)."""

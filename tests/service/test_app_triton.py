@@ -22,11 +22,6 @@ ECHO = {"inputs": [{"name": "x", "datatype": "UINT8", "shape": [1, 4], "data": [
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def repo() -> FakeRepository:
     return FakeRepository()
 

@@ -27,11 +27,6 @@ SECRET = "s3cret-of-this-server"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     (tmp_path / "ready").mkdir()
     ControlState.create(tmp_path, ["echo", "boom"])

@@ -35,11 +35,6 @@ SERVICE = "/inference.GRPCInferenceService/"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def settings() -> Settings:
     return Settings(max_body_bytes=4096, access_log=False, grpc_port=free_port())
 

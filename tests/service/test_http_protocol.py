@@ -18,11 +18,6 @@ from service.http_protocol import BitserveHttpProtocol, protocol_class
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Transport(asyncio.Transport):
     """Records every write; what a socket would have sent, one entry per system call."""
 

@@ -34,11 +34,6 @@ BUDGET = 1 << 20
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def app() -> AsyncIterator[BitserveApp]:
     settings = Settings(access_log=False, max_inflight_bytes=BUDGET, max_body_bytes=8 << 20)
     app = create_app(settings, FakeRepository())

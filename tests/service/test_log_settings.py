@@ -156,11 +156,6 @@ def test_refusals_change_nothing(changes: dict[str, object], text: str) -> None:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     levels = {name: logging.getLogger(name).level for name in LOGGERS}
     app = create_app(Settings(access_log=False), FakeRepository(), metrics=Metrics(nvml=None))

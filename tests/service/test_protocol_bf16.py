@@ -187,11 +187,6 @@ def test_bf16_output_of_another_dtype_is_a_server_bug() -> None:
 # ---- over HTTP, in process, against a real model ------------------------------------------
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("binary", [False, True])
 async def test_bf16_input_to_a_model_without_bf16_is_a_400_naming_it(

@@ -328,11 +328,6 @@ def test_gpu_gauges_on_a_gpu() -> None:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     metrics = Metrics(nvml=None)
     repo = FakeRepository(metrics.statistics)
