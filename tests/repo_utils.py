@@ -95,3 +95,15 @@ def write_model_folder(
 
             save_torch(dict(tensors), str(folder / operator_file))
     return folder
+
+
+def torchscript(module: Any) -> Any:
+    """``torch.jit.script(module)``, without TorchScript's deprecation warning (torch.export is
+    preferred, and TorchScript is still served)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(module)  # type: ignore[no-untyped-call]

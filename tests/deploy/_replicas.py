@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from tests.e2e.conftest import bitserve_command, free_port
+from tests.e2e.conftest import bitserve_command, free_port, worker_pids_in
 
 from ._manifests import ROOT
 
@@ -100,8 +100,7 @@ class Replica:
 
     def worker_pids(self) -> dict[int, int]:
         """Each worker index's current pid, from the supervisor's log (info level)."""
-        found = re.findall(r"worker (\d+) started: pid (\d+)", self.log.read_text())
-        return {int(i): int(pid) for i, pid in found}
+        return worker_pids_in(self.log.read_text())
 
     def successes(self, model: str) -> float:
         """The server's ``bitserve_requests_total{model, outcome="success"}`` (all workers)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,3 +230,11 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., BitserveServer]]:
 
     with stack:
         yield start
+
+
+_WORKER_STARTED = re.compile(r"worker (\d+) started: pid (\d+)")
+
+
+def worker_pids_in(log: str) -> dict[int, int]:
+    """Each worker index's current pid, from a ``--workers`` supervisor's log (info level)."""
+    return {int(i): int(pid) for i, pid in _WORKER_STARTED.findall(log)}

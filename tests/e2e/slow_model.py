@@ -3,28 +3,19 @@ is in ``tests/e2e/triton_simple.py``)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
-SLOW_CONFIG = """\
-max_batch_size = 8
-max_queue_delay_us = 0
+from tests.repo_utils import model_toml, tensor, torchscript, write_model_folder
 
-[[inputs]]
-name = "x"
-datatype = "INT32"
-shape = [1]
-
-[model]
-file = "model.pt"
-
-[[outputs]]
-name = "y"
-datatype = "FP32"
-shape = [1]
-"""
+SLOW_CONFIG = model_toml(
+    max_batch_size=8,
+    max_queue_delay_us=0,
+    inputs=[tensor("x", "INT32", [1])],
+    model={"file": "model.pt"},
+    outputs=[tensor("y", "FP32", [1])],
+)
 
 
 class Slow(torch.nn.Module):
@@ -44,11 +35,6 @@ class Slow(torch.nn.Module):
 
 def write_slow_model(root: Path, rounds: int, name: str = "slow") -> Path:
     """Write :class:`Slow` as ``root/<name>/{config.toml, model.pt}``; returns ``root``."""
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(SLOW_CONFIG)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(Slow(rounds))  # type: ignore[no-untyped-call]
-    scripted.save(str(folder / "model.pt"))
+    folder = write_model_folder(root / name, SLOW_CONFIG)
+    torchscript(Slow(rounds)).save(str(folder / "model.pt"))
     return root

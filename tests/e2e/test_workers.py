@@ -33,18 +33,18 @@ from tests.e2e.conftest import (
     free_port,
     start_server,
     terminate_under_load,
+    worker_pids_in,
 )
 from tests.e2e.test_server import L, N, reference, write_models
 
 pytestmark = pytest.mark.e2e
 
 WORKERS = ("0", "1")
-_STARTED = re.compile(r"worker (\d+) started: pid (\d+)")
 
 
 def worker_pids(server: BitserveServer) -> dict[int, int]:
     """Each worker index's current pid, from the supervisor's log."""
-    return {int(i): int(pid) for i, pid in _STARTED.findall(server.log())}
+    return worker_pids_in(server.log())
 
 
 def on_worker(

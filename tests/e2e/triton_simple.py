@@ -7,12 +7,11 @@ Triton's example model repository. The model is TorchScript, made here (no file 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
-from tests.repo_utils import model_toml, tensor, write_model_folder
+from tests.repo_utils import model_toml, tensor, torchscript, write_model_folder
 
 SIMPLE_CONFIG = model_toml(
     max_batch_size=8,
@@ -34,8 +33,5 @@ class SumAndDifference(torch.nn.Module):
 def write_simple(root: Path, name: str = "simple") -> Path:
     """Write the model as ``root/name/1/`` (config.toml and model.pt); returns its folder."""
     folder = write_model_folder(root / name / "1", SIMPLE_CONFIG)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is still served
-        scripted = torch.jit.script(SumAndDifference())  # type: ignore[no-untyped-call]
-        scripted.save(str(folder / "model.pt"))
+    torchscript(SumAndDifference()).save(str(folder / "model.pt"))
     return folder

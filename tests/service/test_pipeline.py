@@ -17,7 +17,7 @@ from service.model_files import load_version
 from service.pipeline import Artifacts, Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from tests.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
 
@@ -307,13 +307,6 @@ class Mix(torch.nn.Module):
         return {"total": kept, "scaled": y * scale[:, :, None]}
 
 
-def script(module: torch.nn.Module) -> Any:
-    """TorchScript of ``module`` (deprecated in favour of torch.export, still served)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(module)  # type: ignore[no-untyped-call]
-
-
 MIX_INPUTS: dict[str, Any] = {
     "more_inputs": [tensor("scale", "FP32", [N]), tensor("mask", "BOOL", [N], packing="bits")],
     "model": {"file": "mix.pt"},
@@ -325,7 +318,7 @@ def test_several_inputs_reach_the_model_in_config_order() -> None:
     t = tensors()
     cfg = config(**MIX_INPUTS)
     assert [s.name for s in cfg.inputs] == ["bits", "scale", "mask"]
-    model = script(Mix())
+    model = torchscript(Mix())
     pipe = Pipeline("m", cfg, Artifacts(t, model), "cpu", warmup=False)
     rng = np.random.default_rng(5)
     bits = random_bits(3, seed=5)
@@ -376,7 +369,7 @@ def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
             return y * scale[:, :, None]
 
     cfg = parse_config(tomllib.loads(text), "t/config.toml")
-    pipe = Pipeline("m", cfg, Artifacts(t, script(Scale())), "cpu", warmup=False)
+    pipe = Pipeline("m", cfg, Artifacts(t, torchscript(Scale())), "cpu", warmup=False)
     bits = random_bits(2, seed=8)
     scale = np.array([[1.0, -1.0, 2.0], [0.5, 0.0, 3.0]], np.float32)
     req = Bound(
@@ -393,4 +386,4 @@ def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
             return {"other": y}
 
     with pytest.raises(ConfigError, match=r"model.file: the model's outputs \['other'\] lack"):
-        Pipeline("m", cfg, Artifacts(t, script(Wrong())), "cpu", warmup=False)
+        Pipeline("m", cfg, Artifacts(t, torchscript(Wrong())), "cpu", warmup=False)
