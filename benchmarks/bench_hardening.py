@@ -49,7 +49,6 @@ from benchmarks.e2e.hostile import (
     DemoRequests,
     Peak,
     closed_loop,
-    http_request,
     open_files_of,
     open_loop,
     raise_fd_limit,
@@ -58,7 +57,7 @@ from benchmarks.e2e.hostile import (
     side_client,
     upload_crowd,
 )
-from benchmarks.e2e.probes import metric, write_repository
+from benchmarks.e2e.probes import metric, request_bytes, write_repository
 from benchmarks.e2e.workload import Pool
 from tests.e2e.conftest import BitserveServer, start_server
 
@@ -111,7 +110,7 @@ def alive(server: BitserveServer) -> bool:
 def fuzz_row(server: BitserveServer, sizes: Sizes) -> list[Any]:
     t0 = time.perf_counter()
     v2 = [
-        (what, http_request(INFER, body, {**headers, "Connection": "close"}))
+        (what, request_bytes(INFER, body, headers))
         for what, headers, body in examples(bad_requests(), sizes.fuzz_v2)
     ]
     raw = examples(raw_strategy(), sizes.fuzz_raw, rng_seed=1)
@@ -129,7 +128,8 @@ def fuzz_row(server: BitserveServer, sizes: Sizes) -> list[Any]:
         statuses.update(stats.statuses)
         problems += stats.problems
     five = sum(n for s, n in statuses.items() if s.startswith("5"))
-    ok = alive(server) and not problems and five == 0
+    up = alive(server)
+    ok = up and not problems and five == 0
     for p in problems[:20]:
         print("  problem:", p[:300])
     by_class = ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items()))
@@ -138,7 +138,7 @@ def fuzz_row(server: BitserveServer, sizes: Sizes) -> list[Any]:
         f"{len(RAW_CASES)} hand-made raw HTTP requests)",
         "0 x 5xx, 0 crashes",
         f"{sent} sent; {five} x 5xx; {len(problems)} other problems (plain-text or non-JSON "
-        f"errors); server alive: {yes(alive(server))}; answers {by_class}",
+        f"errors); server alive: {yes(up)}; answers {by_class}",
         yes(ok and sent >= 10_000) if sizes is FULL else yes(ok),
     ]
 

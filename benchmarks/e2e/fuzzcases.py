@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from benchmarks.e2e.loadgen import is_error_body
 from benchmarks.e2e.workload import PACKED_LEN
 
 INFER = "/v2/models/demo/infer"
@@ -367,11 +368,6 @@ def judge_raw(answer: bytes, *, v2: bool = False) -> str | None:
             return f"{status} to a malformed V2 request: {body[:200]!r}"
         if status >= 400 and b"text/plain" in fields.get(b"content-type", b""):
             return f"plain-text answer {status}: {body[:200]!r}"
-        if not 200 <= status < 300:
-            try:
-                doc: Any = json.loads(body)
-            except ValueError:
-                doc = None
-            if not (isinstance(doc, dict) and isinstance(doc.get("error"), str)):
-                return f"{status} without a JSON error body: {body[:200]!r}"
+        if not 200 <= status < 300 and not is_error_body(body):
+            return f"{status} without a JSON error body: {body[:200]!r}"
     return None

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.e2e import wire
-from benchmarks.e2e.loadgen import tree_rss_bytes
+from benchmarks.e2e.loadgen import is_error_body, tree_rss_bytes
+from benchmarks.e2e.probes import request_bytes
 from benchmarks.e2e.workload import Pool, check
 
 HOST = "127.0.0.1"
@@ -61,11 +62,7 @@ class Answer:
 
     def is_json_error(self) -> bool:
         """The body is ``{"error": "<non-empty text>"}``."""
-        try:
-            doc = json.loads(self.body)
-        except ValueError:
-            return False
-        return isinstance(doc, dict) and isinstance(doc.get("error"), str) and bool(doc["error"])
+        return is_error_body(self.body)
 
 
 async def read_answer(reader: asyncio.StreamReader) -> Answer:
@@ -84,13 +81,6 @@ async def read_answer(reader: asyncio.StreamReader) -> Answer:
             headers[k.strip().lower()] = v.strip()
     body = await reader.readexactly(int(headers.get("content-length", "0")))
     return Answer(status, headers, body)
-
-
-def http_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
-    """A keep-alive ``POST`` with a ``Content-Length`` body."""
-    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", f"Content-Length: {len(body)}"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
@@ -128,25 +118,21 @@ async def _exchange(port: int, conn: Conn | None, request: bytes) -> tuple[Answe
 # --- one raw exchange ----------------------------------------------------------------------
 
 
-async def raw_exchange(port: int, data: bytes, *, answer_s: float = 3.0) -> tuple[bytes, bool]:
-    """Send ``data`` on a new connection and read until the server closes it or
-    ``answer_s`` passes; returns what came and whether the server closed."""
+async def raw_exchange(port: int, data: bytes, *, answer_s: float = 3.0) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it (or resets
+    it, with bytes of ours unread) or ``answer_s`` passes; returns what came."""
     reader, writer = await asyncio.open_connection(HOST, port)
     out = bytearray()
-    closed = False
     try:
         writer.write(data)
         async with asyncio.timeout(answer_s):
             while part := await reader.read(65536):
                 out += part
-            closed = True
-    except TimeoutError:
+    except (TimeoutError, OSError):
         pass
-    except OSError:
-        closed = True  # reset: the server closed with bytes of ours unread
     finally:
         await _close(writer)
-    return bytes(out), closed
+    return bytes(out)
 
 
 @dataclass
@@ -176,7 +162,7 @@ async def send_all(
     async def worker() -> None:
         for name, data in todo:
             try:
-                answer, _ = await raw_exchange(port, data, answer_s=answer_s)
+                answer = await raw_exchange(port, data, answer_s=answer_s)
             except OSError as e:
                 stats.problems.append(f"{name}: could not connect: {e!r}")
                 continue
@@ -345,7 +331,8 @@ class DemoRequests:
     def requests(self, model: str = "demo") -> list[bytes]:
         """One keep-alive request per pool item, to ``model``."""
         return [
-            http_request(f"/v2/models/{model}/infer", b.content, b.headers) for b in self.bodies
+            request_bytes(f"/v2/models/{model}/infer", b.content, b.headers, close=False)
+            for b in self.bodies
         ]
 
     def right(self, i: int, answer: Answer) -> bool:

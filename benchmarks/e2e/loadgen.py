@@ -61,7 +61,8 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def _is_error_body(content: bytes) -> bool:
+def is_error_body(content: bytes) -> bool:
+    """``content`` is ``{"error": "<non-empty text>"}``, the body of every non-200."""
     try:
         doc = json.loads(content)
     except ValueError:
@@ -180,7 +181,7 @@ async def run_level(
         if r.status_code != 200:
             if r.status_code == 503 and "retry-after" not in r.headers:
                 res.retry_after_missing += 1
-            if not _is_error_body(r.content):
+            if not is_error_body(r.content):
                 res.malformed_errors += 1
         answer = _Answer(str(r.status_code), r.headers, r.content, r.num_bytes_downloaded)
         answer.text = r.text[:300]

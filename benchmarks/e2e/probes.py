@@ -162,9 +162,14 @@ def request_bytes(
     body: bytes = b"",
     headers: dict[str, str] | None = None,
     method: str = "POST",
+    *,
+    close: bool = True,
 ) -> bytes:
-    """A raw HTTP/1.1 request (``Connection: close``, ``Content-Length`` set when POSTing)."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+    """A raw HTTP/1.1 request (``Content-Length`` set when POSTing; ``Connection: close``
+    unless ``close`` is false: a keep-alive request)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    if close:
+        lines.append("Connection: close")
     if method == "POST":
         lines.append(f"Content-Length: {len(body)}")
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]

@@ -28,6 +28,7 @@ import numpy as np
 
 from benchmarks.e2e.loadgen import tree_cpu_seconds
 from benchmarks.e2e.servers import free_port
+from tests.e2e.conftest import bitserve_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +63,7 @@ class Running:
 
 def bitserve(repository: Path, *flags: str) -> list[str]:
     """``bitserve serve`` on ``repository`` (the port is appended by :func:`start`)."""
-    exe = Path(sys.executable).with_name("bitserve")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
+    cmd = bitserve_command()
     # HTTP only here: gRPC off (several servers run at once; 8001 may be anyone's)
     return [*cmd, "serve", "--model-repository", str(repository), "--grpc-port", "0", *flags]
 
