@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from benchmarks.e2e.loadgen import is_error_body
-from benchmarks.e2e.workload import PACKED_LEN
+from benchmarks.e2e.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN
 
 INFER = "/v2/models/demo/infer"
-ITEM = 20 * PACKED_LEN  # packed bytes of one item
+ITEM = N_FUNCTIONS * PACKED_LEN  # packed bytes of one item
 DATATYPES = [
     "BOOL", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
     "FP16", "FP32", "FP64", "BYTES", "BF16", "FP8", "uint8", "", "UINT8 ", "STRING",
@@ -34,11 +34,11 @@ def _header(inputs: list[dict[str, Any]], **extra: Any) -> bytes:
 
 
 def _spec(
-    datatype: str = "UINT8", shape: Any = (1, 20, PACKED_LEN), size: Any = ITEM
+    datatype: str = "UINT8", shape: Any = (1, N_FUNCTIONS, PACKED_LEN), size: Any = ITEM
 ) -> dict[str, Any]:
     shape = list(shape) if isinstance(shape, tuple) else shape
     return {
-        "name": "spikes",
+        "name": INPUT_NAME,
         "datatype": datatype,
         "shape": shape,
         "parameters": {"binary_data_size": size},
@@ -106,8 +106,9 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
     if kind == "shape":
         shape = draw(
             st.sampled_from(
-                [(1, 20, PACKED_LEN - 1), (1, 19, PACKED_LEN), (17, 20, PACKED_LEN),
-                 (20, PACKED_LEN), (1, 1, 20, PACKED_LEN), (1, 20 * PACKED_LEN)]
+                [(1, N_FUNCTIONS, PACKED_LEN - 1), (1, N_FUNCTIONS - 1, PACKED_LEN),
+                 (17, N_FUNCTIONS, PACKED_LEN), (N_FUNCTIONS, PACKED_LEN),
+                 (1, 1, N_FUNCTIONS, PACKED_LEN), (1, N_FUNCTIONS * PACKED_LEN)]
             )
         )  # fmt: skip
         n = 1
@@ -118,7 +119,7 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
     if kind == "dims":
         dim = draw(st.sampled_from([-1, 0, -(2**63), 2**31, 10**12, 2**63, 2**64, 1.5, "1", None]))
         pos = draw(st.integers(0, 2))
-        shape: list[Any] = [1, 20, PACKED_LEN]
+        shape: list[Any] = [1, N_FUNCTIONS, PACKED_LEN]
         shape[pos] = dim
         return kind, *_binary(_header([_spec(shape=shape)]), data)
     if kind == "datatype":
@@ -142,7 +143,8 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, dict[str, str], bytes]:
         return kind, *_binary(_header([_spec(), _spec()]), data + data)
     if kind == "json-data":
         values = draw(st.sampled_from([[1, 2, 3], ["a"] * 4, [[1, 2], [3]], [None], [1.5, True]]))
-        doc = {"inputs": [{"name": "spikes", "datatype": "UINT8", "shape": [1, 20, PACKED_LEN],
+        shape = [1, N_FUNCTIONS, PACKED_LEN]
+        doc = {"inputs": [{"name": INPUT_NAME, "datatype": "UINT8", "shape": shape,
                            "data": values}]}  # fmt: skip
         return kind, {"Content-Type": "application/json"}, json.dumps(doc).encode()
     if kind == "names":

@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks.e2e import wire
+from benchmarks.e2e.fuzzcases import INFER, ITEM
 from benchmarks.e2e.loadgen import is_error_body, tree_rss_bytes
 from benchmarks.e2e.probes import request_bytes
-from benchmarks.e2e.workload import Pool, check
+from benchmarks.e2e.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN, Pool, check
 
 HOST = "127.0.0.1"
 
@@ -212,7 +213,7 @@ async def trickle(
     *,
     interval_s: float = 1.0,
     ramp_s: float = 2.0,
-    path: str = "/v2/models/demo/infer",
+    path: str = INFER,
 ) -> TrickleStats:
     """``connections`` clients that each send a partial request head, then one more byte every
     ``interval_s``, for ``seconds``; a client cut off by the server reconnects after
@@ -439,9 +440,9 @@ async def upload_crowd(
     """``uploads`` clients each uploading a demo request of about ``size`` bytes (a batch too
     big for the model: a body read whole is answered 400) at ``rate_bps``, again and again
     for ``seconds``, waiting ``retry_s`` after each 503."""
-    items = size // 125_000  # packed bytes of one demo item
-    filler = items * 125_000
-    spec = {"name": "spikes", "datatype": "UINT8", "shape": [items, 20, 6250]}
+    items = size // ITEM
+    filler = items * ITEM
+    spec = {"name": INPUT_NAME, "datatype": "UINT8", "shape": [items, N_FUNCTIONS, PACKED_LEN]}
     header = json.dumps({"inputs": [{**spec, "parameters": {"binary_data_size": filler}}]})
     headers = {"Inference-Header-Content-Length": str(len(header))}
     results: list[UploadResult] = []
@@ -451,7 +452,7 @@ async def upload_crowd(
         while time.monotonic() < deadline:
             r = await upload(
                 port,
-                "/v2/models/demo/infer",
+                INFER,
                 headers,
                 header.encode(),
                 filler,
