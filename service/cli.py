@@ -123,6 +123,7 @@ def uvicorn_config(
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,
         max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
         max_connections=max_connections(settings.max_connections),
     )
     return uvicorn.Config(
