@@ -269,7 +269,8 @@ class Batcher(Generic[P, R]):
             self._cancel_timer(p)
             _fail(p, ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
         self._queued_items = 0
-        self._depth_changed()
+        if self._depth_gauge is not None:
+            self._report_depth()  # now: the repository may forget the series next
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
@@ -312,9 +313,14 @@ class Batcher(Generic[P, R]):
             pending.timer = None
 
     def _depth_changed(self) -> None:
+        if self._depth_gauge is not None and self._metrics is not None:
+            self._metrics.defer(self._report_depth)  # written once per turn of the loop
+
+    def _report_depth(self) -> None:
+        assert self._depth_gauge is not None
         # Deltas, not the value: other versions of the model share the metric's label.
         depth = len(self._queue)
-        if self._depth_gauge is not None and depth != self._reported_depth:
+        if depth != self._reported_depth:
             self._depth_gauge.inc(depth - self._reported_depth)
             self._reported_depth = depth
 

@@ -41,7 +41,6 @@ from service.protocol import (
     InferRequest,
     InferResponse,
     ResponseOutput,
-    decode_infer_request,
     decompress,
     encode_infer_response,
     parse_header_length,
@@ -391,7 +390,7 @@ class DataPlane:
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
         handle: ModelHandle | None = None
-        self.metrics.in_flight.inc()
+        self.metrics.request_started()
         try:
             handle = self.repository.get(name, version)
             label = handle.name
@@ -418,8 +417,7 @@ class DataPlane:
             raise
         finally:
             ns = time.perf_counter_ns() - t0
-            self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, ns / 1e9)
+            self.metrics.request_finished(label, outcome, ns / 1e9)
             if handle is not None:  # Triton's statistics: every transport's requests
                 handle.stats.request_done(outcome == "success", ns)
 
@@ -496,7 +494,7 @@ class DataPlane:
                 "parameters.binary_data_size)"
             )
         data, signature, shm = body, handle.signature, self.shared_memory
-        return await decode_sized(len(body), lambda: decode_infer_request(data, n, signature, shm))
+        return await decode_sized(len(body), lambda: handle.headers.decode(data, n, signature, shm))
 
     async def _encode(
         self,

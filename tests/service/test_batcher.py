@@ -488,7 +488,11 @@ def test_retiring_batcher_does_not_drop_the_new_versions_queue_depth() -> None:
         async with one_running(metrics=metrics) as (_, new, running):
             queued = asyncio.ensure_future(new.submit("queued"))
             await asyncio.sleep(0)
-            value = metrics.registry.get_sample_value
+
+            def value(name: str, labels: dict[str, str]) -> float | None:
+                metrics.flush()  # as a scrape does
+                return metrics.registry.get_sample_value(name, labels)
+
             assert value("bitserve_queue_depth", {"model": "m"}) == 1
             await old.stop()  # the reload retires the old version
             assert value("bitserve_queue_depth", {"model": "m"}) == 1
