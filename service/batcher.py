@@ -371,8 +371,13 @@ class Batcher(Generic[P, R]):
             if timer is not None:
                 timer.cancel()
 
+    def _inline_next(self) -> bool:
+        """Whether the next batch runs on the event loop (see ``inline_below_s``)."""
+        return self._batch_cpu_s < self._inline_below_s
+
     async def _next_batch(self) -> list[_Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
+        gathered = False
         while True:
             if not self._queue:
                 if self._closing:
@@ -387,6 +392,15 @@ class Batcher(Generic[P, R]):
                 if loop.time() < close_at:
                     await self._sleep(close_at)
                     continue  # re-check: more items, a new head, or the delay has passed
+            elif self._queued_items < self._capacity and self._inline_next() and not gathered:
+                # A batch run on the loop holds it: first the requests whose bytes have
+                # already arrived join it (one turn reads the sockets and starts their tasks,
+                # the next lets those tasks queue), which costs two turns, never a wait.
+                gathered = True
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                continue
+            gathered = False
             batch = self._take_batch(loop.time())
             if batch:
                 return batch
@@ -424,7 +438,7 @@ class Batcher(Generic[P, R]):
         self._running = batch
         payloads = [p.payload for p in batch]
         try:
-            if self._batch_cpu_s < self._inline_below_s:
+            if self._inline_next():
                 results, seconds, cpu = _timed(self._run_batch, payloads)
             else:
                 results, seconds, cpu = await loop.run_in_executor(
