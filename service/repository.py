@@ -34,7 +34,7 @@ from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.model_files import check_buffers, check_operator, load_version
+from service.model_files import build_version, check_buffers, check_operator
 from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.settings import Settings
 from service.signature import Bound, Signature
@@ -335,25 +335,24 @@ class ModelRepository:
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg, artifacts = load_version(
+                cfg, pipe = build_version(
+                    name,
                     src,
+                    default_device=self.default_device,
                     max_operator_bytes=self.max_operator_bytes,
                     max_batch_bytes=self.max_batch_bytes,
                     patch=patch,
+                    warmup=self.warmup,
                 )
-                device = resolve_device(cfg.device, self.default_device, source=src.source)
-                pipe = Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
-                                source=src.source)  # fmt: skip
                 _check_override_io(override, src.source, name, cfg, pipe)
                 out[v] = (cfg, pipe)
             except ConfigError as exc:
                 problems += exc.problems
-                if exc.__cause__ is not None:  # a library's error: its text and traceback
-                    log.error("%s", "; ".join(exc.details), exc_info=exc.__cause__)
+                if exc.__cause__ is not None:  # a library's error: its traceback, logged
+                    log.error("%s", "; ".join(exc.problems), exc_info=exc.__cause__)
             except Exception as exc:  # a broken operator or model: report, don't crash
                 log.exception("model %s version %s failed to build", name, v)
-                problems.append(f"{src.source}: failed to build: {type(exc).__name__} "
-                                "(details in the server log)")  # fmt: skip
+                problems += src.error(src.source, "failed to build", exc).problems
         if problems:
             raise ConfigError(problems)
         return out
