@@ -125,7 +125,7 @@ def uvicorn_config(
     """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
     import uvicorn
 
-    from service.http_protocol import max_connections, protocol_class
+    from service.rest.http_protocol import max_connections, protocol_class
 
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,
@@ -217,7 +217,7 @@ def serve(settings: Settings) -> int:
     from service.worker_process import set_torch_threads
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
-    from service.app import begin_shutdown, create_app
+    from service.rest.app import begin_shutdown, create_app
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

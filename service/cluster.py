@@ -45,10 +45,10 @@ from typing import Any
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.bodies import CONTROL_BODY_BYTES, read_body
 from service.control import ControlEntry, ControlState
 from service.errors import ServiceError
 from service.protocol.response import dumps
+from service.rest.bodies import CONTROL_BODY_BYTES, read_body
 from service.statistics import Snapshot, merge
 
 __all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]

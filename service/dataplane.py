@@ -1,8 +1,8 @@
 """The data plane: everything about a request, decided once, for every transport.
 
-Transports (the REST fast path in ``service.fastpath``, FastAPI's control routes, gRPC) are thin
-adapters: they take their envelope apart, call a method here, and write the answer back in
-their own envelope. The data plane decodes (the V2 REST framing), checks the request against
+Transports (the REST fast path in ``service.rest.fastpath``, FastAPI's control routes, gRPC)
+are thin adapters: they take their envelope apart, call a method here, and write the answer
+back in their own envelope. The data plane decodes (the V2 REST framing), checks the request against
 the model once (``service.signature``), submits it to the model's batcher, builds the
 response, frames it for REST, and decides whether to compress it; it also counts requests in
 the metrics. Model state belongs to the repository alone (``service.repository``).

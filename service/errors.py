@@ -1,7 +1,7 @@
 """Errors the service raises, each carrying its HTTP status.
 
 Every non-200 answer has the body ``{"error": "<message>"}`` (what V2 clients parse); the
-handlers that turn these into responses are registered in ``service.app.create_app``.
+handlers that turn these into responses are registered in ``service.rest.app.create_app``.
 
     ServiceError (500)
      +-- InvalidInput (400)

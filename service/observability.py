@@ -1,6 +1,6 @@
 """Request ids and logging: the id of the request being handled on every log record.
 
-Every request gets an id (see ``service.gateway``): the client's ``X-Request-ID`` when it is
+Every request gets an id (see ``service.rest.gateway``): the client's ``X-Request-ID`` when it is
 a sane token, else a fresh one from :class:`RequestIds`. It is echoed in the response's
 ``X-Request-ID``, put on every log record emitted while the request is handled
 (``%(request_id)s``, via :class:`RequestIdFilter`), and quoted in the body of a 500 so an

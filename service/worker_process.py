@@ -85,10 +85,10 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # Imported here: the supervisor imports this module too, and stays without torch.
-    from service.app import create_app
     from service.cli import run_server, uvicorn_config
     from service.metrics import Metrics
     from service.repository import ModelRepository
+    from service.rest.app import create_app
 
     settings = spec.settings
     run_dir = Path(spec.run_dir)
@@ -133,7 +133,7 @@ class _WorkerServer(uvicorn.Server):
             self._cluster_task = asyncio.create_task(self.cluster.run())
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        from service.app import begin_shutdown  # the supervisor imports this module too
+        from service.rest.app import begin_shutdown  # the supervisor imports this module too
 
         begin_shutdown(self.config.app)  # gRPC stops taking calls with HTTP
         self.cluster.leave()

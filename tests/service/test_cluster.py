@@ -16,9 +16,9 @@ import httpx
 import pytest
 import uvicorn
 
-from service.app import create_app
 from service.cluster import PEER_HEADER, SEQ_HEADER, Cluster, _Answer, ready_path
 from service.control import ControlEntry, ControlState
+from service.rest.app import create_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

@@ -20,9 +20,9 @@ import pytest
 import tritonclient.grpc.aio as tgrpc
 from tritonclient.utils import InferenceServerException
 
-from service.app import BitserveApp, create_app
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
+from service.rest.app import BitserveApp, create_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.e2e.conftest import free_port

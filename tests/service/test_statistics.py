@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app import create_app
 from service.backends import ModuleModel
 from service.batcher import Batcher
 from service.config import ModelConfig
@@ -24,6 +23,7 @@ from service.errors import InvalidInput
 from service.gpu_metrics import GpuGauges
 from service.metrics import Metrics
 from service.pipeline import Artifacts, Pipeline
+from service.rest.app import create_app
 from service.settings import Settings
 from service.signature import Bound, WireInput
 from service.statistics import ModelStats, Snapshot, Statistics, merge, triton_metrics

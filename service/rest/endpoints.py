@@ -1,7 +1,7 @@
 """FastAPI's routes: thin REST adapters over :class:`service.dataplane.DataPlane`.
 
 Each handler takes the HTTP request apart, makes one data-plane call, and writes the answer.
-Inference itself is answered by the fast path (``service.fastpath``) before FastAPI sees it;
+Inference itself is answered by the fast path (``service.rest.fastpath``) before FastAPI sees it;
 its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
 to the same handler.
 """
@@ -17,13 +17,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.bodies import CONTROL_BODY_BYTES
 from service.config import safe_text
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
-from service.fastpath import InferRoute
 from service.metrics import Metrics
 from service.protocol.response import dumps_plain
+from service.rest.bodies import CONTROL_BODY_BYTES
+from service.rest.fastpath import InferRoute
 
 
 def json_response(obj: object, status: int = 200) -> Response:

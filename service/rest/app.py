@@ -4,10 +4,10 @@
 lifespan starts the model repository (loading every model) and, on shutdown, stops it after
 the HTTP server has let in-flight requests finish.
 
-Every HTTP request enters through :class:`service.gateway.Gateway` (request id, header
-limits, access log); inference goes from there straight to :class:`service.fastpath.InferRoute`,
-everything else to FastAPI's routes (``service.endpoints``). Both call the same
-:class:`service.dataplane.DataPlane`.
+Every HTTP request enters through :class:`service.rest.gateway.Gateway` (request id, header
+limits, access log); inference goes from there straight to
+:class:`service.rest.fastpath.InferRoute`, everything else to FastAPI's routes
+(``service.rest.endpoints``). Both call the same :class:`service.dataplane.DataPlane`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.auth import make_auth_check
 from service.dataplane import DataPlane, Repository
-from service.endpoints import Endpoints
 from service.errors import ServiceError
-from service.fastpath import InferRoute
-from service.gateway import Gateway
 from service.metrics import Metrics
 from service.observability import printable_path
 from service.protocol.response import error_body
+from service.rest.auth import make_auth_check
+from service.rest.endpoints import Endpoints
+from service.rest.fastpath import InferRoute
+from service.rest.gateway import Gateway
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
 
