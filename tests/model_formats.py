@@ -102,8 +102,10 @@ def write_model(
     """Write ``module`` to ``path`` in format ``fmt`` (see :data:`FORMAT_FILES`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
-        # torch's own: TorchScript (and the modules inductor imports) are deprecated
+        # torch's own: TorchScript (and the modules inductor imports) are deprecated, and
+        # its pytree code still uses LeafSpec
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
         return _write(path, fmt, module, max_batch, static=static, bits=bits)
 
 
