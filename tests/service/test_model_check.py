@@ -208,3 +208,19 @@ def test_bitorder_parameter_is_checked() -> None:
         InvalidInput, match=r'parameters.bitorder must be "big" or "little", not int'
     ):
         bind({"bitorder": 3})
+
+
+@pytest.mark.needs_cuda
+def test_onnx_on_cuda_binds_the_device_tensors(tmp_path: Path) -> None:
+    """On a GPU host ONNX Runtime's CUDA provider takes and gives device tensors (DLPack),
+    and answers as its CPU provider does."""
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA provider (onnxruntime-gpu)")
+    path = write_model(tmp_path / "m.onnx", "onnx", fingerprint_mlp(bits=BITS), 4, bits=BITS)
+    model = load_model_file(path)
+    x = (torch.rand(3, BITS, device="cuda") < 0.3).float()
+    (out,) = model.to(torch.device("cuda:0"))(x)
+    assert out.device == x.device
+    (ref,) = model.to(torch.device("cpu"))(x.cpu())
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
