@@ -33,6 +33,7 @@ from pydantic import (
 
 from service.devices import parse_device
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +54,6 @@ def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
         [f"{where}: {what} ({kind}; details in the server log)"],
         details=[f"{where}: {what} ({kind}: {text})"],
     )
-
-
-def safe_text(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters, with control and unprintable characters escaped.
-
-    For names and keys taken from files or folders and printed to a terminal or log: an
-    escape sequence in a TOML key or a folder name is shown, never interpreted.
-    """
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut if cut.isprintable() else ascii(cut)[1:-1]
 
 
 CONFIG_FILE = "config.toml"

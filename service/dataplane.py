@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 import service
-from service.config import ConfigError, safe_text
+from service.config import ConfigError
 from service.config_override import ConfigOverride, load_parameters, parse_override
 from service.errors import (
     InvalidInput,
@@ -51,6 +51,7 @@ from service.protocol.compression import MIN_BYTES
 from service.protocol.response import compress_response, wants_binary
 from service.protocol.types import SharedOutput
 from service.shared_memory import CudaSharedMemory, SystemSharedMemory
+from service.text import safe_text
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

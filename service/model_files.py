@@ -33,9 +33,9 @@ from service.config import (
     load_config,
     model_names,
     model_versions,
-    safe_text,
 )
 from service.pipeline import COMPUTE_DTYPES, Artifacts, torch_dtype
+from service.text import safe_text
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
 _FLOAT_DTYPES = {

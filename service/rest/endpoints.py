@@ -17,13 +17,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.config import safe_text
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.metrics import Metrics
 from service.protocol.response import dumps_plain
 from service.rest.bodies import CONTROL_BODY_BYTES
 from service.rest.fastpath import InferRoute
+from service.text import safe_text
 
 
 def json_response(obj: object, status: int = 200) -> Response:
