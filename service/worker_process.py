@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from service.cluster import WORKER_HEADER, Cluster
+from service.devices import set_torch_threads
 from service.settings import Settings
 
 __all__ = ["WorkerSpec", "bind_port", "run_worker"]
@@ -54,17 +55,6 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def set_torch_threads(torch_threads: int | None, interop_threads: int) -> None:
-    """Apply a :class:`service.workers.WorkerPlan`'s threads to this process (a worker, or
-    the one process of ``--workers 1``): intra-op threads (None: torch's default, as
-    ``OMP_NUM_THREADS`` set them) and inter-op threads."""
-    import torch
-
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
-    torch.set_num_interop_threads(interop_threads)
-
-
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process: its own torch threads, models, uvicorn server and private socket."""
     # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
@@ -85,10 +75,10 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # Imported here: the supervisor imports this module too, and stays without torch.
-    from service.cli import run_server, uvicorn_config
     from service.metrics import Metrics
     from service.repository import ModelRepository
     from service.rest.app import create_app
+    from service.rest.server import run_server, uvicorn_config
 
     settings = spec.settings
     run_dir = Path(spec.run_dir)
