@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import types
 import typing
@@ -111,7 +110,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM: in this process, or as ``settings.workers``
     worker processes under a supervisor (:mod:`service.workers`)."""
-    import uvicorn
 
     from service.observability import configure_logging
 
@@ -144,13 +142,8 @@ def serve(settings: Settings) -> int:
     from service.devices import set_torch_threads
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
-    from service.rest.app import begin_shutdown, create_app
-    from service.rest.server import run_server, uvicorn_config
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            begin_shutdown(self.config.app)  # gRPC stops taking calls with HTTP
-            await super().shutdown(sockets)
+    from service.rest.app import create_app
+    from service.rest.server import Server, run_server, uvicorn_config
 
     app = create_app(settings, grpc=True)
     return run_server(Server(uvicorn_config(settings, app, log_config)))

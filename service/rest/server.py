@@ -1,25 +1,43 @@
 """The uvicorn server of a ``bitserve serve`` process (the one process, or each worker of
-``--workers``): its configuration, and a run that exits 0 after a drain."""
+``--workers``): its configuration, its shutdown (gRPC and the peers stop with HTTP), and a
+run that exits 0 after a drain. Imports nothing heavy: the supervisor imports it too."""
 
 from __future__ import annotations
 
 import signal
 import socket
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import uvicorn
 
 from service.settings import Settings
 
-if TYPE_CHECKING:
-    import uvicorn
+
+def begin_shutdown(app: Any) -> None:
+    """Stop taking gRPC calls and changes from peers now, and answer not ready (when HTTP
+    stops taking requests, on SIGTERM); the lifespan, after the HTTP drain, waits for the
+    calls in flight before it stops the repository."""
+    grpc_server = getattr(app.state, "grpc", None)
+    if grpc_server is not None:
+        grpc_server.begin_stop()
+    control = getattr(app.state, "control", None)
+    if control is not None:
+        control.begin_stop()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server: gRPC and the peers stop with HTTP (:func:`begin_shutdown`)."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        begin_shutdown(self.config.app)
+        await super().shutdown(sockets)
 
 
 def uvicorn_config(
     settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
 ) -> uvicorn.Config:
     """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
-    import uvicorn
-
     from service.rest.http_protocol import max_connections, protocol_class
 
     http = protocol_class(
