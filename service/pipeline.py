@@ -90,10 +90,10 @@ def build_operator(
     x, c = tensors["x"], tensors["c"]
     if op.response == "tabulated":
         table = (tensors["response_x"].double(), tensors["response_y"].double())
-        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device)
+        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
     return BandedResampler.from_response(
-        x, c, op.response, op.support, dtype=dtype, device=device, **params
+        x, c, op.response, op.support, dtype=dtype, device=device, **op.options, **params
     )
 
 
