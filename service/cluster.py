@@ -7,6 +7,8 @@ every worker its path, the worker count, the worker's index and a per-server sec
       control.json    what every worker must hold alike (service.control)
       control.lock    flock: one shared change at a time, server-wide
       ready/w<i>      exists (holding the pid) while worker i is caught up and ready
+      ready/w<i>.why  while worker i is caught up but not ready: its pid, then why (which
+                      model failed or is loading), for every worker's readiness answer
       w<i>.sock       worker i's private listener, for requests from its peers
       stats/<pid>.json  each worker's statistics, for its peers to add up
       metrics/        PROMETHEUS_MULTIPROC_DIR
@@ -22,7 +24,8 @@ listens it re-reads the file under the lock and replays what changed meanwhile (
 listens before k's forward gets the forward; one that listens after reads k's record).
 
 Readiness: ``/v2/health/ready`` answers 503 on every worker until every worker has caught up
-and has its models ready.
+and its repository is ready (by its readiness rule, ``--strict-readiness`` included); the
+answer says why, naming the model of the first worker that is not.
 """
 
 from __future__ import annotations
@@ -112,6 +115,18 @@ def ready_path(run_dir: Path, index: int) -> Path:
     return run_dir / "ready" / f"w{index}"
 
 
+def why_path(run_dir: Path, index: int) -> Path:
+    """The file that says why worker ``index`` is not ready (while it is caught up)."""
+    return run_dir / "ready" / f"w{index}.why"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @dataclass
 class _Answer:
     """A response captured from the local application or a peer."""
@@ -136,7 +151,7 @@ class Cluster:
         index: this worker's index, 0 to ``workers - 1``.
         workers: how many workers the server runs.
         secret: the per-server secret that marks a request as forwarded by a peer.
-        repository_ready: whether this worker's own models are ready.
+        not_ready_reason: why this worker's own repository is not ready; None when it is.
         statistics: this worker's statistics snapshots (published for its peers to add up).
         auth_token: the server's bearer token, for the changes this worker replays itself.
         max_body_bytes: the largest control request body accepted (as the routes accept).
@@ -150,7 +165,7 @@ class Cluster:
         workers: int,
         secret: str,
         *,
-        repository_ready: Callable[[], bool],
+        not_ready_reason: Callable[[], str | None],
         statistics: Callable[[], list[Snapshot]] = list,
         auth_token: str | None = None,
         max_body_bytes: int = CONTROL_BODY_BYTES,
@@ -161,7 +176,7 @@ class Cluster:
         self.workers = workers
         self.control = ControlState(run_dir)
         self._secret = secret
-        self._repository_ready = repository_ready
+        self._not_ready_reason = not_ready_reason
         self._statistics = statistics
         self._published: list[dict[str, Any]] | None = None
         self._auth_token = auth_token
@@ -214,29 +229,30 @@ class Cluster:
         async with self.control.locked():
             await self.catch_up()
         self._caught_up = True
-        path = ready_path(self.run_dir, self.index)
-        shown: bool | None = None
+        path, why_file = ready_path(self.run_dir, self.index), why_path(self.run_dir, self.index)
+        shown: tuple[str | None] | None = None
         while True:
             if os.getppid() != self._parent:  # the supervisor is gone: drain and exit
                 log.error("the supervisor exited; worker %d stops", self.index)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.publish_statistics()
-            ready = self._repository_ready()
-            if ready != shown:
-                if ready:  # atomically: a reader never sees a half-written pid
-                    tmp = path.with_suffix(".tmp")
-                    tmp.write_text(str(os.getpid()))
-                    os.replace(tmp, path)
+            why = self._not_ready_reason()
+            if (why,) != shown:
+                if why is None:
+                    _write_atomically(path, str(os.getpid()))
+                    why_file.unlink(missing_ok=True)
                 else:
                     path.unlink(missing_ok=True)
-                shown = ready
+                    _write_atomically(why_file, f"{os.getpid()}\n{why}")
+                shown = (why,)
             await asyncio.sleep(_HEARTBEAT_S)
 
     def leave(self) -> None:
         """Not ready any more (the worker is draining)."""
         self._caught_up = False
         ready_path(self.run_dir, self.index).unlink(missing_ok=True)
+        why_path(self.run_dir, self.index).unlink(missing_ok=True)
         self.publish_statistics()
 
     # --- statistics ----------------------------------------------------------------------
@@ -312,6 +328,24 @@ class Cluster:
                 missing.append(j)
         return missing
 
+    def not_ready_message(self) -> str | None:
+        """Why the server is not ready as far as the peers go (this worker's own models are
+        the application's to answer for); None when every peer is ready."""
+        missing = self.not_ready()
+        if not missing:
+            return None
+        for j in missing:
+            try:
+                pid, why = why_path(self.run_dir, j).read_text().split("\n", 1)
+                os.kill(int(pid), 0)  # not a dead worker's last word
+            except (OSError, ValueError):
+                continue
+            return f"{why} (worker {j} of {self.workers})"
+        shown = ", ".join(map(str, missing))
+        return (
+            f"server is not ready: worker(s) {shown} of {self.workers} are starting or catching up"
+        )
+
     # --- repository changes --------------------------------------------------------------
 
     def is_peer(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
@@ -381,13 +415,8 @@ class ClusterMiddleware:
         if scope["type"] == "http":
             path = scope["path"]
             if path == "/v2/health/ready":
-                missing = self.cluster.not_ready()
-                if missing:
-                    shown = ", ".join(map(str, missing))
-                    message = (
-                        f"server is not ready: worker(s) {shown} of {self.cluster.workers} "
-                        "are starting, catching up or not ready"
-                    )
+                message = self.cluster.not_ready_message()
+                if message is not None:
                     await _send(send, _Answer(503, [], dumps({"error": message})))
                     return
             elif (

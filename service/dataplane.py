@@ -85,6 +85,7 @@ class Repository(Protocol):
 
     @property
     def ready(self) -> bool: ...
+    def not_ready_reason(self) -> str | None: ...
     async def start(self) -> None: ...
     async def stop(self, timeout_s: float = 30.0) -> None: ...
     def index(self) -> list[dict[str, Any]]: ...
@@ -206,8 +207,12 @@ class DataPlane:
     # --- server and models ----------------------------------------------------------------
 
     def ready(self) -> bool:
-        """Whether every model is loaded and the server is not stopping."""
+        """Whether the server is ready (the repository's readiness rule)."""
         return self.repository.ready
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready, naming the models; None when it is."""
+        return self.repository.not_ready_reason()
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""

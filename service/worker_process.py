@@ -90,7 +90,11 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
         spec.index,
         spec.workers,
         spec.secret,
-        repository_ready=lambda: repository is not None and repository.ready,
+        not_ready_reason=lambda: (
+            "server is not ready: loading models"
+            if repository is None
+            else repository.not_ready_reason()
+        ),
         statistics=metrics.statistics.snapshots,
         auth_token=token,
         body_timeout_s=settings.body_timeout_s,

@@ -113,8 +113,9 @@ class Endpoints:
         return json_response({"live": True})
 
     async def ready(self) -> Response:
-        if not self.dataplane.ready():
-            raise ModelNotReady("server is not ready: models are still loading or failed")
+        why = self.dataplane.not_ready_reason()
+        if why is not None:
+            raise ModelNotReady(why)
         return json_response({"ready": True})
 
     async def server_metadata(self) -> Response:

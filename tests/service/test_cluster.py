@@ -43,7 +43,7 @@ class Worker:
             index,
             workers,
             SECRET,
-            repository_ready=lambda: self.repo.ready,
+            not_ready_reason=lambda: None if self.repo.ready else "not ready",
             auth_token=token,
             max_body_bytes=1024,
         )
@@ -191,8 +191,7 @@ async def test_readiness_needs_every_worker(run_dir: Path) -> None:
         r = await c.get("/v2/health/ready")
         assert r.status_code == 503
         assert r.json() == {
-            "error": "server is not ready: worker(s) 0, 1, 2 of 3 are starting, catching up "
-            "or not ready"
+            "error": "server is not ready: worker(s) 0, 1, 2 of 3 are starting or catching up"
         }
         w.cluster._caught_up = True
         mark_ready(run_dir, 1)
