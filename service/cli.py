@@ -1,8 +1,8 @@
 """The ``bitserve`` command line.
 
     bitserve serve [--model-repository DIR] [--host H] [--port P] [... every setting]
-    bitserve check-repo DIR [--max-operator-bytes N]   # validate a repository as serve
-                                                      # loads it; exit 1 on problems
+    bitserve check-repo DIR [--device cpu] [--max-operator-bytes N]   # validate a repository
+                                      # as serve loads it (dry runs included); exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
@@ -84,8 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-repo",
         help="validate a model repository",
-        description="Check every model as `serve` would load it, without using a device; "
-        "print one line per problem, exit 1 if there is any.",
+        description="Check every model as `serve` loads it: its files, its model's signature "
+        "against the config, and a dry run at batch 1 and at max_batch_size on --device (the "
+        "CPU by default); print one line per problem, exit 1 if there is any.",
+    )
+    check.add_argument(
+        "--device",
+        default="cpu",
+        help="where to build and dry-run every model, whatever its config says: cpu, cuda, "
+        "cuda:N or auto [default cpu]",
     )
     check.add_argument("root", type=Path, metavar="DIR")
     for name, what in (("max_operator_bytes", "operators"), ("max_batch_bytes", "input buffers")):
@@ -162,10 +169,21 @@ def _limit(name: str, flag: str | None) -> int:
 
 
 def check_repo(
-    root: Path, max_operator_bytes: str | None = None, max_batch_bytes: str | None = None
+    root: Path,
+    max_operator_bytes: str | None = None,
+    max_batch_bytes: str | None = None,
+    device: str = "cpu",
 ) -> int:
     """``bitserve check-repo``: one line per problem on stderr; 0 when valid, 1 if not, 2 for
-    a bad limit. Never a traceback: every error is a problem of the file it came from."""
+    a bad limit or device. Never a traceback: every error is a problem of the file it came
+    from. Each version is built and dry-run on ``device`` as ``serve`` builds it."""
+    from service.devices import resolve_device
+
+    try:
+        device = resolve_device(device, "auto")
+    except ValueError as e:
+        print(f"bitserve check-repo: device: {e}", file=sys.stderr)
+        return 2
     limits: dict[str, int] = {}
     for name, flag in (("max_operator_bytes", max_operator_bytes),
                        ("max_batch_bytes", max_batch_bytes)):  # fmt: skip
@@ -179,7 +197,8 @@ def check_repo(
         return 1
     from service.model_files import check_repository
 
-    problems = check_repository(root, **limits)
+    logging.basicConfig(level=logging.CRITICAL)  # the problems are printed; no log lines
+    problems = check_repository(root, device=device, **limits)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
@@ -202,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return serve(settings)
     if args.command == "check-repo":
-        return check_repo(args.root, args.max_operator_bytes, args.max_batch_bytes)
+        return check_repo(args.root, args.max_operator_bytes, args.max_batch_bytes, args.device)
     if args.command == "demo-repo":
         from service.demo import write_demo_repository
 

@@ -7,6 +7,8 @@ every worker its path, the worker count, the worker's index and a per-server sec
       control.json    what every worker must hold alike (service.control)
       control.lock    flock: one shared change at a time, server-wide
       ready/w<i>      exists (holding the pid) while worker i is caught up and ready
+      ready/w<i>.why  while worker i is caught up but not ready: its pid, then why (which
+                      model failed or is loading), for every worker's readiness answer
       w<i>.sock       worker i's private listener, for changes from its peers
       stats/<pid>.json  each worker's statistics, for its peers to add up
       metrics/        PROMETHEUS_MULTIPROC_DIR
@@ -26,8 +28,10 @@ lock, replays every recorded change it has not applied (loads with a config over
 unloads, regions, log settings) before it takes traffic. A peer that listens before k's
 change gets k's message; one that takes the lock after it reads k's record.
 
-Readiness: the server is ready when every worker has caught up and has its models ready (each
-keeps ``ready/w<i>`` while it is).
+Readiness: the server is ready when every worker has caught up and its repository is ready
+(by its readiness rule, ``--strict-readiness`` included; each keeps ``ready/w<i>`` while it
+is, else ``ready/w<i>.why``); the answer says why, naming the model of the first worker that
+is not.
 """
 
 from __future__ import annotations
@@ -77,6 +81,18 @@ def socket_path(run_dir: Path, index: int) -> Path:
 def ready_path(run_dir: Path, index: int) -> Path:
     """The file that exists while worker ``index`` is ready."""
     return run_dir / "ready" / f"w{index}"
+
+
+def why_path(run_dir: Path, index: int) -> Path:
+    """The file that says why worker ``index`` is not ready (while it is caught up)."""
+    return run_dir / "ready" / f"w{index}.why"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class WorkerFailed(ServiceError):
@@ -163,12 +179,12 @@ class Cluster:
                 names.append(change.name)
         return sorted(names)
 
-    async def start(self, apply: Applier, repository_ready: Callable[[], bool]) -> None:
+    async def start(self, apply: Applier, not_ready_reason: Callable[[], str | None]) -> None:
         """Listen for peers, catch up under the lock, then keep the ready file current.
 
         Args:
             apply: applies a change in this process (peers' changes and replays).
-            repository_ready: whether this worker's own models are ready.
+            not_ready_reason: why this worker's own repository is not ready; None when it is.
         """
         self._apply = apply
         path = socket_path(self.run_dir, self.index)
@@ -182,36 +198,37 @@ class Cluster:
         async with self.control.locked():
             await self._catch_up(apply)
         self._caught_up = True
-        self._heartbeat = asyncio.create_task(self._beat(repository_ready))
+        self._heartbeat = asyncio.create_task(self._beat(not_ready_reason))
 
     def leave(self) -> None:
         """Not ready any more (the worker is draining); peers skip it from now on."""
         self._caught_up = False
         ready_path(self.run_dir, self.index).unlink(missing_ok=True)
+        why_path(self.run_dir, self.index).unlink(missing_ok=True)
         if self._listener is not None:
             self._listener.close()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         self.publish_statistics()
 
-    async def _beat(self, repository_ready: Callable[[], bool]) -> None:
-        path = ready_path(self.run_dir, self.index)
-        shown: bool | None = None
+    async def _beat(self, not_ready_reason: Callable[[], str | None]) -> None:
+        path, why_file = ready_path(self.run_dir, self.index), why_path(self.run_dir, self.index)
+        shown: tuple[str | None] | None = None
         while True:
             if os.getppid() != self._parent:  # the supervisor is gone: drain and exit
                 log.error("the supervisor exited; worker %d stops", self.index)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.publish_statistics()
-            ready = repository_ready()
-            if ready != shown:
-                if ready:  # atomically: a reader never sees a half-written pid
-                    tmp = path.with_suffix(".tmp")
-                    tmp.write_text(str(os.getpid()))
-                    os.replace(tmp, path)
+            why = not_ready_reason()
+            if (why,) != shown:
+                if why is None:
+                    _write_atomically(path, str(os.getpid()))
+                    why_file.unlink(missing_ok=True)
                 else:
                     path.unlink(missing_ok=True)
-                shown = ready
+                    _write_atomically(why_file, f"{os.getpid()}\n{why}")
+                shown = (why,)
             await asyncio.sleep(_HEARTBEAT_S)
 
     async def _catch_up(self, apply: Applier) -> None:
@@ -274,6 +291,24 @@ class Cluster:
             except (OSError, ValueError):
                 missing.append(j)
         return missing
+
+    def not_ready_message(self) -> str | None:
+        """Why the server is not ready as far as the workers go (this worker's own models are
+        its control plane's to answer for); None when every worker is ready."""
+        missing = self.not_ready()
+        if not missing:
+            return None
+        for j in missing:
+            try:
+                pid, why = why_path(self.run_dir, j).read_text().split("\n", 1)
+                os.kill(int(pid), 0)  # not a dead worker's last word
+            except (OSError, ValueError):
+                continue
+            return f"{why} (worker {j} of {self.workers})"
+        shown = ", ".join(map(str, missing))
+        return (
+            f"server is not ready: worker(s) {shown} of {self.workers} are starting or catching up"
+        )
 
     # --- changes -------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ class ControlPlane:
         self.logging.attach()  # uvicorn has made the log handlers by now
         await self.repository.start()
         if self.cluster is not None:
-            await self.cluster.start(self.apply, lambda: self.repository.ready)
+            await self.cluster.start(self.apply, self.repository.not_ready_reason)
 
     def begin_stop(self) -> None:
         """Not ready from now on (the server is draining); peers stop sending changes."""
@@ -98,19 +98,14 @@ class ControlPlane:
     # --- readiness ------------------------------------------------------------------------
 
     def not_ready(self) -> str | None:
-        """Why the server is not ready, or None when it is: every model loaded and, under
-        ``--workers``, every worker started, caught up and ready."""
+        """Why the server is not ready, naming the models; None when it is: the repository
+        is ready by its readiness rule (``--strict-readiness``) and, under ``--workers``,
+        every worker has started, caught up and is ready."""
         if self.cluster is not None:
-            missing = self.cluster.not_ready()
-            if missing:
-                shown = ", ".join(map(str, missing))
-                return (
-                    f"server is not ready: worker(s) {shown} of {self.cluster.workers} are "
-                    "starting, catching up or not ready"
-                )
-        if not self.repository.ready:
-            return "server is not ready: models are still loading or failed"
-        return None
+            why = self.cluster.not_ready_message()
+            if why is not None:
+                return why
+        return self.repository.not_ready_reason()
 
     def ready(self) -> bool:
         """Whether the server is ready (see :meth:`not_ready`)."""

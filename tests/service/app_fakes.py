@@ -137,6 +137,9 @@ class FakeRepository:
     def ready(self) -> bool:
         return self.started and self.is_ready
 
+    def not_ready_reason(self) -> str | None:
+        return None if self.ready else "server is not ready: loading models"
+
     async def start(self) -> None:
         self.started = True
 

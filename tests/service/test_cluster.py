@@ -25,7 +25,7 @@ from service.changes import (
     UnregisterRegion,
     UpdateLogSettings,
 )
-from service.cluster import Cluster, PeerAnswer, ready_path, socket_path
+from service.cluster import Cluster, PeerAnswer, ready_path, socket_path, why_path
 from service.control import ControlState
 from service.rest.app import create_app
 from service.settings import Settings
@@ -202,12 +202,16 @@ async def test_readiness_needs_every_worker(run_dir: Path) -> None:
         r = await c.get("/v2/health/ready")
         assert r.status_code == 503
         assert r.json() == {
-            "error": "server is not ready: worker(s) 1, 2 of 3 are starting, catching up or "
-            "not ready"
+            "error": "server is not ready: worker(s) 1, 2 of 3 are starting or catching up"
         }
         mark_ready(run_dir, 1)
         mark_ready(run_dir, 2, pid=2**22 + 12345)  # a file left by a dead process
         assert "worker(s) 2 of 3" in (await c.get("/v2/health/ready")).json()["error"]
+        # A worker that is caught up but not ready says why, for every worker to answer.
+        why = "server is not ready: model 'm' failed to load"
+        why_path(run_dir, 2).write_text(f"{os.getpid()}\n{why}")
+        assert (await c.get("/v2/health/ready")).json() == {"error": f"{why} (worker 2 of 3)"}
+        why_path(run_dir, 2).unlink()
         mark_ready(run_dir, 2)
         r = await c.get("/v2/health/ready")
         assert (r.status_code, r.json()) == (200, {"ready": True})
@@ -215,7 +219,7 @@ async def test_readiness_needs_every_worker(run_dir: Path) -> None:
         # This worker's own models still count.
         w.repo.is_ready = False
         assert (await c.get("/v2/health/ready")).json() == {
-            "error": "server is not ready: models are still loading or failed"
+            "error": "server is not ready: loading models"
         }
         assert (await c.get("/v2/health/live")).status_code == 200
         w.repo.is_ready = True
