@@ -14,21 +14,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import socket
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from service.settings import Settings
-
-if TYPE_CHECKING:
-    import uvicorn
 
 
 def _flag(name: str) -> str:
@@ -119,72 +114,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def uvicorn_config(
-    settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
-) -> uvicorn.Config:
-    """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
-    import uvicorn
-
-    from service.rest.http_protocol import max_connections, protocol_class
-
-    http = protocol_class(
-        head_timeout_s=settings.head_timeout_s,
-        max_header_bytes=settings.max_header_bytes,
-        max_connections=max_connections(settings.max_connections),
-    )
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        http=http,
-        ws="none",  # no WebSocket routes: an upgrade request is plain HTTP (JSON answers)
-        loop="auto",
-        lifespan="on",
-        log_config=log_config,
-        log_level=settings.log_level,
-        access_log=False,  # our middleware writes access lines with the request id
-        server_header=False,
-        timeout_keep_alive=settings.timeout_keep_alive_s,
-        timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        **extra,
-    )
-
-
-def run_server(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> int:
-    """Run a uvicorn server until SIGINT/SIGTERM, which let in-flight requests finish first.
-
-    Returns:
-        0 after a drain that SIGTERM started, 130 after SIGINT, 1 if it never started.
-    """
-    # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish
-    # (up to timeout_graceful_shutdown), then runs the lifespan shutdown (repository.stop).
-    # Then it restores the handlers it found and raises the signal again, which by default
-    # kills the process (exit status -15/143 after a clean drain, which supervisors count as
-    # a failure). The handlers it restores are these: they take the re-raised signal as the
-    # end of a graceful shutdown and let ``serve`` return, so a drained server exits 0.
-    received: list[int] = []
-
-    def after_drain(sig: int, frame: types.FrameType | None) -> None:
-        if not server.should_exit:  # uvicorn was not running yet: stop at once
-            raise SystemExit(128 + sig)
-        received.append(sig)
-
-    previous = {sig: signal.signal(sig, after_drain) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if not server.started:
-        return 1
-    # Ctrl-C keeps the shell's convention; SIGTERM (a supervisor's stop) is a clean exit.
-    return 128 + signal.SIGINT if signal.SIGINT in received else 0
-
-
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM: in this process, or as ``settings.workers``
     worker processes under a supervisor (:mod:`service.workers`)."""
-    import uvicorn
 
     from service.observability import configure_logging
 
@@ -214,15 +146,11 @@ def serve(settings: Settings) -> int:
     if plan.workers > 1:
         return workers.supervise(settings, plan, gpus)
     logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
-    from service.worker_process import set_torch_threads
+    from service.devices import set_torch_threads
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
-    from service.rest.app import begin_shutdown, create_app
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            begin_shutdown(self.config.app)  # gRPC stops taking calls with HTTP
-            await super().shutdown(sockets)
+    from service.rest.app import create_app
+    from service.rest.server import Server, run_server, uvicorn_config
 
     app = create_app(settings, grpc=True)
     return run_server(Server(uvicorn_config(settings, app, log_config)))

@@ -35,6 +35,7 @@ from pydantic import (
 
 from service.devices import parse_device
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +80,6 @@ def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = ""
     return f"{kind}: {safe_text(text, 300)}" if text else kind
 
 
-def safe_text(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters, with control and unprintable characters escaped.
-
-    For names and keys taken from files or folders and printed to a terminal or log: an
-    escape sequence in a TOML key or a folder name is shown, never interpreted.
-    """
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut if cut.isprintable() else ascii(cut)[1:-1]
-
-
 CONFIG_FILE = "config.toml"
 DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
 """Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
@@ -111,7 +102,10 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
 InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
 OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
 ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
-Response = Literal["gaussian", "lorentzian", "boxcar", "triangle", "tabulated"]
+Response = Literal[
+    "gaussian", "lorentzian", "boxcar", "triangle", "epanechnikov", "laplacian", "exponential",
+    "alpha", "tabulated",
+]  # fmt: skip
 MODEL_SUFFIXES = (".pt2", ".pt", ".ts", ".onnx")
 """The model file suffixes a format is known by (``service.backends.SUFFIXES``)."""
 ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
@@ -209,13 +203,20 @@ class InputConfig(_Strict):
         return [*self.shape[:-1], (self.shape[-1] + 7) // 8]
 
 
-# Named response -> its width parameter and whether it takes a ``support`` (in those units).
-RESPONSE_PARAMS: dict[str, tuple[str, bool]] = {
-    "gaussian": ("sigma", True),
-    "lorentzian": ("gamma", True),
-    "boxcar": ("half_width", False),
-    "triangle": ("half_width", False),
+# Named response -> its own width parameter, whether it takes a ``support`` (in the units of
+# the parameter given) and whether it also takes ``sigma`` (its standard deviation), as
+# gpu_ops.responses.NAMED defines them.
+RESPONSE_PARAMS: dict[str, tuple[str, bool, bool]] = {
+    "gaussian": ("sigma", True, True),
+    "lorentzian": ("gamma", True, False),
+    "boxcar": ("half_width", False, True),
+    "triangle": ("half_width", False, True),
+    "epanechnikov": ("half_width", False, True),
+    "laplacian": ("tau", True, True),
+    "exponential": ("tau", True, True),
+    "alpha": ("tau", True, True),
 }
+_WIDTHS = ("sigma", "gamma", "half_width", "tau")
 
 
 class OperatorConfig(_Strict):
@@ -229,13 +230,25 @@ class OperatorConfig(_Strict):
     response: Response
     """A named shape (its width parameter below) or ``"tabulated"`` (``response_x``/``_y``)."""
     sigma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Gaussian ``exp(-d²/(2 sigma²))`` width, in the units of ``x``."""
+    """The response's standard deviation (every response but the lorentzian), in x's units."""
     gamma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Lorentzian ``1/(1 + (d/gamma)²)`` half-width, in the units of ``x``."""
     half_width: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Boxcar / triangle half-width, in the units of ``x``."""
+    """Boxcar / triangle / epanechnikov half-width, in the units of ``x``."""
+    tau: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Laplacian / exponential / alpha time constant, in the units of ``x``."""
     support: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Cut-off of a gaussian (in sigmas, default 4) or lorentzian (in gammas, default 10)."""
+    """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
+    normalize: bool = False
+    """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
+    center: Literal["median", "peak", "none"] = "median"
+    """Where a causal response (exponential, alpha) is centred: on its median (Elephant's
+    default), its peak, or not at all (strictly causal)."""
+    border: Literal["none", "correct"] = "none"
+    """``"correct"``: divide by the response's mass inside the recording (Elephant's
+    border_correction)."""
+    scale: float = Field(default=1.0, allow_inf_nan=False)
+    """A constant factor on the output."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -246,26 +259,39 @@ class OperatorConfig(_Strict):
 
     @model_validator(mode="after")
     def _parameters(self) -> OperatorConfig:
-        given = {k for k in ("sigma", "gamma", "half_width", "support") if getattr(self, k)}
+        given = {k for k in (*_WIDTHS, "support") if getattr(self, k)}
+        if self.scale == 0:
+            raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
+            if self.center != "median":
+                raise ValueError("center applies to named responses; a table is used as given")
         else:
-            param, has_support = RESPONSE_PARAMS[self.response]
-            if param not in given:
-                raise ValueError(f"response = {self.response!r} needs {param}")
-            allowed = {param, "support"} if has_support else {param}
+            param, has_support, has_sigma = RESPONSE_PARAMS[self.response]
+            widths = {param, "sigma"} if has_sigma else {param}
+            allowed = widths | {"support"} if has_support else widths
         extra = sorted(given - allowed)
         if extra:
             raise ValueError(f"response = {self.response!r} takes no {', '.join(extra)}")
+        if self.response != "tabulated" and len(given & widths) != 1:
+            names = " or ".join(sorted(widths))
+            raise ValueError(f"response = {self.response!r} needs exactly one of {names}")
         return self
 
     @property
     def parameters(self) -> dict[str, float]:
-        """The named response's width parameter, e.g. ``{"sigma": 125.0}``."""
+        """The named response's width parameter as given, e.g. ``{"sigma": 125.0}``."""
         if self.response == "tabulated":
             return {}
-        param = RESPONSE_PARAMS[self.response][0]
-        return {param: float(getattr(self, param))}
+        return {k: float(getattr(self, k)) for k in _WIDTHS if getattr(self, k) is not None}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keywords of ``from_response`` for the shape options (normalize, center, ...)."""
+        return {
+            "normalize": self.normalize, "center": self.center, "border": self.border,
+            "scale": self.scale,
+        }  # fmt: skip
 
 
 class ModelFileConfig(_Strict):

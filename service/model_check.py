@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from service.backends import Dim, ModelFile, TensorSpec
-from service.config import ConfigError, ModelConfig, VersionSource, library_error, safe_text
+from service.config import ConfigError, ModelConfig, VersionSource, library_error
 from service.protocol.types import DATATYPES, REGISTRY
 from service.signature import Bound, WireInput
+from service.text import safe_text
 
 if TYPE_CHECKING:
     from service.pipeline import Artifacts, Pipeline

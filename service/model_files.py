@@ -35,10 +35,10 @@ from service.config import (
     load_config,
     model_names,
     model_versions,
-    safe_text,
 )
 from service.model_check import check_signature, handed_dtypes, read_warmup
 from service.pipeline import COMPUTE_DTYPES, Artifacts, Pipeline, resolve_device, torch_dtype
+from service.text import safe_text
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
 _FLOAT_DTYPES = {
@@ -400,9 +400,10 @@ def _check_values(
         xs = tensors["response_x"].detach().to(torch.float64)
         lo, hi = float(xs[0]), float(xs[-1])
     else:
-        spec = responses.named(op.response)
-        half = spec.half_width(op.parameters[spec.param], op.support)
-        lo, hi = -half, half
+        options = responses.Options(**op.options)
+        shape = responses.parse_named(op.response, op.support, op.parameters, options)
+        lo, hi = shape.window(shape.value)
+        lo, hi = lo - shape.shift * shape.value, hi - shape.shift * shape.value
     _, _, W = responses.windows(x, c, lo, hi)
     sorted_rows = bool((c[:, 1:] >= c[:, :-1]).all())
     size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows)

@@ -35,12 +35,12 @@ from service.config import (
     InputConfig,
     ModelConfig,
     OperatorConfig,
-    safe_text,
 )
 from service.model_check import dry_run, handed_dtypes
 from service.protocol.types import DATATYPES, REGISTRY
 from service.signature import Bound
 from service.statistics import ModelStats
+from service.text import safe_text
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
@@ -100,10 +100,10 @@ def build_operator(
     x, c = tensors["x"], tensors["c"]
     if op.response == "tabulated":
         table = (tensors["response_x"].double(), tensors["response_y"].double())
-        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device)
+        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
     return BandedResampler.from_response(
-        x, c, op.response, op.support, dtype=dtype, device=device, **params
+        x, c, op.response, op.support, dtype=dtype, device=device, **op.options, **params
     )
 
 
