@@ -12,13 +12,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_ops import _resample_ops, _resample_torch, _resampler_base, responses
+from gpu_ops import (
+    _bits_resample,
+    _events_ops,
+    _resample_ops,
+    _resample_torch,
+    _resampler_base,
+    responses,
+)
 
 
 class OnTheFlyResampler(_resampler_base.Resampler):
     """``out[..., n, a] = sum_b r(c[n, a] - x[b]) * f[..., n, b]`` with no stored weights.
 
-    Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` and the response's parameter as
+    Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` (float64: the offsets ``c - x``
+    of a long recording and a narrow response need its precision) and the response's
+    parameter as
     ``nn.Parameter``s (named after it: ``.sigma``, ``.gamma``, ``.half_width`` or ``.tau``,
     whichever is the response's own, also when built from ``sigma=``); the
     kernels evaluate the weights of each window as they use it, in the forward and in the
@@ -36,7 +45,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         support: the cut in units of the parameter given (gaussian default 4 sigma,
             lorentzian 10 gamma, laplacian, exponential and alpha 5 sigma); None for the
             compact ``boxcar``, ``triangle`` and ``epanechnikov``.
-        dtype: float32 (default) computes in float32; float64 keeps c and the parameter in
+        dtype: float32 (default) computes in float32; float64 keeps the parameter in
             float64 and computes in float64 (for gradcheck).
         device: where the module lives (default: x's device).
         normalize, center, border, scale, recording: see :class:`gpu_ops.responses.Options`
@@ -78,7 +87,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         self.num_fine = x64.numel()
         geometry = torch.float64 if dtype == torch.float64 else torch.float32
         self.register_buffer("x", x64)
-        self.c = nn.Parameter(c64.to(geometry))
+        self.c = nn.Parameter(c64)  # float64 always: c - x is formed in float64
         param = nn.Parameter(torch.tensor(value, dtype=geometry, device=dev))
         self.register_parameter(self.spec.param, param)
 
@@ -110,6 +119,80 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         )
         return self._finish(out)
 
+    def _needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.c.requires_grad or self.param.requires_grad)
+
+    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
+        """The path :meth:`forward_bits` takes for ``packed``."""
+        packed3, _ = _bits_resample.check_packed(
+            packed, self.c.shape[0], self.num_fine, self.x.device, bitorder, "auto"
+        )
+        return self._plan(packed3)
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        if self._needs_grad():
+            return _bits_resample.Plan("band", -1, {})  # gradients to c and the parameter
+        N, A = self.c.shape
+        B = self.num_fine
+        lo, hi = self.shape.window(float(self.param))
+        span = float(self.x[-1] - self.x[0])
+        width = (hi - lo) / span * (B - 1) if span > 0 else float(B)
+        events = _bits_resample.count_events(packed3)
+        pieces = _bits_resample.pieces_of(self.shape)
+        rows = packed3.shape[0] * N
+        return _bits_resample.choose(
+            events, rows, B, A, min(width, B), on_the_fly=True, pieces=pieces
+        )
+
+    def forward_bits(
+        self,
+        packed: torch.Tensor,
+        bitorder: str = "big",
+        *,
+        path: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The module on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
+
+        Args:
+            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
+            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
+            path: ``"auto"`` (by :mod:`gpu_ops._bits_resample`'s cost model, from the set
+                bits counted in ``packed``), ``"band"``, ``"event"`` or ``"prefix"`` (boxcar,
+                triangle and epanechnikov only).
+            dtype: the output dtype (default: the parameter's, float32 or float64).
+
+        Returns:
+            ``[..., N, A]``. When c or the parameter require gradients (and grad mode is
+            on), the band path is taken and gradients reach them as in :meth:`forward`; the
+            event and prefix paths have no backward (run them under ``torch.no_grad()`` or
+            ``torch.inference_mode()``, or with frozen parameters).
+
+        Raises:
+            ValueError: a shape, device, bit order or path that does not fit.
+        """
+        N = self.c.shape[0]
+        B = self.num_fine
+        packed3, lead = _bits_resample.check_packed(packed, N, B, self.x.device, bitorder, path)
+        out_dtype = dtype or self.param.dtype
+        chosen = self._plan(packed3).path if path == "auto" else path
+        if chosen != "band" and self._needs_grad():
+            raise ValueError(
+                f"path={chosen!r} has no backward: c or the parameter require gradients "
+                "(use path='band', torch.no_grad() or frozen parameters)"
+            )
+        if chosen == "prefix" and _bits_resample.pieces_of(self.shape) is None:
+            raise ValueError(f"{self.spec.name!r} is not piecewise polynomial: no prefix path")
+        if chosen == "band":
+            out = self._resample(_bits_resample.unpack(packed3, B, bitorder, out_dtype))
+        else:
+            kernel = (
+                _events_ops.events_otf_forward if chosen == "event" else _events_ops.prefix_forward
+            )
+            args = (self.spec.name, self.support, bitorder == "big")
+            out = self._finish(kernel(packed3, self.x, self._kernel_c(), self.param, *args))
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
+
     def _windows(self) -> _resample_torch.Windows:
         """The windows of the current c and parameter (as the kernels find them)."""
         c = self._kernel_c().detach()
@@ -125,7 +208,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         )
         with torch.no_grad():
             w = self._finish(w.movedim(-1, 0)).movedim(0, -1)
-        return win.starts.to(torch.int32), w.to(self.c.dtype)
+        return win.starts.to(torch.int32), w.to(self.param.dtype)
 
     @property
     def band_width(self) -> int:
@@ -181,7 +264,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             rec = meta.get("recording", "")
             recording = tuple(float(v) for v in rec.strip("[]").split(",")) if rec else None
             return cls(
-                t["x"], t["c"], spec.name, support, dtype=t["c"].dtype, device=device,
+                t["x"], t["c"], spec.name, support, dtype=t["param"].dtype, device=device,
                 normalize=meta.get("normalize", "false") == "true",
                 center=meta.get("center", "median"), border=meta.get("border", "none"),
                 scale=float(meta.get("scale", "1.0")),

@@ -25,6 +25,7 @@ from gpu_ops import (
     OnTheFlyResampler,
     _bits_c,
     _bits_ops,
+    _events_ops,
     _resample_c,
     _resample_ops,
 )
@@ -42,6 +43,10 @@ OPS = {
     "on_the_fly_forward": _resample_ops.on_the_fly_forward,
     "on_the_fly_backward_f": _resample_ops.on_the_fly_backward_f,
     "on_the_fly_backward_c_param": _resample_ops.on_the_fly_backward_c_param,
+    "bit_counts": _events_ops.bit_counts,
+    "events_band_forward": _events_ops.events_band_forward,
+    "events_otf_forward": _events_ops.events_otf_forward,
+    "prefix_forward": _events_ops.prefix_forward,
 }
 Case = tuple[str, tuple[Any, ...]]
 
@@ -85,6 +90,20 @@ def _cases(device: str) -> Iterator[Case]:
             yield "on_the_fly_forward", (f, x, cd, p, name, None)
             yield "on_the_fly_backward_f", (g, *common, B)
             yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # The bit-input paths: no autograd (the input is bits), every bit order and dtype.
+    bits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
+    bits = bits.to(device)
+    yield "bit_counts", (bits.reshape(2 * N, -1),)
+    for dtype in (torch.float32, torch.float64):
+        w = torch.randn(N, A, W, generator=gen, dtype=dtype).to(device)
+        yield "events_band_forward", (bits, starts, w, B, True)
+        yield "events_band_forward", (bits, starts, w, B, False)
+        for name, params in PARAMS.items():
+            (value,) = params.values()
+            p = torch.tensor(value * 3, dtype=dtype, device=device)
+            yield "events_otf_forward", (bits, x, c, p, name, None, dtype == torch.float32)
+            if name in ("boxcar", "triangle", "epanechnikov"):
+                yield "prefix_forward", (bits, x, c, p, name, None, dtype == torch.float64)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

@@ -1,0 +1,138 @@
+"""``forward_bits``: the resamplers applied to bit-packed inputs, by the cheapest exact path.
+
+``op.forward_bits(packed)`` equals ``op(unpackbits(packed, dim=-1, count=B))`` (within float
+tolerance) and reads each packed byte once. Three paths compute it:
+
+- ``band``: unpack into the compute dtype, then the band kernels. Cost ~ M N A W (every fine
+  point of every window), whatever the density; best for dense inputs and narrow windows, and
+  the path whenever the operator's own tensors need gradients (the bits have none).
+- ``event``: each set bit adds its response to the coarse points whose window holds it. Cost
+  ~ the events times the coarse points per window, plus one pass over the bytes.
+- ``prefix``: for piecewise polynomial responses (boxcar, triangle, epanechnikov, on the fly),
+  sliding sums over the events of ``(c - x)^j``: ~ events + M N A, whatever the width.
+
+All three cut the response at the same window, so they agree with each other and with the
+float64 reference. The choice is made per call from the measured density (the set bits, one
+pass over the bytes) and the response, by :func:`choose`, whose cost model is calibrated on
+the kernels (see ``benchmarks/bench_elephant.py``); ``path=`` forces one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gpu_ops import _events_ops, responses
+
+PATHS = ("band", "event", "prefix")
+
+# Cost model, in nanoseconds on one CPU thread (measured with the C kernels, AMD EPYC, float32):
+# per fine point unpacked and later read by the band (per input row), per band weight and input
+# (stored band) or per weight evaluated (on the fly), per packed byte scanned, per (event,
+# window) pair (stored: a gathered weight; on the fly: an evaluated response), per event and
+# piece or coarse point and piece (prefix sums).
+_UNPACK_NS = 0.25
+_BAND_NS = 0.3
+_BAND_EVAL_NS = 1.0
+_SCAN_NS = 0.5
+_EVENT_NS = 1.5
+_EVENT_EVAL_NS = 1.0
+_EVENT_FIXED_NS = 15.0
+_PREFIX_NS = 6.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The path :func:`choose` picked, and the estimated costs (ns) it compared."""
+
+    path: str
+    events: int
+    costs: dict[str, float]
+
+
+def choose(
+    events: int,
+    rows: int,
+    num_fine: int,
+    num_coarse: int,
+    width: float,
+    *,
+    on_the_fly: bool,
+    pieces: int | None,
+) -> Plan:
+    """The cheapest path for ``events`` set bits in ``rows`` rows of ``num_fine`` bits.
+
+    Args:
+        events: set bits in the whole batch.
+        rows: M N, input rows.
+        num_fine: B; num_coarse: A.
+        width: the window's length in fine points (W).
+        on_the_fly: weights computed per use (else stored).
+        pieces: the response's polynomial pieces (prefix path), None when it has none.
+    """
+    B, A, W = num_fine, num_coarse, max(width, 1.0)
+    scan = rows * math.ceil(B / 8) * _SCAN_NS
+    per_weight = _BAND_NS + (_BAND_EVAL_NS if on_the_fly else 0.0)
+    costs = {"band": rows * B * _UNPACK_NS + rows * A * W * per_weight}
+    coarse_per_event = min(float(A), A * W / B)  # coarse points whose window holds a point
+    pair = _EVENT_EVAL_NS if on_the_fly else _EVENT_NS
+    costs["event"] = scan + events * (coarse_per_event * pair + _EVENT_FIXED_NS)
+    if pieces is not None:
+        costs["prefix"] = scan + (events + rows * A) * pieces * _PREFIX_NS
+    return Plan(min(costs, key=costs.__getitem__), events, costs)
+
+
+def check_packed(
+    packed: torch.Tensor, N: int, B: int, device: torch.device, bitorder: str, path: str
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``packed [..., N, ceil(B / 8)]`` as (M, N, nbytes) and its leading shape.
+
+    Raises:
+        TypeError: not a uint8 tensor.
+        ValueError: a shape, device, bit order or path that does not fit.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        got = getattr(packed, "dtype", type(packed).__name__)
+        raise TypeError(f"packed must be a uint8 tensor, got {got}")
+    nbytes = math.ceil(B / 8)
+    if packed.ndim < 2 or tuple(packed.shape[-2:]) != (N, nbytes):
+        raise ValueError(
+            f"packed must have shape [..., N, ceil(B / 8)] = [..., {N}, {nbytes}]; got "
+            f"{list(packed.shape)}"
+        )
+    if packed.device != device:
+        raise ValueError(f"packed is on {packed.device} but the operator is on {device}")
+    if bitorder not in ("big", "little"):
+        raise ValueError(f"bitorder must be 'big' or 'little', got {bitorder!r}")
+    if path not in ("auto", *PATHS):
+        raise ValueError(f"path must be 'auto' or one of {PATHS}, got {path!r}")
+    lead = tuple(packed.shape[:-2])
+    return packed.reshape(-1, N, nbytes), lead
+
+
+def count_events(packed3: torch.Tensor) -> int:
+    """Set bits of ``packed3 (M, N, nbytes)`` (one pass over the bytes; a sync on CUDA)."""
+    M, N, nbytes = packed3.shape
+    if packed3.numel() == 0:
+        return 0
+    counts: torch.Tensor = _events_ops.bit_counts(packed3.reshape(M * N, nbytes))
+    return int(counts.sum())
+
+
+def unpack(packed3: torch.Tensor, B: int, bitorder: str, dtype: torch.dtype) -> torch.Tensor:
+    """The band path's input: (M, N, B) in ``dtype``."""
+    out: torch.Tensor = torch.ops.bitserve.unpackbits(packed3, 2, B, bitorder, dtype)
+    return out
+
+
+def shape_out(out: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """(M, N, A) back to the caller's leading dims ``lead`` + (N, A)."""
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def pieces_of(shape: responses.Shape) -> int | None:
+    """Polynomial pieces of an on-the-fly response (None: not piecewise polynomial)."""
+    got = responses.PIECES.get(shape.spec.name)
+    return None if got is None else len(got[1])
