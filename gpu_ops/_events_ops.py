@@ -117,55 +117,52 @@ def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool)
 # --- event scatter, on the fly ------------------------------------------------------------------
 
 events_otf_forward = Op(
-    "events_otf_forward(Tensor packed, Tensor x, Tensor c, Tensor param, str response, "
-    "float? support, bool big) -> Tensor"
+    "events_otf_forward(Tensor packed, Tensor x, Tensor c, Tensor first, Tensor last, "
+    "Tensor param, str response, bool big) -> Tensor"
 )
 
 
 @events_otf_forward.register_kernel(None)
 def _torch_events_otf(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
+    packed: Tensor, x: Tensor, c: Tensor, first: Tensor, last: Tensor, param: Tensor,
+    response: str, big: bool,
 ) -> Tensor:  # fmt: skip
     """out (M, N, A) float32 (float64 param: float64): the named response on the events.
 
-    Args as :data:`gpu_ops._resample_ops.on_the_fly_forward`'s, with ``packed (M, N,
-    nbytes)`` for f and c in any order.
+    Args:
+        packed: (M, N, nbytes) uint8.
+        x: (B,) float64, sorted.
+        c: (N, A) float64, sorted along each row (the kernels' coarse points, a causal
+            response's centring shift included).
+        first, last: (N, A) int64, each window ``[first, last)`` in fine points.
+        param: 0-d, the response's parameter.
+        response: a name from :data:`gpu_ops.responses.NAMED`.
+        big: the bit order.
     """
     ct = _out_dtype(param)
     f = _events_torch.unpacked(packed, x.numel(), big, ct)
     spec = responses.named(response)
-    return _resample_torch.otf_forward(f, x, c, spec, param, support).to(ct)
-
-
-def _sorted_windows(
-    x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
-) -> tuple[_resample_c.Windows, Tensor]:
-    """The C kernels' windows of c sorted per row, and the inverse order (N, A)."""
-    spec = responses.named(response)
-    value = float(param)
-    c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
-    win = _resample_c.Windows(x, c_sorted, spec.code, value, *spec.window(value, support))
-    return win, torch.argsort(order, dim=1)
+    win = _resample_torch.Windows.given(first, last, x.numel())
+    return _resample_torch.otf_forward(f, x, c, spec, param, None, win).to(ct)
 
 
 @events_otf_forward.register_kernel("cpu")
 def _(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
+    packed: Tensor, x: Tensor, c: Tensor, first: Tensor, last: Tensor, param: Tensor,
+    response: str, big: bool,
 ) -> Tensor:  # fmt: skip
     lib = _resample_c.kernels()
     if lib is None or _wide(param):
-        return _torch_events_otf(packed, x, c, param, response, support, big)
-    win, inverse = _sorted_windows(x, c, param, response, support)
-    out = _resample_c.events_otf(lib, packed.contiguous(), big, win, x.numel())
-    return out.gather(-1, inverse.expand(out.shape[0], -1, -1))
+        return _torch_events_otf(packed, x, c, first, last, param, response, big)
+    spec = responses.named(response)
+    win = _resample_c.Windows.given(x, c, first, last, spec.code, float(param))
+    return _resample_c.events_otf(lib, packed.contiguous(), big, win, x.numel())
 
 
 @events_otf_forward.register_fake
 def _(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
+    packed: Tensor, x: Tensor, c: Tensor, first: Tensor, last: Tensor, param: Tensor,
+    response: str, big: bool,
 ) -> Tensor:  # fmt: skip
     return c.new_empty((packed.shape[0], *c.shape), dtype=_out_dtype(param))
 
@@ -173,55 +170,43 @@ def _(
 # --- prefix sums --------------------------------------------------------------------------------
 
 prefix_forward = Op(
-    "prefix_forward(Tensor packed, Tensor x, Tensor c, Tensor param, str response, "
-    "float? support, bool big) -> Tensor"
+    "prefix_forward(Tensor packed, Tensor x, Tensor c, Tensor bounds, Tensor coef, bool big) "
+    "-> Tensor"
 )
-
-
-def _pieces(response: str, param: Tensor, support: float | None) -> tuple[Tensor, Tensor]:
-    spec = responses.named(response)
-    spec.extent(support)  # compact responses only: refuses a support
-    got = responses.pieces(response, float(param))
-    if got is None:
-        raise ValueError(f"{response!r} is not piecewise polynomial: no prefix-sum path")
-    return got
 
 
 @prefix_forward.register_kernel(None)
 def _torch_prefix(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
-) -> Tensor:  # fmt: skip
-    """out (M, N, A) float32 (float64 param: float64) of a boxcar, triangle or epanechnikov
-    response on the events, by prefix sums (arguments as :data:`events_otf_forward`'s)."""
-    t, coef = _pieces(response, param, support)
+    packed: Tensor, x: Tensor, c: Tensor, bounds: Tensor, coef: Tensor, big: bool
+) -> Tensor:
+    """out (M, N, A) float32 (float64 coef: float64) of a piecewise polynomial response.
+
+    Args:
+        packed: (M, N, nbytes) uint8.
+        x: (B,) float64, sorted.
+        c: (N, A) float64, sorted along each row.
+        bounds: (P + 1, N, A) int64, the pieces' fine bounds
+            (:func:`gpu_ops._events_torch.piece_bounds`).
+        coef: (P, 3) float64 or float32: ``r(d) = coef[k] . (1, d, d²)`` on piece k.
+        big: the bit order.
+    """
     bits = _events_torch.unpacked(packed, x.numel(), big, torch.float64)
-    c64 = c.detach().to(torch.float64)
-    return _events_torch.prefix(bits, x, c64, t.to(x.device), coef).to(_out_dtype(param))
+    out = _events_torch.prefix_bounds(bits, x, c, bounds, coef.to(torch.float64))
+    return out.to(_out_dtype(coef))
 
 
 @prefix_forward.register_kernel("cpu")
-def _(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
-) -> Tensor:  # fmt: skip
+def _(packed: Tensor, x: Tensor, c: Tensor, bounds: Tensor, coef: Tensor, big: bool) -> Tensor:
     lib = _resample_c.kernels()
-    if lib is None or _wide(param):
-        return _torch_prefix(packed, x, c, param, response, support, big)
-    t, coef = _pieces(response, param, support)
-    c_sorted, order = torch.sort(c.detach().to(torch.float64), dim=1, stable=True)
-    c_sorted = c_sorted.contiguous()
-    bounds = _events_torch.piece_bounds(x, c_sorted, t).contiguous()
-    out = _resample_c.prefix(lib, packed.contiguous(), big, x.contiguous(), c_sorted, bounds, coef)
-    return out.gather(-1, torch.argsort(order, dim=1).expand(out.shape[0], -1, -1))
+    if lib is None or _wide(coef):
+        return _torch_prefix(packed, x, c, bounds, coef, big)
+    args = (x.contiguous(), c.contiguous(), bounds.contiguous(), coef.double().contiguous())
+    return _resample_c.prefix(lib, packed.contiguous(), big, *args)
 
 
 @prefix_forward.register_fake
-def _(
-    packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None,
-    big: bool,
-) -> Tensor:  # fmt: skip
-    return c.new_empty((packed.shape[0], *c.shape), dtype=_out_dtype(param))
+def _(packed: Tensor, x: Tensor, c: Tensor, bounds: Tensor, coef: Tensor, big: bool) -> Tensor:
+    return c.new_empty((packed.shape[0], *c.shape), dtype=_out_dtype(coef))
 
 
 # --- CUDA: Triton --------------------------------------------------------------------------------
@@ -242,22 +227,16 @@ if _triton_events is not None:
 
     @events_otf_forward.register_kernel("cuda")
     def _(
-        packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
-        support: float | None, big: bool,
+        packed: Tensor, x: Tensor, c: Tensor, first: Tensor, last: Tensor, param: Tensor,
+        response: str, big: bool,
     ) -> Tensor:  # fmt: skip
         if _wide(param):
-            return _torch_events_otf(packed, x, c, param, response, support, big)
-        spec = responses.named(response)
-        value = float(param)
-        lo, hi = spec.window(value, support)
-        return _ev.events_otf(packed.contiguous(), big, x, c, spec.code, value, lo, hi)
+            return _torch_events_otf(packed, x, c, first, last, param, response, big)
+        code = responses.named(response).code
+        return _ev.events_otf(packed.contiguous(), big, x, c, first, last, code, float(param))
 
     @prefix_forward.register_kernel("cuda")
-    def _(
-        packed: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
-        support: float | None, big: bool,
-    ) -> Tensor:  # fmt: skip
-        if _wide(param):
-            return _torch_prefix(packed, x, c, param, response, support, big)
-        _pieces(response, param, support)  # a clear error for other responses
-        return _ev.prefix(packed.contiguous(), big, x, c, response, float(param))
+    def _(packed: Tensor, x: Tensor, c: Tensor, bounds: Tensor, coef: Tensor, big: bool) -> Tensor:
+        if _wide(coef):
+            return _torch_prefix(packed, x, c, bounds, coef, big)
+        return _ev.prefix(packed.contiguous(), big, x, c, bounds, coef.double())

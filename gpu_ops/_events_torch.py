@@ -48,18 +48,19 @@ def piece_bounds(x: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> torch.Ten
     return torch.stack(out)
 
 
-def prefix(
-    bits: torch.Tensor, x: torch.Tensor, c: torch.Tensor, t: torch.Tensor, coef: torch.Tensor
+def prefix_bounds(
+    bits: torch.Tensor, x: torch.Tensor, c: torch.Tensor, bounds: torch.Tensor, coef: torch.Tensor
 ) -> torch.Tensor:
-    """out (M, N, A) float64 of the piecewise polynomial response (``t``, ``coef``) on bits.
+    """out (M, N, A) float64 of the piecewise polynomial response (``bounds``, ``coef``).
 
     Args:
         bits: (M, N, B) 0/1 (any float dtype).
         x: (B,) float64 grid; c: (N, A) float64 coarse points, any order.
-        t: (P + 1,) breakpoints; coef: (P, 3), see :func:`gpu_ops.responses.pieces`.
+        bounds: (P + 1, N, A) from :func:`piece_bounds`; coef: (P, 3) float64, see
+            :func:`gpu_ops.responses.pieces`.
     """
     M, N, _ = bits.shape
-    bounds = piece_bounds(x, c, t)  # (P + 1, N, A)
+    bounds = bounds.long()
     mid = 0.5 * (x[0] + x[-1])
     xr, cr = x - mid, c - mid
     f = bits.to(torch.float64)

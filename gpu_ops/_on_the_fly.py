@@ -6,6 +6,7 @@ Re-exported as :class:`gpu_ops.OnTheFlyResampler` (and from :mod:`gpu_ops.resamp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,38 @@ from torch import nn
 from gpu_ops import (
     _bits_resample,
     _events_ops,
+    _events_torch,
     _resample_ops,
     _resample_torch,
     _resampler_base,
     responses,
 )
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What the bit-input paths need of the current c and parameter (cached between calls).
+
+    Attributes:
+        key: the versions and storages of c, the parameter and x it was found for.
+        c: (N, A) float64, the kernels' coarse points sorted along each row.
+        first, last: (N, A) int64, each window ``[first, last)``.
+        inverse: (N, A) int64, sorted position of each caller's column; None: c was sorted.
+        bounds, coef: the polynomial pieces' fine bounds (P + 1, N, A) and coefficients
+            (P, 3) for the prefix path; None for other responses.
+        gain: the output's constant factor (scale, normalisation).
+        inverse_mass: (N, A) in the caller's order: 1 / the mass inside (``border``); None.
+    """
+
+    key: tuple[int, ...]
+    c: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+    inverse: torch.Tensor | None
+    bounds: torch.Tensor | None
+    coef: torch.Tensor | None
+    gain: float
+    inverse_mass: torch.Tensor | None
 
 
 class OnTheFlyResampler(_resampler_base.Resampler):
@@ -90,6 +118,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         self.c = nn.Parameter(c64)  # float64 always: c - x is formed in float64
         param = nn.Parameter(torch.tensor(value, dtype=geometry, device=dev))
         self.register_parameter(self.spec.param, param)
+        self._geo: _Geometry | None = None
 
     @classmethod
     def from_response(cls, *args: Any, **kwargs: Any) -> OnTheFlyResampler:
@@ -185,13 +214,57 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             raise ValueError(f"{self.spec.name!r} is not piecewise polynomial: no prefix path")
         if chosen == "band":
             out = self._resample(_bits_resample.unpack(packed3, B, bitorder, out_dtype))
+            return _bits_resample.shape_out(out.to(out_dtype), lead)
+        geo = self._geometry()
+        big = bitorder == "big"
+        if chosen == "event":
+            out = _events_ops.events_otf_forward(
+                packed3, self.x, geo.c, geo.first, geo.last, self.param.detach(),
+                self.spec.name, big,
+            )  # fmt: skip
         else:
-            kernel = (
-                _events_ops.events_otf_forward if chosen == "event" else _events_ops.prefix_forward
-            )
-            args = (self.spec.name, self.support, bitorder == "big")
-            out = self._finish(kernel(packed3, self.x, self._kernel_c(), self.param, *args))
+            assert geo.bounds is not None
+            assert geo.coef is not None
+            out = _events_ops.prefix_forward(packed3, self.x, geo.c, geo.bounds, geo.coef, big)
+        if geo.inverse is not None:
+            out = out.gather(-1, geo.inverse.expand(out.shape[0], -1, -1))
+        if geo.gain != 1.0:
+            out = out * geo.gain
+        if geo.inverse_mass is not None:
+            out = out * geo.inverse_mass.to(out.dtype)
         return _bits_resample.shape_out(out.to(out_dtype), lead)
+
+    def _geometry(self) -> _Geometry:
+        """The sorted coarse points, windows and pieces of the current c and parameter.
+
+        Found once and kept until c, the parameter or x change (in place or replaced).
+        """
+        c_, p_, x_ = self.c, self.param, self.x
+        key = (c_._version, p_._version, c_.data_ptr(), p_.data_ptr(), x_.data_ptr())
+        if self._geo is not None and self._geo.key == key:
+            return self._geo
+        with torch.no_grad():
+            value = float(p_)
+            c_sorted, order = torch.sort(self._kernel_c(), dim=1, stable=True)
+            c_sorted = c_sorted.contiguous()
+            identity = bool((order == torch.arange(order.shape[1], device=order.device)).all())
+            lo, hi = self.shape.window(value)
+            first, last, _ = responses.windows(self.x, c_sorted, lo, hi)
+            bounds = coef = None
+            got = responses.pieces(self.spec.name, value)
+            if got is not None:
+                t, coef = got
+                bounds = _events_torch.piece_bounds(self.x, c_sorted, t.to(self.x.device))
+                coef = coef.to(device=self.x.device, dtype=p_.dtype)
+            inverse_mass = None
+            if self.shape.options.border == "correct":
+                inverse_mass = self.shape.inverse_mass(self.x, self.c, p_)
+            self._geo = _Geometry(
+                key, c_sorted, first.contiguous(), last.contiguous(),
+                None if identity else torch.argsort(order, dim=1), bounds, coef,
+                float(self.shape.gain(p_)), inverse_mass,
+            )  # fmt: skip
+        return self._geo
 
     def _windows(self) -> _resample_torch.Windows:
         """The windows of the current c and parameter (as the kernels find them)."""

@@ -143,6 +143,19 @@ class Windows:
         self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
         self.code, self.param = code, param
 
+    @classmethod
+    def given(
+        cls, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+        code: int, param: float,
+    ) -> Windows:  # fmt: skip
+        """Windows ``[first, last)`` (N, A) int64 found elsewhere, of float64 c."""
+        win = cls.__new__(cls)
+        win.x, win.c = x.contiguous(), c.contiguous()
+        win.first, win.last = first.contiguous(), last.contiguous()
+        win.wmax = max(1, int((last - first).max())) if first.numel() else 1
+        win.code, win.param = code, param
+        return win
+
     def args(self) -> tuple[int, int, int, int, int, float, int]:
         return (
             self.x.data_ptr(), self.c.data_ptr(), self.first.data_ptr(), self.last.data_ptr(),

@@ -1,11 +1,14 @@
-"""A model's device-resident pipeline: unpack bits -> banded response operator -> optional model.
+"""A model's device-resident pipeline: bits -> banded response operator -> optional model.
 
 Everything a batch needs stays on the device between requests: the operator's weights, the
 model, and a preallocated input buffer of ``max_batch_size`` items in the compute dtype. One
 batch costs one gather of the request payloads into a (pinned) staging buffer, one
-``non_blocking`` host-to-device copy, one unpack per run of same-form requests straight into
-the compute dtype, the operator, the model, and one device-to-host copy per output into pinned
-memory; the results are split per request as NumPy views.
+``non_blocking`` host-to-device copy, the operator, the model, and one device-to-host copy
+per output into pinned memory; the results are split per request as NumPy views. The
+operator's input, when every request of the batch sends it bit-packed, goes to the operator
+packed (``forward_bits``: the band, an event scatter or prefix sums, by the batch's density);
+other inputs, and an operator input sent unpacked by some request, are unpacked once per run
+of same-form requests straight into the compute dtype.
 
 :meth:`Pipeline.run` is called from the device's single worker thread only (see
 ``service.batcher``); it is not re-entrant. It times its three phases once per batch for
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
+from gpu_ops import BandedResampler, OnTheFlyResampler
 from service import devices
 from service.config import (
     ConfigError,
@@ -81,11 +85,15 @@ def resolve_device(device: str, default: str = "auto", *, source: str = "config.
 
 def build_operator(
     op: OperatorConfig, tensors: dict[str, torch.Tensor], device: torch.device
-) -> torch.nn.Module:
-    """The banded response operator of ``op``, built once on ``device``."""
-    from gpu_ops.resample import BandedResampler
-
+) -> BandedResampler | OnTheFlyResampler:
+    """The banded response operator of ``op``, built once on ``device``: a stored band, or
+    with ``on_the_fly`` the response evaluated in the kernels (nothing stored)."""
     dtype = COMPUTE_DTYPES[op.dtype]
+    if op.on_the_fly:
+        kw: dict[str, Any] = {**op.options, **op.parameters}
+        return OnTheFlyResampler(
+            tensors["x"], tensors["c"], op.response, op.support, device=device, **kw
+        )
     # Windows and weights are found in float64 (from_response converts), then stored in dtype.
     x, c = tensors["x"], tensors["c"]
     if op.response == "tabulated":
@@ -166,6 +174,9 @@ class Pipeline:
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
         self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
+        # The operator input's packed bytes of the batch being run (forward_bits), or None:
+        # then the operator reads the unpacked buffer.
+        self._packed: torch.Tensor | None = None
         with torch.inference_mode(), self._device_context():
             self.operator = (
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
@@ -185,6 +196,13 @@ class Pipeline:
             if warmup:
                 for _ in range(2):
                     self._forward(self.capacity)
+                if self.operator_input is not None:  # the packed path's kernels too
+                    spec = self.inputs[self.operator_input]
+                    self._packed = torch.zeros(
+                        (self.capacity, *spec.packed_shape), dtype=torch.uint8, device=self.device
+                    )
+                    self._forward(self.capacity)
+                    self._packed = None
                 self._synchronize()
         self.device_memory_bytes = (
             sum(b.numel() * b.element_size() for b in self._buffers)
@@ -221,7 +239,13 @@ class Pipeline:
         in config order and dtypes."""
         us = [b[:m] for b in self._buffers]
         if self.operator is not None and self.operator_input is not None:
-            us[self.operator_input] = self.operator(us[self.operator_input])
+            if self._packed is not None:
+                bitorder = self.inputs[self.operator_input].bitorder
+                us[self.operator_input] = self.operator.forward_bits(
+                    self._packed[:m], bitorder, dtype=self.compute_dtype
+                )
+            else:
+                us[self.operator_input] = self.operator(us[self.operator_input])
         outs: Any = us[0] if self.model is None else self.model(*us)
         if isinstance(outs, torch.Tensor):
             outs = [outs]
@@ -283,9 +307,17 @@ class Pipeline:
 
         raw, starts = self._gather(requests)
         m = 0
+        self._packed = None
         for i, (spec, buffer) in enumerate(zip(self.inputs, self._buffers, strict=True)):
             wires = [r.inputs[i] for r in requests]
             offset = starts[i]
+            if i == self.operator_input and all(w.packed for w in wires):
+                # The operator takes the packed bytes as they are (forward_bits).
+                n = sum(r.size for r in requests)
+                nbytes = sum(w.data.nbytes for w in wires)
+                self._packed = raw[offset : offset + nbytes].view(n, *spec.packed_shape)
+                m = n
+                continue
             row = 0
             k = 0
             # Consecutive requests of the same wire form are contiguous in ``raw``: one call

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_ops import _events_torch, responses
+from gpu_ops import _events_torch
 from gpu_ops._triton import on_device
-from gpu_ops._triton.resample_otf import _response, prepare
+from gpu_ops._triton.resample_otf import _response
 
 
 @triton.jit
@@ -197,24 +197,24 @@ def events_band(
 
 
 def events_otf(
-    packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor, code: int, param: float,
-    lo: float, hi: float,
+    packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor,
+    last: torch.Tensor, code: int, param: float,
 ) -> torch.Tensor:  # fmt: skip
-    """out (M, N, A) float32 in the caller's coarse order: the named response (``code``,
-    window ``lo <= c - x <= hi``) on the events of ``packed (M, N, nbytes)``."""
+    """out (M, N, A) float32: the named response ``code`` on the events of ``packed (M, N,
+    nbytes)``, at c (N, A) float64 sorted along each row, windows ``[first, last)``."""
     M, N, nbytes = packed.shape
     A = c.shape[1]
-    geo = prepare(x, c, code, param, lo, hi)
     events, _ = compact(packed.reshape(M * N, nbytes), x.numel(), big)
-    e_lo, e_hi = _event_ranges(events, geo.first, geo.last, N, _BLOCK_A)
+    e_lo, e_hi = _event_ranges(events, first, last, N, _BLOCK_A)
     out = torch.empty(M, N, A, dtype=torch.float32, device=packed.device)
     grid = (M * N, e_lo.shape[1])
     with on_device(out):
         _events_otf_kernel[grid](
-            events, e_lo, e_hi, geo.x, geo.c, geo.first, geo.last, out, geo.param, N, A,
-            events.shape[1], e_lo.shape[1], RESP=code, BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E,
+            events, e_lo, e_hi, x, c.contiguous(), first.contiguous(), last.contiguous(), out,
+            param, N, A, events.shape[1], e_lo.shape[1],
+            RESP=code, BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E,
         )  # fmt: skip
-    return out.gather(-1, geo.inverse.expand(M, N, A))
+    return out
 
 
 @triton.jit
@@ -248,13 +248,12 @@ def _prefix_kernel(
 
 
 def prefix(
-    packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor, name: str, param: float
-) -> torch.Tensor:
-    """out (M, N, A) float32 of the piecewise polynomial response ``name`` at ``param`` on
-    the events of ``packed (M, N, nbytes)``; c (N, A) float64 in any order."""
-    got = responses.pieces(name, param)
-    assert got is not None
-    t, coef = got
+    packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor, bounds: torch.Tensor,
+    coef: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32 of a piecewise polynomial response on the events of ``packed
+    (M, N, nbytes)``: c (N, A) float64, the pieces' fine ``bounds (P + 1, N, A)`` and
+    ``coef (P, 3)`` float64 (see :func:`gpu_ops._events_torch.piece_bounds`)."""
     M, N, nbytes = packed.shape
     A = c.shape[1]
     R = M * N
@@ -268,7 +267,6 @@ def prefix(
         for j in range(3)
     ]
     c64 = c.detach().to(torch.float64).contiguous()
-    bounds = _events_torch.piece_bounds(x, c64, t.to(x.device))  # (P + 1, N, A) fine points
     P = coef.shape[0]
     # Fine bounds -> event bounds, per row: events before each bound.
     fine = bounds.repeat(1, M, 1).reshape(P + 1, R, A).to(torch.int32)

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from gpu_ops import BandedResampler, OnTheFlyResampler, packbits
+from gpu_ops import BandedResampler, OnTheFlyResampler, packbits, responses
 from gpu_ops._bits_resample import choose
+from gpu_ops._events_torch import piece_bounds
 from tests.common_utils import cpu_and_cuda, needs_triton
 from tests.gpu_ops.resample_cases import RESPONSES, assert_close, coarse, dense_ref, grid
 
@@ -197,9 +198,14 @@ def test_triton_kernels_match_the_float64_reference(name: str, big: bool) -> Non
     assert_close(out, ref, 1e-5)
     otf = OnTheFlyResampler(x, c, name, **params)
     shape, p = otf.shape, otf.shape.value
-    moved = (otf.c + shape.shift * p).detach().to(device)
-    lo, hi = shape.window(p)
-    xd = x.to(device)
-    assert_close(ke.events_otf(packed, big, xd, moved, shape.spec.code, p, lo, hi).cpu(), ref, 1e-5)
-    if name in POLYNOMIAL:
-        assert_close(ke.prefix(packed, big, xd, moved, name, p).cpu(), ref, 1e-5)
+    moved, order = (otf.c + shape.shift * p).detach().sort(dim=1)
+    inverse = order.argsort(dim=1).expand(2, -1, -1)
+    first, last, _ = responses.windows(x, moved, *shape.window(p))
+    xd, md = x.to(device), moved.to(device)
+    out = ke.events_otf(packed, big, xd, md, first.to(device), last.to(device), shape.spec.code, p)
+    assert_close(out.cpu().gather(-1, inverse), ref, 1e-5)
+    got = responses.pieces(name, p)
+    if got is not None:
+        bounds = piece_bounds(x, moved, got[0]).to(device)
+        out = ke.prefix(packed, big, xd, md, bounds, got[1].to(device))
+        assert_close(out.cpu().gather(-1, inverse), ref, 1e-5)

@@ -28,7 +28,9 @@ from gpu_ops import (
     _events_ops,
     _resample_c,
     _resample_ops,
+    responses,
 )
+from gpu_ops._events_torch import piece_bounds
 from gpu_ops._reference import banded_resample_reference, unpackbits_reference
 from tests.common_utils import HAS_TRITON, cpu_and_cuda
 from tests.gpu_ops.resample_cases import PARAMS, assert_close, coarse, grid
@@ -98,12 +100,20 @@ def _cases(device: str) -> Iterator[Case]:
         w = torch.randn(N, A, W, generator=gen, dtype=dtype).to(device)
         yield "events_band_forward", (bits, starts, w, B, True)
         yield "events_band_forward", (bits, starts, w, B, False)
+        c_sorted = c.sort(dim=1).values.contiguous()
         for name, params in PARAMS.items():
             (value,) = params.values()
             p = torch.tensor(value * 3, dtype=dtype, device=device)
-            yield "events_otf_forward", (bits, x, c, p, name, None, dtype == torch.float32)
-            if name in ("boxcar", "triangle", "epanechnikov"):
-                yield "prefix_forward", (bits, x, c, p, name, None, dtype == torch.float64)
+            first, last, _ = responses.windows(
+                x, c_sorted, *responses.named(name).window(value * 3, None)
+            )
+            big = dtype == torch.float32
+            yield "events_otf_forward", (bits, x, c_sorted, first, last, p, name, big)
+            got = responses.pieces(name, value * 3)
+            if got is not None:
+                bounds = piece_bounds(x, c_sorted, got[0].to(device))
+                coef = got[1].to(device=device, dtype=dtype)
+                yield "prefix_forward", (bits, x, c_sorted, bounds, coef, not big)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
