@@ -12,14 +12,18 @@ tolerance) and reads each packed byte once. Three paths compute it:
   sliding sums over the events of ``(c - x)^j``: ~ events + M N A, whatever the width.
 
 All three cut the response at the same window, so they agree with each other and with the
-float64 reference. The choice is made per call from the measured density (the set bits, one
-pass over the bytes) and the response, by :func:`choose`, whose cost model is calibrated on
-the kernels (see ``benchmarks/bench_elephant.py``); ``path=`` forces one.
+float64 reference. The choice is made per input item (the N rows of one ``m``) from its
+measured density (its set bits, one pass over the bytes) and the response, by
+:func:`choose`, whose cost model is calibrated on the kernels (see
+``benchmarks/bench_elephant.py``); ``path=`` forces one. Per item, not per batch: an item's
+result then depends on the item alone, not on what else a server batched with it (every
+path is deterministic).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +48,25 @@ _PREFIX_NS = 6.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class Choice:
     """The path :func:`choose` picked, and the estimated costs (ns) it compared."""
 
     path: str
     events: int
     costs: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The path of each input item (``m``), and its set bits (-1: not counted)."""
+
+    paths: tuple[str, ...]
+    events: tuple[int, ...]
+
+    @property
+    def path(self) -> str:
+        """The one path every item takes, or ``"mixed"``."""
+        return self.paths[0] if len(set(self.paths)) == 1 else "mixed"
 
 
 def choose(
@@ -61,7 +78,7 @@ def choose(
     *,
     on_the_fly: bool,
     pieces: int | None,
-) -> Plan:
+) -> Choice:
     """The cheapest path for ``events`` set bits in ``rows`` rows of ``num_fine`` bits.
 
     Args:
@@ -81,7 +98,7 @@ def choose(
     costs["event"] = scan + events * (coarse_per_event * pair + _EVENT_FIXED_NS)
     if pieces is not None:
         costs["prefix"] = scan + (events + rows * A) * pieces * _PREFIX_NS
-    return Plan(min(costs, key=costs.__getitem__), events, costs)
+    return Choice(min(costs, key=costs.__getitem__), events, costs)
 
 
 def check_packed(
@@ -112,13 +129,46 @@ def check_packed(
     return packed.reshape(-1, N, nbytes), lead
 
 
-def count_events(packed3: torch.Tensor) -> int:
-    """Set bits of ``packed3 (M, N, nbytes)`` (one pass over the bytes; a sync on CUDA)."""
+def item_events(packed3: torch.Tensor) -> list[int]:
+    """Set bits of each item of ``packed3 (M, N, nbytes)`` (one pass over the bytes; a sync
+    on CUDA)."""
     M, N, nbytes = packed3.shape
     if packed3.numel() == 0:
-        return 0
+        return [0] * M
     counts: torch.Tensor = _events_ops.bit_counts(packed3.reshape(M * N, nbytes))
-    return int(counts.sum())
+    per_item: list[int] = counts.view(M, N).sum(1).tolist()
+    return per_item
+
+
+def plan(
+    packed3: torch.Tensor, B: int, A: int, width: float, *, on_the_fly: bool, pieces: int | None
+) -> Plan:
+    """Each item's cheapest path (see :func:`choose`)."""
+    N = packed3.shape[1]
+    events = item_events(packed3)
+    paths = [choose(e, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces).path for e in events]
+    return Plan(tuple(paths), tuple(events))
+
+
+def run(
+    plan_: Plan,
+    packed3: torch.Tensor,
+    path: Callable[[str, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``path(name, items)`` for each group of items that take the same path, reassembled
+    in the items' order: (M, N, A)."""
+    names = sorted(set(plan_.paths))
+    if len(names) == 1:
+        return path(names[0], packed3)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name in names:
+        rows = [m for m, p in enumerate(plan_.paths) if p == name]
+        index = torch.tensor(rows, device=packed3.device)
+        parts.append((index, path(name, packed3[index])))
+    out = parts[0][1].new_empty((packed3.shape[0], *parts[0][1].shape[1:]))
+    for index, part in parts:
+        out[index] = part.to(out.dtype)
+    return out
 
 
 def unpack(packed3: torch.Tensor, B: int, bitorder: str, dtype: torch.dtype) -> torch.Tensor:

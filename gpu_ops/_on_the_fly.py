@@ -30,6 +30,7 @@ class _Geometry:
 
     Attributes:
         key: the versions and storages of c, the parameter and x it was found for.
+        value: the parameter's value then.
         c: (N, A) float64, the kernels' coarse points sorted along each row.
         first, last: (N, A) int64, each window ``[first, last)``.
         inverse: (N, A) int64, sorted position of each caller's column; None: c was sorted.
@@ -40,6 +41,7 @@ class _Geometry:
     """
 
     key: tuple[int, ...]
+    value: float
     c: torch.Tensor
     first: torch.Tensor
     last: torch.Tensor
@@ -159,19 +161,15 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         return self._plan(packed3)
 
     def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
-        if self._needs_grad():
-            return _bits_resample.Plan("band", -1, {})  # gradients to c and the parameter
-        N, A = self.c.shape
-        B = self.num_fine
-        lo, hi = self.shape.window(float(self.param))
+        M = packed3.shape[0]
+        if self._needs_grad():  # gradients to c and the parameter: the band path
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        A, B = self.c.shape[1], self.num_fine
+        lo, hi = self.shape.window(float(self.param.detach()))
         span = float(self.x[-1] - self.x[0])
         width = (hi - lo) / span * (B - 1) if span > 0 else float(B)
-        events = _bits_resample.count_events(packed3)
         pieces = _bits_resample.pieces_of(self.shape)
-        rows = packed3.shape[0] * N
-        return _bits_resample.choose(
-            events, rows, B, A, min(width, B), on_the_fly=True, pieces=pieces
-        )
+        return _bits_resample.plan(packed3, B, A, min(width, B), on_the_fly=True, pieces=pieces)
 
     def forward_bits(
         self,
@@ -186,9 +184,9 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         Args:
             packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
             bitorder: ``"big"`` (NumPy's default) or ``"little"``.
-            path: ``"auto"`` (by :mod:`gpu_ops._bits_resample`'s cost model, from the set
-                bits counted in ``packed``), ``"band"``, ``"event"`` or ``"prefix"`` (boxcar,
-                triangle and epanechnikov only).
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"``, ``"event"`` or
+                ``"prefix"`` (boxcar, triangle and epanechnikov only).
             dtype: the output dtype (default: the parameter's, float32 or float64).
 
         Returns:
@@ -204,35 +202,44 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         B = self.num_fine
         packed3, lead = _bits_resample.check_packed(packed, N, B, self.x.device, bitorder, path)
         out_dtype = dtype or self.param.dtype
-        chosen = self._plan(packed3).path if path == "auto" else path
-        if chosen != "band" and self._needs_grad():
+        if path != "auto" and path != "band" and self._needs_grad():
             raise ValueError(
-                f"path={chosen!r} has no backward: c or the parameter require gradients "
+                f"path={path!r} has no backward: c or the parameter require gradients "
                 "(use path='band', torch.no_grad() or frozen parameters)"
             )
-        if chosen == "prefix" and _bits_resample.pieces_of(self.shape) is None:
+        if path == "prefix" and _bits_resample.pieces_of(self.shape) is None:
             raise ValueError(f"{self.spec.name!r} is not piecewise polynomial: no prefix path")
-        if chosen == "band":
-            out = self._resample(_bits_resample.unpack(packed3, B, bitorder, out_dtype))
-            return _bits_resample.shape_out(out.to(out_dtype), lead)
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            return self._sparse(name, items, bitorder == "big")
+
+        out = _bits_resample.run(plan, packed3, run)
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
+
+    def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
+        """The event or prefix path on ``items (M, N, nbytes)``: (M, N, A)."""
         geo = self._geometry()
-        big = bitorder == "big"
-        if chosen == "event":
+        out: torch.Tensor
+        if name == "event":
             out = _events_ops.events_otf_forward(
-                packed3, self.x, geo.c, geo.first, geo.last, self.param.detach(),
+                items, self.x, geo.c, geo.first, geo.last, self.param.detach(),
                 self.spec.name, big,
             )  # fmt: skip
         else:
             assert geo.bounds is not None
             assert geo.coef is not None
-            out = _events_ops.prefix_forward(packed3, self.x, geo.c, geo.bounds, geo.coef, big)
+            out = _events_ops.prefix_forward(items, self.x, geo.c, geo.bounds, geo.coef, big)
         if geo.inverse is not None:
             out = out.gather(-1, geo.inverse.expand(out.shape[0], -1, -1))
         if geo.gain != 1.0:
             out = out * geo.gain
         if geo.inverse_mass is not None:
             out = out * geo.inverse_mass.to(out.dtype)
-        return _bits_resample.shape_out(out.to(out_dtype), lead)
+        return out
 
     def _geometry(self) -> _Geometry:
         """The sorted coarse points, windows and pieces of the current c and parameter.
@@ -260,7 +267,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             if self.shape.options.border == "correct":
                 inverse_mass = self.shape.inverse_mass(self.x, self.c, p_)
             self._geo = _Geometry(
-                key, c_sorted, first.contiguous(), last.contiguous(),
+                key, value, c_sorted, first.contiguous(), last.contiguous(),
                 None if identity else torch.argsort(order, dim=1), bounds, coef,
                 float(self.shape.gain(p_)), inverse_mass,
             )  # fmt: skip

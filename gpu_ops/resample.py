@@ -322,12 +322,12 @@ class BandedResampler(_resampler_base.Resampler):
         return self._plan(packed3)
 
     def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
-        N, A, W = self.weights.shape
-        if torch.is_grad_enabled() and self.weights.requires_grad:
-            return _bits_resample.Plan("band", -1, {})  # gradients to the weights
-        events = _bits_resample.count_events(packed3)
-        rows, B = packed3.shape[0] * N, self.num_fine
-        return _bits_resample.choose(events, rows, B, A, W, on_the_fly=False, pieces=None)
+        _, A, W = self.weights.shape
+        if torch.is_grad_enabled() and self.weights.requires_grad:  # gradients to the weights
+            M = packed3.shape[0]
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        B = self.num_fine
+        return _bits_resample.plan(packed3, B, A, W, on_the_fly=False, pieces=None)
 
     def forward_bits(
         self,
@@ -342,8 +342,8 @@ class BandedResampler(_resampler_base.Resampler):
         Args:
             packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
             bitorder: ``"big"`` (NumPy's default) or ``"little"``.
-            path: ``"auto"`` (by :mod:`gpu_ops._bits_resample`'s cost model, from the set
-                bits counted in ``packed``), ``"band"`` or ``"event"``.
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"`` or ``"event"``.
             dtype: the output dtype (default: the weights').
 
         Returns:
@@ -360,17 +360,22 @@ class BandedResampler(_resampler_base.Resampler):
             packed, N, B, self.starts.device, bitorder, path
         )
         out_dtype = dtype or self.weights.dtype
-        chosen = self._plan(packed3).path if path == "auto" else path
-        if chosen == "prefix":
+        if path == "prefix":
             raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
-        if chosen == "band":
-            out = self._resample(_bits_resample.unpack(packed3, B, bitorder, out_dtype))
-        else:
-            out = _events_ops.events_band_forward(
-                packed3, self.starts, self.weights, B, bitorder == "big"
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            out: torch.Tensor = _events_ops.events_band_forward(
+                items, self.starts, self.weights, B, bitorder == "big"
             )
             if self.inverse_order is not None:
                 out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+            return out
+
+        out = _bits_resample.run(plan, packed3, run)
         return _bits_resample.shape_out(out.to(out_dtype), lead)
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,8 +174,7 @@ class Pipeline:
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
         self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
-        # The operator input's packed bytes of the batch being run (forward_bits), or None:
-        # then the operator reads the unpacked buffer.
+        # The operator input's packed bytes of the batch being run (forward_bits).
         self._packed: torch.Tensor | None = None
         with torch.inference_mode(), self._device_context():
             self.operator = (
@@ -185,9 +184,15 @@ class Pipeline:
                 None if artifacts.model is None else _prepare_model(artifacts.model, self.device)
             )
             # Each batch is unpacked into (a prefix of) these buffers: no allocation per batch.
+            # A bit-packed operator input stays packed: its buffer holds bytes (the probe's
+            # and warm-up's zeros; a batch's own bytes are read where they arrived).
             self._buffers = [
-                torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
-                for spec, dtype in zip(self.inputs, self._dtypes, strict=True)
+                torch.zeros(
+                    (self.capacity, *spec.packed_shape), dtype=torch.uint8, device=self.device
+                )
+                if self._packs(i)
+                else torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
+                for i, (spec, dtype) in enumerate(zip(self.inputs, self._dtypes, strict=True))
             ]
             # A single item gives the output shapes (and checks the model against the config).
             probe = self._forward(1)
@@ -196,13 +201,6 @@ class Pipeline:
             if warmup:
                 for _ in range(2):
                     self._forward(self.capacity)
-                if self.operator_input is not None:  # the packed path's kernels too
-                    spec = self.inputs[self.operator_input]
-                    self._packed = torch.zeros(
-                        (self.capacity, *spec.packed_shape), dtype=torch.uint8, device=self.device
-                    )
-                    self._forward(self.capacity)
-                    self._packed = None
                 self._synchronize()
         self.device_memory_bytes = (
             sum(b.numel() * b.element_size() for b in self._buffers)
@@ -238,14 +236,15 @@ class Pipeline:
         """Operator then model on the first ``m`` items of the buffers; outputs batch-first,
         in config order and dtypes."""
         us = [b[:m] for b in self._buffers]
-        if self.operator is not None and self.operator_input is not None:
-            if self._packed is not None:
-                bitorder = self.inputs[self.operator_input].bitorder
-                us[self.operator_input] = self.operator.forward_bits(
-                    self._packed[:m], bitorder, dtype=self.compute_dtype
+        i = self.operator_input
+        if self.operator is not None and i is not None:
+            if self._packs(i):
+                packed = us[i] if self._packed is None else self._packed[:m]
+                us[i] = self.operator.forward_bits(
+                    packed, self.inputs[i].bitorder, dtype=self.compute_dtype
                 )
             else:
-                us[self.operator_input] = self.operator(us[self.operator_input])
+                us[i] = self.operator(us[i])
         outs: Any = us[0] if self.model is None else self.model(*us)
         if isinstance(outs, torch.Tensor):
             outs = [outs]
@@ -311,12 +310,9 @@ class Pipeline:
         for i, (spec, buffer) in enumerate(zip(self.inputs, self._buffers, strict=True)):
             wires = [r.inputs[i] for r in requests]
             offset = starts[i]
-            if i == self.operator_input and all(w.packed for w in wires):
-                # The operator takes the packed bytes as they are (forward_bits).
-                n = sum(r.size for r in requests)
-                nbytes = sum(w.data.nbytes for w in wires)
-                self._packed = raw[offset : offset + nbytes].view(n, *spec.packed_shape)
-                m = n
+            if self._packs(i):
+                self._packed = self._packed_input(spec, requests, wires, raw[offset:])
+                m = self._packed.shape[0]
                 continue
             row = 0
             k = 0
@@ -350,6 +346,35 @@ class Pipeline:
             m = row
         return m
 
+    def _packs(self, i: int) -> bool:
+        """Whether input i reaches the operator packed (``forward_bits``)."""
+        return i == self.operator_input and self.inputs[i].packing == "bits"
+
+    def _packed_input(
+        self, spec: InputConfig, requests: Sequence[Bound], wires: list[Any], raw: torch.Tensor
+    ) -> torch.Tensor:
+        """The operator's input of the batch as packed bytes (n, *packed_shape) for
+        ``forward_bits``: the request bytes themselves when every request sent them packed,
+        else a buffer where BOOL requests are packed on the device (so that a request gives
+        the same bits in either form, whatever it is batched with)."""
+        n = sum(r.size for r in requests)
+        if all(w.packed for w in wires):
+            return raw[: sum(w.data.nbytes for w in wires)].view(n, *spec.packed_shape)
+        out = torch.empty((n, *spec.packed_shape), dtype=torch.uint8, device=self.device)
+        row = offset = 0
+        for r, w in zip(requests, wires, strict=True):
+            part = raw[offset : offset + w.data.nbytes]
+            if w.packed:
+                out[row : row + r.size] = part.view(r.size, *spec.packed_shape)
+            else:  # BOOL bytes: nonzero is 1, as NumPy's packbits counts them
+                logical = part.view(r.size, *spec.shape)
+                out[row : row + r.size] = torch.ops.bitserve.packbits(
+                    logical, logical.dim() - 1, spec.bitorder
+                )
+            row += r.size
+            offset += w.data.nbytes
+        return out
+
     def run(self, requests: Sequence[Bound]) -> list[list[np.ndarray[Any, Any]]]:
         """Compute one batch.
 
@@ -376,6 +401,7 @@ class Pipeline:
             if events:
                 events[1].record()
             outs = self._forward(m)
+            self._packed = None  # the batch's bytes: not held until the next batch
             t2 = clock()
             if events:
                 events[2].record()

@@ -117,7 +117,7 @@ def test_the_choice_follows_density_and_width() -> None:
         assert narrow.plan_bits(empty).path == "event"  # nothing to scatter
         assert otf_wide.plan_bits(sparse).path == "event"
         assert box_wide.plan_bits(full).path == "prefix"  # width does not count
-        assert box_wide.plan_bits(full).events == N * B
+        assert box_wide.plan_bits(full).events == (N * B,)
     # With gradients wanted for c and the parameter, only the band path has a backward.
     assert otf_wide.plan_bits(sparse).path == "band"
     with pytest.raises(ValueError, match="has no backward"):
@@ -125,6 +125,32 @@ def test_the_choice_follows_density_and_width() -> None:
     plan = choose(10, 2, 1000, 10, 20.0, on_the_fly=False, pieces=None)
     assert set(plan.costs) == {"band", "event"}
     assert plan.path == min(plan.costs, key=plan.costs.__getitem__)
+
+
+@pytest.mark.parametrize("kind", ["stored", "on_the_fly"])
+def test_each_item_takes_its_own_path_and_gets_the_same_bits_in_any_batch(kind: str) -> None:
+    """A server batches requests together: an item's result must not depend on the others."""
+    gen = torch.Generator().manual_seed(6)
+    B, N, A = 4000, 2, 50
+    x = torch.arange(B, dtype=torch.float64)
+    c = torch.rand(N, A, generator=gen, dtype=torch.float64) * B
+    op: BandedResampler | OnTheFlyResampler
+    if kind == "stored":
+        op = BandedResampler.from_response(x, c, "gaussian", sigma=3.0)
+    else:
+        op = OnTheFlyResampler(x, c, "gaussian", sigma=3.0)
+    dense = packbits(torch.rand(1, N, B, generator=gen) < 0.9, dim=-1)
+    sparse = packbits(torch.rand(1, N, B, generator=gen) < 0.0005, dim=-1)
+    batch = torch.cat([dense, sparse, dense])
+    with torch.no_grad():
+        plan = op.plan_bits(batch)
+        assert plan.paths == ("band", "event", "band")
+        assert plan.path == "mixed"
+        together = op.forward_bits(batch)
+        alone = torch.cat([op.forward_bits(dense), op.forward_bits(sparse), op.forward_bits(dense)])
+    assert torch.equal(together, alone)
+    bits = torch.ops.bitserve.unpackbits(batch, 2, B, "big", torch.float32)
+    assert_close(together, op(bits).detach().double(), 1e-5)
 
 
 def test_band_path_keeps_gradients_of_c_and_the_parameter() -> None:
