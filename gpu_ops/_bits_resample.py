@@ -32,19 +32,22 @@ from gpu_ops import _events_ops, responses
 
 PATHS = ("band", "event", "prefix")
 
-# Cost model, in nanoseconds on one CPU thread (measured with the C kernels, AMD EPYC, float32):
-# per fine point unpacked and later read by the band (per input row), per band weight and input
-# (stored band) or per weight evaluated (on the fly), per packed byte scanned, per (event,
-# window) pair (stored: a gathered weight; on the fly: an evaluated response), per event and
-# piece or coarse point and piece (prefix sums).
-_UNPACK_NS = 0.25
-_BAND_NS = 0.3
-_BAND_EVAL_NS = 1.0
+# Cost model, in nanoseconds on one CPU thread, fitted to the C kernels' times (AMD EPYC,
+# float32; N = 20, A = 500, B = 50,000, W = 160 and 1000, densities 1-30 %, M = 1 and 16):
+# - band, per row: B fine points unpacked (cheap while one row's floats stay in cache, about
+#   0.6 ns each when a batch's do not) and A W weights, each multiply-add shared by the M
+#   inputs of the batch as weight loads are; on the fly each weight is also evaluated once
+#   per batch;
+# - event, per row: its packed bytes scanned, then per event a fixed cost and one per coarse
+#   point whose window holds it (a gathered or an evaluated weight);
+# - prefix, per row: its bytes, then per event and per coarse point one step per piece.
+_UNPACK_NS = (0.1, 0.5)  # (alone, the batch's share)
+_FMA_NS = (0.08, 0.31)  # (shared, per input / M)
+_EVAL_NS = 0.8
 _SCAN_NS = 0.5
-_EVENT_NS = 1.5
-_EVENT_EVAL_NS = 1.0
-_EVENT_FIXED_NS = 15.0
-_PREFIX_NS = 6.0
+_EVENT_NS = {False: 15.0, True: 21.0}  # fixed per event: stored, on the fly
+_PAIR_NS = 3.5
+_PREFIX_NS = 5.0
 
 
 @dataclass(frozen=True)
@@ -78,24 +81,26 @@ def choose(
     *,
     on_the_fly: bool,
     pieces: int | None,
+    batch: int = 1,
 ) -> Choice:
     """The cheapest path for ``events`` set bits in ``rows`` rows of ``num_fine`` bits.
 
     Args:
-        events: set bits in the whole batch.
-        rows: M N, input rows.
+        events: set bits in those rows.
+        rows: input rows (N for one item).
         num_fine: B; num_coarse: A.
         width: the window's length in fine points (W).
         on_the_fly: weights computed per use (else stored).
         pieces: the response's polynomial pieces (prefix path), None when it has none.
+        batch: items in the call (M): the band shares its weight loads among them.
     """
-    B, A, W = num_fine, num_coarse, max(width, 1.0)
+    B, A, W, M = num_fine, num_coarse, max(width, 1.0), max(batch, 1)
+    unpack = _UNPACK_NS[0] + _UNPACK_NS[1] * (1 - 1 / M)
+    per_weight = _FMA_NS[0] + _FMA_NS[1] / M + (_EVAL_NS / M if on_the_fly else 0.0)
+    costs = {"band": rows * (B * unpack + A * W * per_weight)}
     scan = rows * math.ceil(B / 8) * _SCAN_NS
-    per_weight = _BAND_NS + (_BAND_EVAL_NS if on_the_fly else 0.0)
-    costs = {"band": rows * B * _UNPACK_NS + rows * A * W * per_weight}
     coarse_per_event = min(float(A), A * W / B)  # coarse points whose window holds a point
-    pair = _EVENT_EVAL_NS if on_the_fly else _EVENT_NS
-    costs["event"] = scan + events * (coarse_per_event * pair + _EVENT_FIXED_NS)
+    costs["event"] = scan + events * (_EVENT_NS[on_the_fly] + coarse_per_event * _PAIR_NS)
     if pieces is not None:
         costs["prefix"] = scan + (events + rows * A) * pieces * _PREFIX_NS
     return Choice(min(costs, key=costs.__getitem__), events, costs)
