@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import tomllib
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,42 +28,56 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from service.devices import parse_device
-from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
+from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
 
-def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
-    """A load problem whose client message leaves out the library exception's own text.
+def library_error(
+    where: str, what: str, exc: BaseException, folder: Path | None = None, shown: str = ""
+) -> ConfigError:
+    """A load problem a library raised, with the library's own message, cleaned for a client.
 
-    Library exceptions (torch's loaders above all) carry absolute server paths, TorchScript
-    tracebacks and code locations. ``problems`` (what ``/load`` and the index show) says where
-    the problem is (``where``: file and key, relative to the repository), ``what`` failed, and
-    the exception class; ``details`` adds the exception's text, for the server log and for
-    ``bitserve check-repo`` (run by the repository's owner). Raise it ``from exc`` so the
-    server can log the traceback.
+    The message (``where: what: ExceptionClass: text``) is the same for ``/load``, the
+    repository index and ``bitserve check-repo``: the exception's first paragraph, without
+    its traceback, each line's whitespace folded, cut to 300 characters; the model folder's
+    absolute path is shown as ``shown`` (the folder as the repository names it) and any
+    other absolute path as ``<server path>``. Raise it ``from exc`` so the server log keeps
+    the traceback.
     """
+    return ConfigError([f"{where}: {what}: {clean_reason(exc, folder, shown)}"])
+
+
+_SCRIPT_HEADER = "The following operation failed in the TorchScript interpreter"
+_TRACE_MARKS = ("Traceback", "The above exception", "Exception raised from", "While executing")
+_ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s'\"`:,;()\[\]<>]+/?)+")
+
+
+def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = "") -> str:
+    """``ExceptionClass: message`` of ``exc`` for a client (see :func:`library_error`)."""
+    raw = [line for line in str(exc).splitlines() if line.strip()]
+    if raw and raw[0].startswith(_SCRIPT_HEADER):
+        raw = raw[-1:]  # TorchScript's interpreter: its source trace, then the error itself
+    lines = []
+    for line in raw:
+        if line.lstrip().startswith(_TRACE_MARKS):
+            break
+        lines.append(" ".join(line.split()))
+    text = " ".join(lines)
+    if folder is not None:
+        for root in {str(folder), str(folder.resolve())}:
+            text = text.replace(root, shown or folder.name)
+    text = _ABS_PATH.sub("<server path>", text)
     kind = type(exc).__name__
-    text = safe_text(" ".join(str(exc).split()), 500)
-    return ConfigError(
-        [f"{where}: {what} ({kind}; details in the server log)"],
-        details=[f"{where}: {what} ({kind}: {text})"],
-    )
-
-
-def safe_text(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters, with control and unprintable characters escaped.
-
-    For names and keys taken from files or folders and printed to a terminal or log: an
-    escape sequence in a TOML key or a folder name is shown, never interpreted.
-    """
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut if cut.isprintable() else ascii(cut)[1:-1]
+    text = text.removeprefix(f"{kind}: ")  # TorchScript repeats the class in its last line
+    return f"{kind}: {safe_text(text, 300)}" if text else kind
 
 
 CONFIG_FILE = "config.toml"
@@ -91,28 +106,29 @@ Response = Literal[
     "gaussian", "lorentzian", "boxcar", "triangle", "epanechnikov", "laplacian", "exponential",
     "alpha", "tabulated",
 ]  # fmt: skip
-# Suffix of a [model] file -> how it is loaded (never with pickle).
-MODEL_FORMATS = {".pt2": "torch_export", ".pt": "torchscript", ".ts": "torchscript"}
+MODEL_SUFFIXES = (".pt2", ".pt", ".ts", ".onnx")
+"""The model file suffixes a format is known by (``service.backends.SUFFIXES``)."""
+ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
+"""The model formats (``service.backends.FORMATS``), as ``[model] format`` names them."""
+# The dtypes bits unpack straight into (gpu_ops.UNPACK_DTYPES), by name.
+UNPACK_DTYPE_NAMES = ("uint8", "bool", "float16", "bfloat16", "float32", "float64")
+HandedDtype = Literal[
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
+]
 
 
 class ConfigError(Exception):
-    """A model configuration is invalid; ``problems`` holds one line per problem.
+    """A model configuration is invalid; ``problems`` holds one line per problem, each
+    naming the file and key, as clients and ``bitserve check-repo`` see it."""
 
-    ``details`` holds the same problems with library exceptions' own text (see
-    :func:`hidden_error`); it equals ``problems`` when nothing was hidden.
-    """
-
-    def __init__(self, problems: list[str], *, details: list[str] | None = None) -> None:
+    def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
-        self.details = list(problems) if details is None else details
 
     @classmethod
     def join(cls, errors: Sequence[ConfigError]) -> ConfigError:
         """One error with every problem of ``errors`` (the first cause kept for the log)."""
-        out = cls(
-            [p for e in errors for p in e.problems], details=[d for e in errors for d in e.details]
-        )
+        out = cls([p for e in errors for p in e.problems])
         out.__cause__ = next((e.__cause__ for e in errors if e.__cause__ is not None), None)
         return out
 
@@ -140,7 +156,14 @@ class InputConfig(_Strict):
     packing: Literal["none", "bits"] = "none"
     """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted)."""
     bitorder: Literal["big", "little"] = "big"
-    """Bit order of the packed bytes (NumPy's ``bitorder``)."""
+    """Bit order of the packed bytes (NumPy's ``bitorder``); a request's input
+    ``parameters.bitorder`` overrides it for that request."""
+    dtype: HandedDtype | None = None
+    """The torch dtype the model is handed this input in, for formats whose file does not
+    say (TorchScript); where it does (torch.export, AOTInductor, ONNX) it must agree. Default:
+    the file's, else the datatype's own (``bool`` for BOOL). A BOOL input may be handed in any
+    numeric dtype (bit-packed: uint8, bool, float16, bfloat16, float32, float64, unpacked
+    straight into it); another input only in its own datatype's."""
 
     @field_validator("shape")
     @classmethod
@@ -156,7 +179,23 @@ class InputConfig(_Strict):
     def _packing_needs_bool(self) -> InputConfig:
         if self.packing == "bits" and self.datatype != "BOOL":
             raise ValueError(f'packing = "bits" needs datatype = "BOOL", not {self.datatype!r}')
+        if self.dtype is not None and self.dtype not in self.handed_dtypes:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one {self.datatype}"
+                f"{' bits' if self.packing == 'bits' else ''} can be handed in "
+                f"(one of {', '.join(self.handed_dtypes)})"
+            )
         return self
+
+    @property
+    def handed_dtypes(self) -> tuple[str, ...]:
+        """The torch dtypes (by name) this input may be handed to a model in."""
+        if self.packing == "bits":
+            return UNPACK_DTYPE_NAMES
+        if self.datatype == "BOOL":
+            return typing.get_args(HandedDtype)
+        own = REGISTRY[self.datatype].torch
+        return (own,) if own is not None else ()
 
     @property
     def packed_shape(self) -> list[int]:
@@ -261,23 +300,25 @@ class OperatorConfig(_Strict):
 
 
 class ModelFileConfig(_Strict):
-    """An optional model applied to the operator's (batch, N, A) output."""
+    """An optional model, given the inputs (the operator's one as its (batch, N, A) output)."""
 
+    format: ModelFormat | None = None
+    """The file's format; by default its suffix says (a ``.pt2`` holding
+    ``data/aotinductor/`` is an AOTInductor package)."""
     file: str
-    """A ``torch.export`` program (``.pt2``) or TorchScript (``.pt``, ``.ts``)."""
+    """A ``torch.export`` program or AOTInductor package (``.pt2``), TorchScript (``.pt``,
+    ``.ts``) or ONNX (``.onnx``)."""
 
     @field_validator("file")
     @classmethod
-    def _suffix(cls, value: str) -> str:
+    def _suffix(cls, value: str, info: ValidationInfo) -> str:
         _relative_file(value)
-        if Path(value).suffix not in MODEL_FORMATS:
-            raise ValueError(f"must end in one of {sorted(MODEL_FORMATS)} (no pickle files)")
+        if info.data.get("format") is None and Path(value).suffix not in MODEL_SUFFIXES:
+            raise ValueError(
+                f"must end in one of {', '.join(MODEL_SUFFIXES)}, or [model] format must say "
+                "what it is (no pickle files)"
+            )
         return value
-
-    @property
-    def format(self) -> str:
-        """``"torch_export"`` or ``"torchscript"``."""
-        return MODEL_FORMATS[Path(self.file).suffix]
 
 
 class OutputConfig(_Strict):
@@ -286,7 +327,7 @@ class OutputConfig(_Strict):
     name: str = Field(min_length=1, max_length=128)
     datatype: OutputDatatype
     shape: list[int] | None = None
-    """Shape of one item without the batch dimension; checked against the warm-up run."""
+    """Shape of one item without the batch dimension; checked by the dry run at load."""
 
 
 class ModelConfig(_Strict):
@@ -311,6 +352,14 @@ class ModelConfig(_Strict):
     operator: OperatorConfig | None = None
     model: ModelFileConfig | None = None
     outputs: list[OutputConfig] = Field(min_length=1)
+    warmup_file: str | None = None
+    """A safetensors file whose tensors (one per input, named as it, batch first, in a wire
+    form: UINT8 packed or the logical datatype) replace the zeros of the dry run at load."""
+
+    @field_validator("warmup_file")
+    @classmethod
+    def _warmup_file(cls, value: str | None) -> str | None:
+        return None if value is None else _relative_file(value)
 
     @field_validator("device")
     @classmethod
@@ -461,6 +510,15 @@ class VersionSource:
     model_folder: Path
     source: str
     """The config's path as shown in messages (relative to the repository's parent)."""
+
+    @property
+    def shown_folder(self) -> str:
+        """The version's folder as messages name it (``repo/model`` or ``repo/model/2``)."""
+        return self.source.removesuffix(f"/{CONFIG_FILE}")
+
+    def error(self, where: str, what: str, exc: BaseException) -> ConfigError:
+        """:func:`library_error` for a file of this version (its folder shown as named)."""
+        return library_error(where, what, exc, self.folder, self.shown_folder)
 
     @property
     def config_path(self) -> Path:

@@ -1,6 +1,6 @@
 """Request ids and logging: the id of the request being handled on every log record.
 
-Every request gets an id (see ``service.gateway``): the client's ``X-Request-ID`` when it is
+Every request gets an id (see ``service.rest.gateway``): the client's ``X-Request-ID`` when it is
 a sane token, else a fresh one from :class:`RequestIds`. It is echoed in the response's
 ``X-Request-ID``, put on every log record emitted while the request is handled
 (``%(request_id)s``, via :class:`RequestIdFilter`), and quoted in the body of a 500 so an
@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any
 
-from service.config import safe_text
+from service.text import safe_text
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")

@@ -221,5 +221,5 @@ def test_dockerignore_keeps_what_the_build_copies_and_drops_the_rest() -> None:
         "models/demo/config.toml",
     ):
         assert ignored(heavy, patterns), heavy
-    assert not ignored("service/app.py", patterns)
+    assert not ignored("service/rest/app.py", patterns)
     assert not ignored("gpu_ops/_triton/__init__.py", patterns)

@@ -141,7 +141,7 @@ def test_schemathesis_against_the_app_schema(server: BitserveServer) -> None:
     taken from the same application object in-process and the calls go to the real server.
     """
     schemathesis = pytest.importorskip("schemathesis")
-    from service.app import create_app
+    from service.rest.app import create_app
     from service.settings import Settings
 
     with warnings.catch_warnings():

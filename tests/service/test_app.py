@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
+from service.rest.app import create_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

@@ -20,10 +20,10 @@ import pytest
 
 import service.dataplane as dataplane
 import service.protocol.tensors as tensors
-from service.app import create_app
-from service.bodies import Receive, read_body
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
-from service.fastpath import parse_content_length
+from service.rest.app import create_app
+from service.rest.bodies import Receive, read_body
+from service.rest.fastpath import parse_content_length
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository

@@ -17,9 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
 from service.protocol import worth_compressing
 from service.protocol.compression import MIN_BYTES, TRIAL_BYTES
+from service.rest.app import create_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository

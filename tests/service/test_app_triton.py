@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
 from service.metrics import Metrics
+from service.rest.app import create_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

@@ -20,9 +20,9 @@ import pytest
 import tritonclient.grpc.aio as tgrpc
 from tritonclient.utils import InferenceServerException
 
-from service.app import BitserveApp, create_app
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
+from service.rest.app import BitserveApp, create_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.e2e.conftest import free_port
@@ -341,7 +341,7 @@ async def test_internal_errors_leak_nothing(
     def broken(ready: bool = False) -> list[dict[str, Any]]:
         raise KeyError("secret internal detail")
 
-    monkeypatch.setattr(app.state.dataplane, "repository_index", broken)
+    monkeypatch.setattr(app.state.control, "repository_index", broken)
     e = await raw_error(target, "RepositoryIndex", b"")
     assert e.code() == grpc.StatusCode.INTERNAL
     assert re.fullmatch(r"internal error \(request id [0-9a-f]+-[0-9a-f]+\)", str(e.details()))

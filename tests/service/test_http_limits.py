@@ -1,4 +1,4 @@
-"""The HTTP protocol's limits (``service.http_protocol``) in a real uvicorn server, in process.
+"""The HTTP protocol's limits (``service.rest.http_protocol``) in a real uvicorn server, in process.
 
 A uvicorn server with our protocol class and the fake repository (``app_fakes``) runs in a
 thread; raw sockets play the clients. Covered: the head-read timeout (silent close when no
@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 
 from benchmarks.e2e.probes import read_until_closed
-from service.app import create_app
-from service.cli import uvicorn_config
+from service.rest.app import create_app
+from service.rest.server import uvicorn_config
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

@@ -13,7 +13,7 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from service.http_protocol import BitserveHttpProtocol, protocol_class
+from service.rest.http_protocol import BitserveHttpProtocol, protocol_class
 
 pytestmark = pytest.mark.anyio
 

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.app import BitserveApp, create_app
 from service.errors import Overloaded
-from service.fastpath import InferRoute
 from service.handle import Result
 from service.protocol import decompress
+from service.rest.app import BitserveApp, create_app
+from service.rest.fastpath import InferRoute
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from service.app import create_app
 from service.errors import InvalidInput
 from service.log_settings import LOGGERS, LogSettings
 from service.metrics import Metrics
 from service.observability import RequestIdFilter
+from service.rest.app import create_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

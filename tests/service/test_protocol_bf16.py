@@ -17,7 +17,6 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
 from service.errors import InvalidInput
 from service.protocol import (
     BF16,
@@ -31,6 +30,7 @@ from service.protocol import (
 )
 from service.protocol.tensors import bf16_bits_to_float32, float_to_bf16_bits
 from service.repository import ModelRepository
+from service.rest.app import create_app
 from service.settings import Settings
 from tests.service.test_repository import B, N, cfg_text, write
 

@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from service.auth import check_bearer
-from service.bodies import Message, Receive, read_body
 from service.dataplane import DataPlane
 from service.errors import (
     InvalidInput,
@@ -41,6 +40,7 @@ from service.errors import (
 from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
+from service.rest.bodies import Message, Receive, read_body
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]

@@ -1,5 +1,5 @@
 """The outermost ASGI layer: request ids, header limits, paths, access log, the last-resort 500,
-and the dispatch of inference to the fast path (``service.fastpath``) ahead of FastAPI.
+and the dispatch of inference to the fast path (``service.rest.fastpath``) ahead of FastAPI.
 
 Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
 cannot be trusted with them: no parser bounds the number of headers, and h11 bounds only an
@@ -23,10 +23,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.bodies import Message, Receive
 from service.errors import ModelNotReady, Overloaded, ServiceError
-from service.fastpath import InferRoute, Scope, Send, match_infer, send_json_error
 from service.observability import RequestIds, printable_path, request_id_var
+from service.rest.bodies import Message, Receive
+from service.rest.fastpath import InferRoute, Scope, Send, match_infer, send_json_error
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
