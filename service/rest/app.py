@@ -35,6 +35,7 @@ from service.rest.auth import make_auth_check
 from service.rest.endpoints import Endpoints
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
+from service.rest.inference import RestInference
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
 
@@ -158,18 +159,17 @@ def create_app(
         redirect_slashes=False,
     )
     shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
-    dataplane = DataPlane(
-        repo,
-        metrics,
+    dataplane = DataPlane(repo, metrics, shared_memory=shm)
+    control = ControlPlane(repo, shared_memory=shm, log_level=settings.log_level, cluster=cluster)
+    token = settings.token
+    rest = RestInference(
+        dataplane,
         max_body_bytes=settings.max_body_bytes,
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
-        shared_memory=shm,
     )
-    control = ControlPlane(repo, shared_memory=shm, log_level=settings.log_level, cluster=cluster)
-    token = settings.token
     infer = InferRoute(
-        dataplane,
+        rest,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         max_inflight_bytes=settings.max_inflight_bytes,
