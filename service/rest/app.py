@@ -32,7 +32,7 @@ from service.metrics import Metrics
 from service.observability import printable_path
 from service.protocol.response import error_body
 from service.rest.auth import make_auth_check
-from service.rest.endpoints import Endpoints
+from service.rest.endpoints import Endpoints, json_response
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
 from service.rest.inference import RestInference
@@ -149,11 +149,11 @@ def create_app(
 
     app = BitserveApp(
         title="bitserve",
+        # No interactive docs (their page loads scripts from a CDN); the schema is served
+        # below, behind the token like every route but health.
         docs_url=None,
         redoc_url=None,
-        # The schema describes the routes (no secrets) and is served like the health
-        # endpoints, without a token: tools (schemathesis, client generators) read it first.
-        openapi_url="/openapi.json",
+        openapi_url=None,
         lifespan=lifespan,
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
@@ -234,6 +234,11 @@ def create_app(
     add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
     add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")
+
+    async def openapi() -> Response:
+        return json_response(app.openapi())
+
+    routes.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
     app.include_router(open_routes)
     app.include_router(routes)
 
