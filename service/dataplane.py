@@ -141,8 +141,7 @@ async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]])
 
     def write() -> None:
         for target, arr in writes:
-            src = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            np.frombuffer(target.view, np.uint8, count=src.size)[:] = src
+            target.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
 
     if sum(arr.nbytes for _, arr in writes) > THREAD_BYTES:
         await off_loop(write)
