@@ -27,12 +27,12 @@ from starlette.types import Receive, Scope, Send
 
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
-from service.errors import ServiceError
+from service.errors import InvalidInput, Relayed, ServiceError, report
 from service.metrics import Metrics
 from service.observability import printable_path
-from service.protocol.response import error_body
 from service.rest.auth import make_auth_check
 from service.rest.endpoints import Endpoints, json_response
+from service.rest.errors import error_response
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
 from service.rest.inference import RestInference
@@ -45,22 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    resp = Response(error_body(message), status_code=status, media_type="application/json")
-    if headers:
-        resp.headers.update(headers)
-    return resp
-
-
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
-    level = logging.WARNING if exc.status_code >= 500 else logging.INFO
-    path = printable_path(request.scope["path"])
-    log.log(level, "%s %s -> %d: %s", request.method, path, exc.status_code, exc)
-    return _error(exc.status_code, exc.message, exc.headers)
+    report(log, f"{request.method} {printable_path(request.scope['path'])}", exc)
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's router's own answers (no such route, a method it does not take)."""
     assert isinstance(exc, StarletteHTTPException)
     path = printable_path(request.scope["path"])  # the path as sent can be 64 KiB of anything
     if exc.status_code == 404:
@@ -69,7 +61,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"method {request.method} is not allowed on {path}"
     else:
         message = str(exc.detail)
-    return _error(exc.status_code, message, dict(exc.headers or {}))
+    return error_response(Relayed(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -78,7 +70,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return _error(400, "invalid request: " + "; ".join(parts))
+    return error_response(InvalidInput("invalid request: " + "; ".join(parts)))
 
 
 class BitserveApp(FastAPI):

@@ -36,11 +36,14 @@ from service.errors import (
     Overloaded,
     PayloadTooLarge,
     ServiceError,
+    log_level,
+    report,
+    shown_message,
 )
 from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
-from service.protocol.response import error_body
 from service.rest.bodies import Message, Receive, read_body
+from service.rest.errors import send_error
 from service.rest.inference import RestInference
 
 Scope = MutableMapping[str, Any]
@@ -81,23 +84,6 @@ def parse_content_length(value: bytes) -> int:
     return int(value)
 
 
-async def send_json_error(
-    send: Send, error: ServiceError, request_id: str, *, close: bool = False
-) -> None:
-    """Answer ``error`` as ``{"error": message}`` with its status and headers."""
-    body = error_body(error.message)
-    headers = [
-        (b"content-type", _JSON),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", request_id.encode()),
-    ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    if close and "Connection" not in error.headers:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 class InferRoute:
     """The infer route's HTTP envelope around :meth:`RestInference.infer`.
 
@@ -128,7 +114,7 @@ class InferRoute:
         """Body bytes reserved now by requests being received or computed."""
         self.lock = threading.Lock()
         """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
-        self._shed = Tally(log, logging.WARNING, "POST %s -> 503 (shed): %s")
+        self._shed = Tally(log, log_level(Overloaded("")), "POST %s -> 503 (shed): %s")
 
     async def __call__(
         self,
@@ -168,11 +154,10 @@ class InferRoute:
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
             path = printable_path(scope["path"])
             if isinstance(e, Overloaded):
-                self._shed(path, e)
+                self._shed(path, shown_message(e))  # by the thousand: counted, not each logged
             else:
-                level = logging.WARNING if e.status_code >= 500 else logging.INFO
-                log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
-            await send_json_error(send, e, request_id)
+                report(log, f"POST {path}", e)
+            await send_error(send, e, request_id)
             return e.status_code
         finally:
             held.release()
