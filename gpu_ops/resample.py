@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_ops import _resample_ops, _resampler_base, responses
+from gpu_ops import _bits_resample, _events_ops, _resample_ops, _resampler_base, responses
 from gpu_ops._on_the_fly import OnTheFlyResampler
 from gpu_ops.responses import Response
 
@@ -222,6 +222,11 @@ class BandedResampler(_resampler_base.Resampler):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        normalize: bool = False,
+        center: str = "median",
+        border: str = "none",
+        scale: float = 1.0,
+        recording: tuple[float, float] | None = None,
         **params: float,
     ) -> BandedResampler:
         """Build the operator ``T[n, a, b] = r(c[n, a] - x[b])`` as a band.
@@ -232,12 +237,15 @@ class BandedResampler(_resampler_base.Resampler):
             response: a callable on offsets ``c - x`` (then ``support`` is required: r counts
                 as zero where ``|c - x| > support``); a table ``(xs, ys)`` interpolated
                 linearly, zero outside ``[xs[0], xs[-1]]``; or a name from
-                :data:`gpu_ops.responses.NAMED` with its parameter as a keyword
-                (``sigma=``, ``half_width=`` or ``gamma=``), ``support`` then in units of
-                that parameter (gaussian default 4, lorentzian default 10).
+                :data:`gpu_ops.responses.NAMED` with its parameter as a keyword (its own,
+                ``half_width=``, ``gamma=``, ``tau=``, or ``sigma=`` its standard deviation),
+                ``support`` then in units of that parameter (gaussian default 4, lorentzian
+                10, laplacian, exponential and alpha 5 sigma).
             support: see ``response``.
             dtype: weight dtype (float32, bfloat16, float16; float64 for gradcheck).
             device: where the operator lives (default: x's device).
+            normalize, center, border, scale, recording: see
+                :class:`gpu_ops.responses.Options` (a callable takes only ``scale``).
             **params: the named response's parameter.
 
         Returns:
@@ -248,7 +256,8 @@ class BandedResampler(_resampler_base.Resampler):
             raise TypeError("on_the_fly= is gone: use OnTheFlyResampler.from_response")
         dev = torch.device(device) if device is not None else torch.as_tensor(x).device
         x64, c64 = responses.check_grid(x, c, dev)
-        cut = responses.parse(response, support, params, dev)
+        options = responses.Options(normalize, center, border, scale, recording)
+        cut = responses.parse(response, support, params, dev, options, x64)
         c_sorted, order = torch.sort(c64, dim=1, stable=True)
         first, last, W = responses.windows(x64, c_sorted, cut.lo, cut.hi)
         starts = responses.clipped_starts(first, W, x64.numel())
@@ -260,6 +269,8 @@ class BandedResampler(_resampler_base.Resampler):
             band = responses.evaluate_band(
                 x64, c_sorted[:, sl], cut.r, first[:, sl], last[:, sl], starts[:, sl], W
             )
+            if cut.factor is not None:
+                band = band * cut.factor(c_sorted[:, sl])[..., None]
             weights[:, sl] = band.to(dtype)
         return cls(starts, weights, x64.numel(), inverse_order=_inverse(order))
 
@@ -301,6 +312,71 @@ class BandedResampler(_resampler_base.Resampler):
         if self.inverse_order is not None:
             out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
         return out
+
+    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
+        """The path :meth:`forward_bits` takes for ``packed`` (``band`` or ``event``)."""
+        N, _ = self.starts.shape
+        packed3, _ = _bits_resample.check_packed(
+            packed, N, self.num_fine, self.starts.device, bitorder, "auto"
+        )
+        return self._plan(packed3)
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        _, A, W = self.weights.shape
+        if torch.is_grad_enabled() and self.weights.requires_grad:  # gradients to the weights
+            M = packed3.shape[0]
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        B = self.num_fine
+        return _bits_resample.plan(packed3, B, A, W, on_the_fly=False, pieces=None)
+
+    def forward_bits(
+        self,
+        packed: torch.Tensor,
+        bitorder: str = "big",
+        *,
+        path: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The operator on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
+
+        Args:
+            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
+            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"`` or ``"event"``.
+            dtype: the output dtype (default: the weights').
+
+        Returns:
+            ``[..., N, A]``. Gradients reach the weights when they require them (the band
+            path is then taken).
+
+        Raises:
+            ValueError: a shape, device, bit order or path that does not fit (``"prefix"``:
+                a stored band has none; see :class:`OnTheFlyResampler`).
+        """
+        N, _ = self.starts.shape
+        B = self.num_fine
+        packed3, lead = _bits_resample.check_packed(
+            packed, N, B, self.starts.device, bitorder, path
+        )
+        out_dtype = dtype or self.weights.dtype
+        if path == "prefix":
+            raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            out: torch.Tensor = _events_ops.events_band_forward(
+                items, self.starts, self.weights, B, bitorder == "big"
+            )
+            if self.inverse_order is not None:
+                out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+            return out
+
+        out = _bits_resample.run(plan, packed3, run)
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""

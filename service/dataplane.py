@@ -1,11 +1,13 @@
 """The data plane: everything about a request, decided once, for every transport.
 
-Transports (the REST fast path in ``service.rest.fastpath``, FastAPI's control routes, gRPC)
-are thin adapters: they take their envelope apart, call a method here, and write the answer
-back in their own envelope. The data plane decodes (the V2 REST framing), checks the request against
-the model once (``service.signature``), submits it to the model's batcher, builds the
-response, frames it for REST, and decides whether to compress it; it also counts requests in
-the metrics. Model state belongs to the repository alone (``service.repository``).
+Transports (REST in ``service.rest``, gRPC in ``service.grpc``) are thin adapters: they take
+their envelope apart, decode it with their own framing, call a method here, and write the
+answer back in their own envelope. The data plane looks the model up and checks its queue
+before a transport decodes anything, checks the request against the model once
+(``service.signature``), submits it to the model's batcher, builds the response, writes
+outputs into shared memory, and counts requests in the metrics and statistics. Model state
+belongs to the repository alone (``service.repository``); what changes it is the control
+plane's (``service.controlplane``).
 
 The model layout is after MLServer's ``handlers/dataplane.py`` ("used by both the gRPC and
 REST servers").
@@ -16,40 +18,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 import service
-from service.config import ConfigError, safe_text
-from service.config_override import ConfigOverride, load_parameters, parse_override
+from service.config_override import ConfigOverride
 from service.errors import (
     InvalidInput,
-    ModelNotFound,
     ModelNotReady,
-    PayloadTooLarge,
     ServiceError,
 )
 from service.handle import ModelHandle
-from service.log_settings import LogSettings
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.protocol import (
-    CompressionMode,
-    EncodedResponse,
     InferRequest,
     InferResponse,
     ResponseOutput,
-    decompress,
-    encode_infer_response,
-    parse_header_length,
-    worth_compressing,
 )
-from service.protocol.compression import MIN_BYTES
-from service.protocol.response import compress_response, wants_binary
 from service.protocol.types import SharedOutput
-from service.shared_memory import CudaSharedMemory, SystemSharedMemory
+from service.shared_memory import SystemSharedMemory
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -59,15 +49,9 @@ Decoder = Callable[[ModelHandle], Awaitable[InferRequest]]
 ``handle.signature.check_input`` (see :meth:`DataPlane.infer_with`)."""
 
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
-# costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
-# part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
-_THREAD_BYTES = 64 << 10
-_THREAD_OUTPUT_BYTES = 64 << 10
-# Compressed bodies above this inflate in a worker thread: at ~1000:1 even a small gzip bomb
-# is megabytes of inflating.
-_THREAD_COMPRESSED_BYTES = 4 << 10
-# How many responses reuse one compression trial's verdict for a model's binary outputs.
-_VERDICT_REUSE = 32
+# costs more than the work. Decoding is sized by the whole request, not its JSON part: the
+# binary part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
+THREAD_BYTES = 64 << 10
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -83,6 +67,7 @@ class Repository(Protocol):
 
     @property
     def ready(self) -> bool: ...
+    def not_ready_reason(self) -> str | None: ...
     async def start(self) -> None: ...
     async def stop(self, timeout_s: float = 30.0) -> None: ...
     def index(self) -> list[dict[str, Any]]: ...
@@ -92,7 +77,8 @@ class Repository(Protocol):
     def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
 
 
-async def _off_loop(fn: Callable[[], T]) -> T:
+async def off_loop(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread (work that would hold the event loop)."""
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
@@ -100,8 +86,8 @@ async def decode_sized(nbytes: int, fn: Callable[[], T]) -> T:
     """Run a decoder over ``nbytes`` of request: in a worker thread above 64 KiB (the thread
     hop costs more than a smaller decode), on the event loop below. Every transport's decoding
     goes through here."""
-    if nbytes > _THREAD_BYTES:
-        return await _off_loop(fn)
+    if nbytes > THREAD_BYTES:
+        return await off_loop(fn)
     return fn()
 
 
@@ -155,11 +141,10 @@ async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]])
 
     def write() -> None:
         for target, arr in writes:
-            src = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            np.frombuffer(target.view, np.uint8, count=src.size)[:] = src
+            target.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
 
-    if sum(arr.nbytes for _, arr in writes) > _THREAD_OUTPUT_BYTES:
-        await _off_loop(write)
+    if sum(arr.nbytes for _, arr in writes) > THREAD_BYTES:
+        await off_loop(write)
     else:
         write()
 
@@ -170,13 +155,8 @@ class DataPlane:
     Args:
         repository: the model repository (the only owner of model state).
         metrics: where request outcomes and in-flight counts go.
-        max_body_bytes: the limit of a request body after decompression.
-        max_json_bytes: the limit of an inference request's JSON part.
-        response_compression: the response compression policy (``auto``, ``always``,
-            ``never``; see :func:`service.protocol.worth_compressing`).
-        log_level: the starting log level (``--log-level``), for the logging extension.
         shared_memory: the client's system shared memory regions (the extension), or None
-            when client shared memory is disabled.
+            when client shared memory is disabled (``service.controlplane`` registers them).
     """
 
     def __init__(
@@ -184,28 +164,13 @@ class DataPlane:
         repository: Repository,
         metrics: Metrics,
         *,
-        max_body_bytes: int = 64 << 20,
-        max_json_bytes: int = 16 << 20,
-        response_compression: CompressionMode = "auto",
-        log_level: str = "info",
         shared_memory: SystemSharedMemory | None = None,
     ) -> None:
         self.repository = repository
-        self.logging = LogSettings(log_level)
         self.shared_memory = shared_memory
-        self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.max_json_bytes = max_json_bytes
-        self.response_compression: CompressionMode = response_compression
-        # (model, version) -> (compress?, responses left that reuse this trial's verdict)
-        self._verdicts: dict[tuple[str, str], tuple[bool, int]] = {}
 
     # --- server and models ----------------------------------------------------------------
-
-    def ready(self) -> bool:
-        """Whether every model is loaded and the server is not stopping."""
-        return self.repository.ready
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""
@@ -230,11 +195,6 @@ class DataPlane:
             return False
         return True
 
-    def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
-        """Triton's repository index (only the READY versions when ``ready``)."""
-        index = self.repository.index()
-        return [m for m in index if m.get("state") == "READY"] if ready else index
-
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension: every READY version of every model, of one model,
         or one version.
@@ -253,112 +213,6 @@ class DataPlane:
         counts = {(s.name, s.version): s for s in self.metrics.statistics_source()}
         stats = [counts.get((h.name, h.version)) or h.stats.snapshot() for h in handles]
         return {"model_stats": [s.triton() for s in stats]}
-
-    # --- shared memory --------------------------------------------------------------------
-
-    def _system_shm(self) -> SystemSharedMemory:
-        if self.shared_memory is None:
-            raise InvalidInput(
-                "client shared memory is disabled on this server; start it with "
-                "--allow-client-shm (BITSERVE_ALLOW_CLIENT_SHM=true) to use it"
-            )
-        return self.shared_memory
-
-    def register_system_shared_memory(self, name: str, body: Mapping[str, Any]) -> None:
-        """Register a region: ``body`` is Triton's ``{key, offset, byte_size}``.
-
-        Raises:
-            InvalidInput: disabled, or a bad or unusable region (the message names it).
-        """
-        shm = self._system_shm()
-        shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
-        log.info("shared memory region '%s' registered: %s", name, shm.status(name)[0])
-
-    def unregister_system_shared_memory(self, name: str | None = None) -> None:
-        """Unregister a region (None: all of them); an unknown name is no error.
-
-        Raises:
-            InvalidInput: client shared memory is disabled.
-        """
-        self._system_shm().unregister(name)
-        shown = "(all)" if name is None else f"'{safe_text(name, 128)}'"
-        log.info("shared memory region %s unregistered", shown)
-
-    def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """The registered regions (one, or all; none when disabled).
-
-        Raises:
-            NotFound: no region ``name``.
-        """
-        if self.shared_memory is None:
-            return self.cuda_shared_memory.status(name)  # [] or "not found"
-        return self.shared_memory.status(name)
-
-    def register_cuda_shared_memory(self, name: str) -> None:
-        """Refused: CUDA shared memory is not supported (InvalidInput)."""
-        self.cuda_shared_memory.register(name)
-
-    def unregister_cuda_shared_memory(self, name: str | None = None) -> None:
-        """Nothing to unregister (no CUDA region is ever registered)."""
-        self.cuda_shared_memory.unregister(name)
-
-    def cuda_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """``[]``; a named region is not found.
-
-        Raises:
-            NotFound: always for a name.
-        """
-        return self.cuda_shared_memory.status(name)
-
-    # --- logging --------------------------------------------------------------------------
-
-    def log_settings(self) -> dict[str, Any]:
-        """Triton's logging extension: the log settings."""
-        return self.logging.get()
-
-    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Change log settings (all or nothing); returns them all.
-
-        Raises:
-            InvalidInput: an unknown setting or a bad value (see ``service.log_settings``).
-        """
-        return self.logging.update(changes)
-
-    # --- the model repository -------------------------------------------------------------
-
-    def load_parameters(self, name: str, body: Mapping[str, Any]) -> str | None:
-        """The config override of a V2 load request body (``parameters.config``), or None.
-
-        Raises:
-            InvalidInput: see :func:`service.config_override.load_parameters`.
-        """
-        return load_parameters(name, body)
-
-    async def load(self, name: str, config: str | None = None) -> None:
-        """(Re)load a model from the repository, with Triton's config override if given.
-
-        Args:
-            name: the model.
-            config: ``parameters.config`` of the load request (a JSON string with Triton's
-                field names, see ``service.config_override``), for this load only.
-
-        Raises:
-            InvalidInput: no such model, a malformed override, or a model that fails to load
-                (the message contains ``failed to load``, as Triton's).
-            ModelNotReady: the server is stopping.
-        """
-        failed = f"failed to load '{safe_text(name, 128)}'"
-        try:
-            override = None if config is None else parse_override(config, name)
-            await self.repository.load(name, override)
-        except ConfigError as exc:
-            raise InvalidInput(f"{failed}: {'; '.join(exc.problems)}") from None
-        except ModelNotFound as exc:
-            raise InvalidInput(f"{failed}: {exc.message}") from None
-
-    async def unload(self, name: str) -> None:
-        """Unload a model."""
-        await self.repository.unload(name)
 
     # --- inference ------------------------------------------------------------------------
 
@@ -420,118 +274,3 @@ class DataPlane:
             self.metrics.request_finished(label, outcome, ns / 1e9)
             if handle is not None:  # Triton's statistics: every transport's requests
                 handle.stats.request_done(outcome == "success", ns)
-
-    async def infer_rest(
-        self,
-        name: str,
-        version: str | None,
-        read_body: Callable[[], Awaitable[bytes | bytearray]],
-        *,
-        content_encoding: str | None = None,
-        header_length: str | None = None,
-        accept_encoding: str | None = None,
-        reserve: Callable[[int], None] | None = None,
-    ) -> EncodedResponse:
-        """One V2 REST inference: body in, framed (and maybe compressed) response out.
-
-        The model is looked up and its queue checked before ``read_body`` is awaited, so an
-        unknown model or a full queue is answered without reading the upload (see
-        :meth:`infer_with`).
-
-        Args:
-            name, version: the model (version None: the highest READY one).
-            read_body: reads the request body as received (the transport's part).
-            content_encoding: its ``Content-Encoding`` header, if any.
-            header_length: its ``Inference-Header-Content-Length`` header, if any.
-            accept_encoding: an encoding the client accepts (``gzip``/``deflate``; see
-                :func:`service.protocol.choose_encoding`), or None.
-            reserve: the transport's memory budget for a compressed body's inflated copy:
-                called with its size as it grows, possibly from a worker thread (see
-                :func:`service.protocol.decompress`); it raises to refuse.
-
-        Raises:
-            ServiceError: with the status the transport answers.
-        """
-        body: bytes | bytearray | None = None
-
-        async def decode(handle: ModelHandle) -> InferRequest:
-            nonlocal body
-            if body is None:
-                body = await read_body()
-            return await self._decode(handle, body, content_encoding, header_length, reserve)
-
-        async def encode(
-            handle: ModelHandle, request: InferRequest, response: InferResponse
-        ) -> EncodedResponse:
-            return await self._encode(handle, request, response, accept_encoding)
-
-        return await self.infer_with(name, version, decode, encode)
-
-    async def _decode(
-        self,
-        handle: ModelHandle,
-        body: bytes | bytearray,
-        encoding: str | None,
-        header_length: str | None,
-        reserve: Callable[[int], None] | None = None,
-    ) -> InferRequest:
-        limit = self.max_body_bytes
-        if encoding and encoding.strip().lower() != "identity":
-            raw = body
-            if len(body) > _THREAD_COMPRESSED_BYTES:
-                body = await _off_loop(
-                    lambda: decompress(raw, encoding, limit=limit, reserve=reserve)
-                )
-            else:
-                body = decompress(raw, encoding, limit=limit, reserve=reserve)
-        n = parse_header_length(header_length, len(body))
-        json_bytes = len(body) if n is None else n
-        if json_bytes > self.max_json_bytes:
-            raise PayloadTooLarge(
-                f"the request's JSON part is {json_bytes} bytes, more than the limit of "
-                f"{self.max_json_bytes} bytes; send large tensors as binary data (the "
-                "binary_tensor_data extension: Inference-Header-Content-Length and "
-                "parameters.binary_data_size)"
-            )
-        data, signature, shm = body, handle.signature, self.shared_memory
-        return await decode_sized(len(body), lambda: handle.headers.decode(data, n, signature, shm))
-
-    async def _encode(
-        self,
-        handle: ModelHandle,
-        request: InferRequest,
-        response: InferResponse,
-        accept: str | None,
-    ) -> EncodedResponse:
-        # Binary outputs are one memcpy; JSON lists cost CPU per element.
-        # (Outputs in shared memory are not in the body at all.)
-        outs = [o for o in response.outputs if not o.in_shared_memory]
-        all_binary = all(wants_binary(request, o.name) for o in outs)
-        if not all_binary and sum(o.data.nbytes for o in outs) > _THREAD_OUTPUT_BYTES:
-            enc = await _off_loop(lambda: encode_infer_response(response, request))
-        else:
-            enc = encode_infer_response(response, request)
-        mode = self.response_compression
-        if accept is None or mode == "never" or len(enc.body) < MIN_BYTES:
-            return enc
-        # A model's binary outputs compress about as well from one response to the next, so
-        # the trial's verdict is reused for a while: most responses then skip the thread hop.
-        key = (handle.name, handle.version)
-        verdict = self._verdicts.get(key) if mode == "auto" and enc.binary_from else None
-        if verdict is not None and verdict[1] > 0:
-            self._verdicts[key] = (verdict[0], verdict[1] - 1)
-            if not verdict[0]:
-                return enc
-            return await _off_loop(lambda: _compressed(enc, accept, "always"))
-        out = await _off_loop(lambda: _compressed(enc, accept, mode))
-        if mode == "auto" and enc.binary_from:
-            self._verdicts[key] = ("Content-Encoding" in out.headers, _VERDICT_REUSE)
-        return out
-
-
-def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> EncodedResponse:
-    # In a worker thread: even level 1 costs ~1 ms per 100 KB, which the event loop (serving
-    # every other connection) must not pay.
-    if not worth_compressing(enc.body, enc.binary_from, mode):
-        return enc
-    return compress_response(enc, encoding)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import numpy as np
 from google.protobuf import json_format
@@ -28,7 +27,7 @@ from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import model_config_pb2 as mc
 from service.protocol.request import (
     InputChecker,
-    SharedMemoryViews,
+    SharedMemoryRegions,
     check_input_head,
     check_request_fields,
     check_requested_output,
@@ -159,7 +158,7 @@ def from_contents(
 
 
 def decode_infer_request(
-    msg: pb.ModelInferRequest, model: InputChecker, shm: SharedMemoryViews | None = None
+    msg: pb.ModelInferRequest, model: InputChecker, shm: SharedMemoryRegions | None = None
 ) -> InferRequest:
     """A ``ModelInferRequest`` as the protocol's request, checked as REST checks its own.
 
@@ -343,14 +342,3 @@ def log_settings(settings: Mapping[str, Any]) -> pb.LogSettingsResponse:
         else:
             v.string_param = str(value)
     return out
-
-
-def path_part(name: str) -> str:
-    """``name`` percent-encoded as one segment of a route's path."""
-    return quote(name, safe="")
-
-
-def json_safe(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Parameters for a JSON body: a ``bytes`` value (a ``file:`` parameter of a load) is
-    replaced by its size (the load refuses such parameters by name)."""
-    return {k: f"<{len(v)} bytes>" if isinstance(v, bytes) else v for k, v in params.items()}

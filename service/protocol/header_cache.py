@@ -22,7 +22,7 @@ import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from service.protocol.request import InputChecker, SharedMemoryViews, decode_infer_request
+from service.protocol.request import InputChecker, SharedMemoryRegions, decode_infer_request
 from service.protocol.tensors import from_binary
 from service.protocol.types import BYTES, InferRequest, RequestInput, RequestOutput
 
@@ -100,7 +100,7 @@ class HeaderCache:
         body: bytes | bytearray | memoryview,
         header_length: int | None,
         model: InputChecker,
-        shm: SharedMemoryViews | None,
+        shm: SharedMemoryRegions | None,
     ) -> InferRequest:
         """What :func:`~service.protocol.request.decode_infer_request` returns for these
         arguments (``model`` must be this cache's model version), from a kept header when it

@@ -16,7 +16,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -25,37 +25,34 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
-from service.errors import ServiceError
+from service.errors import InvalidInput, Relayed, ServiceError, report
 from service.metrics import Metrics
 from service.observability import printable_path
-from service.protocol.response import error_body
 from service.rest.auth import make_auth_check
-from service.rest.endpoints import Endpoints
+from service.rest.endpoints import Endpoints, json_response
+from service.rest.errors import error_response
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
+from service.rest.inference import RestInference
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
+
+if TYPE_CHECKING:
+    from service.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    resp = Response(error_body(message), status_code=status, media_type="application/json")
-    if headers:
-        resp.headers.update(headers)
-    return resp
-
-
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
-    level = logging.WARNING if exc.status_code >= 500 else logging.INFO
-    path = printable_path(request.scope["path"])
-    log.log(level, "%s %s -> %d: %s", request.method, path, exc.status_code, exc)
-    return _error(exc.status_code, exc.message, exc.headers)
+    report(log, f"{request.method} {printable_path(request.scope['path'])}", exc)
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's router's own answers (no such route, a method it does not take)."""
     assert isinstance(exc, StarletteHTTPException)
     path = printable_path(request.scope["path"])  # the path as sent can be 64 KiB of anything
     if exc.status_code == 404:
@@ -64,7 +61,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"method {request.method} is not allowed on {path}"
     else:
         message = str(exc.detail)
-    return _error(exc.status_code, message, dict(exc.headers or {}))
+    return error_response(Relayed(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -73,7 +70,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return _error(400, "invalid request: " + "; ".join(parts))
+    return error_response(InvalidInput("invalid request: " + "; ".join(parts)))
 
 
 class BitserveApp(FastAPI):
@@ -88,15 +85,6 @@ class BitserveApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def begin_shutdown(app: Any) -> None:
-    """Stop taking gRPC calls now (the server calls this when HTTP stops taking requests, on
-    SIGTERM); the lifespan, after the HTTP drain, waits for the calls in flight before it
-    stops the repository."""
-    grpc_server = getattr(app.state, "grpc", None)
-    if grpc_server is not None:
-        grpc_server.begin_stop()
-
-
 def create_app(
     settings: Settings,
     repository: Repository | None = None,
@@ -104,6 +92,7 @@ def create_app(
     metrics: Metrics | None = None,
     grpc: bool = False,
     grpc_shared_port: bool = False,
+    cluster: Cluster | None = None,
 ) -> BitserveApp:
     """Build the application.
 
@@ -118,10 +107,13 @@ def create_app(
             leave it off).
         grpc_shared_port: the gRPC port is shared with other worker processes
             (``SO_REUSEPORT``, as ``--workers`` shares the HTTP port).
+        cluster: this worker's peers under ``--workers`` (``service.cluster``): changes
+            reach every worker, and readiness waits for them all.
 
     Returns:
         the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
-        ``dataplane`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`, or None).
+        ``dataplane``, ``control`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`,
+        or None).
     """
     metrics = metrics if metrics is not None else Metrics()
     if repository is None:
@@ -132,8 +124,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        dataplane.logging.attach()  # uvicorn has made the log handlers by now
-        await repo.start()
+        await control.start()
         log.info("repository started: %s", [m.get("name") for m in repo.index()])
         grpc_server = app.state.grpc
         try:
@@ -145,35 +136,32 @@ def create_app(
             # gRPC's in-flight calls finish next (it stopped taking new ones with HTTP).
             if grpc_server is not None:
                 await grpc_server.stop()
-            await repo.stop(timeout_s=settings.graceful_shutdown_s)
-            if shm is not None:
-                shm.close()
+            await control.stop(timeout_s=settings.graceful_shutdown_s)
             log.info("repository stopped")
 
     app = BitserveApp(
         title="bitserve",
+        # No interactive docs (their page loads scripts from a CDN); the schema is served
+        # below, behind the token like every route but health.
         docs_url=None,
         redoc_url=None,
-        # The schema describes the routes (no secrets) and is served like the health
-        # endpoints, without a token: tools (schemathesis, client generators) read it first.
-        openapi_url="/openapi.json",
+        openapi_url=None,
         lifespan=lifespan,
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
     )
     shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
-    dataplane = DataPlane(
-        repo,
-        metrics,
+    dataplane = DataPlane(repo, metrics, shared_memory=shm)
+    control = ControlPlane(repo, shared_memory=shm, log_level=settings.log_level, cluster=cluster)
+    token = settings.token
+    rest = RestInference(
+        dataplane,
         max_body_bytes=settings.max_body_bytes,
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
-        log_level=settings.log_level,
-        shared_memory=shm,
     )
-    token = settings.token
     infer = InferRoute(
-        dataplane,
+        rest,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         max_inflight_bytes=settings.max_inflight_bytes,
@@ -183,12 +171,13 @@ def create_app(
     app.state.repository = repo
     app.state.metrics = metrics
     app.state.dataplane = dataplane
+    app.state.control = control
     app.state.grpc = None
     if grpc and settings.grpc_port:
         from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
 
-        app.state.grpc = GrpcServer(dataplane, settings, app=app, shared_port=grpc_shared_port)
-    ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
+        app.state.grpc = GrpcServer(dataplane, control, settings, shared_port=grpc_shared_port)
+    ep = Endpoints(dataplane, control, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.
@@ -237,6 +226,11 @@ def create_app(
     add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
     add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")
+
+    async def openapi() -> Response:
+        return json_response(app.openapi())
+
+    routes.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
     app.include_router(open_routes)
     app.include_router(routes)
 

@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Callable
 from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.observability import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
-from service.rest.fastpath import InferRoute, Scope, Send, match_infer, send_json_error
+from service.rest.errors import send_error
+from service.rest.fastpath import InferRoute, Scope, Send, match_infer
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
@@ -59,7 +60,7 @@ async def _last_answer(send: Send, error: ServiceError, request_id: str) -> None
     the handler had begun its own answer (uvicorn refuses a second start) or the client
     left."""
     with contextlib.suppress(RuntimeError, OSError):
-        await send_json_error(send, error, request_id, close=True)
+        await send_error(send, error, request_id, close=True)
 
 
 def _inspect(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bool]:
@@ -142,7 +143,7 @@ class Gateway:
                     f"{limit}); retry later"
                 )
                 status = error.status_code
-                await send_json_error(send, error, rid, close=True)
+                await send_error(send, error, rid, close=True)
                 return
             route = match_infer(scope["method"], path)
             if route is not None:

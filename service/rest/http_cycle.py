@@ -16,7 +16,8 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from service.protocol.response import error_body
+from service.errors import ServiceError
+from service.rest.errors import error_bytes
 
 if TYPE_CHECKING:
     from service.rest.http_protocol import HttpProtocol
@@ -46,20 +47,6 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
-
-
-def error_bytes(status: int, message: str, *, close: bool = True) -> bytes:
-    """A whole JSON error response, written by the connection itself (malformed HTTP, limits)."""
-    body = error_body(message)
-    return b"".join(
-        [
-            STATUS_LINES[status],
-            b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body),
-            b"connection: close\r\n\r\n" if close else b"\r\n",
-            body,
-        ]
-    )
 
 
 class Exchange:
@@ -159,7 +146,7 @@ class Exchange:
         transport = self.conn.transport
         if not self.started and not transport.is_closing():
             self.started = self.complete = True
-            transport.write(error_bytes(500, message))
+            transport.write(error_bytes(ServiceError(message)))
         transport.close()
         self.complete = True
 

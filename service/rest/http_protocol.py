@@ -52,9 +52,11 @@ from typing import Any
 
 import httptools
 
-from service.config import safe_text
+from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
 from service.observability import Tally
-from service.rest.http_cycle import App, Exchange, Message, error_bytes
+from service.rest.errors import error_bytes
+from service.rest.http_cycle import App, Exchange, Message
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ class HttpProtocol(asyncio.Protocol):
         if cap and len(self.state.connections) > cap:
             oldest = self.waiting.oldest()
             if oldest is None:
-                self._close(503, f"too many connections (max_connections {cap})")
+                self._close(Overloaded(f"too many connections (max_connections {cap})"))
                 return
             self.waiting.evicted(cap)
             oldest._close_waiting("closed to admit another connection: request head too slow")
@@ -207,12 +209,12 @@ class HttpProtocol(asyncio.Protocol):
             return
         except httptools.HttpParserError as e:
             if isinstance(e.__context__, _HeadTooLarge):
-                self._close(431, str(e.__context__))
+                self._close(HeaderLimit(str(e.__context__)))
                 return
             reason = e.__context__ if isinstance(e.__context__, httptools.HttpParserError) else e
             text = safe_text(str(reason) or type(reason).__name__, 200)
             log.info("malformed HTTP request: %s", text)
-            self._close(400, f"malformed HTTP request: {text}")
+            self._close(InvalidInput(f"malformed HTTP request: {text}"))
             return
         if self._head_begun:
             # The parser keeps an unfinished header line to itself: its bytes are counted as
@@ -221,7 +223,7 @@ class HttpProtocol(asyncio.Protocol):
             if not self._began_in_this_read:
                 self._partial_bytes += len(data)
             if self._partial_bytes > self.max_head_bytes:
-                self._close(431, self._too_large())
+                self._close(HeaderLimit(self._too_large()))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -405,18 +407,18 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_timer.cancel()
             self._idle_timer = None
 
-    def _close(self, status: int | None = None, message: str = "") -> None:
-        """Close the connection, after a JSON error when ``status`` is given."""
+    def _close(self, error: ServiceError | None = None) -> None:
+        """Close the connection, after answering ``error`` when one is given."""
         self._stop_waiting()
         self._cancel_idle()
         if not self.transport.is_closing():
-            if status is not None:
-                self.transport.write(error_bytes(status, message))
+            if error is not None:
+                self.transport.write(error_bytes(error))
             self.transport.close()
 
     def _close_waiting(self, message: str) -> None:
         """Close a connection waiting for a head: 408 if part of one came, else silently."""
-        self._close(408 if self._head_begun else None, message)
+        self._close(RequestTimeout(message) if self._head_begun else None)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

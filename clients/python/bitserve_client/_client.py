@@ -25,7 +25,7 @@ from ._base import (
 from ._bulk import Job, Options, infer_many_sync, iter_sync
 from ._exceptions import ServerError
 from ._retry import Retry
-from ._spec import ModelSpec
+from ._spec import Bitorder, ModelSpec
 from ._types import ArrayLike, BulkResult, InferResult, Inputs
 
 Headers = Mapping[str, str] | None
@@ -59,6 +59,8 @@ class Client(BaseClient):
         compression: ``"gzip"`` or ``"deflate"`` to compress request bodies and accept
             responses compressed the same way; None (the default) sends bodies as they are
             and asks for uncompressed responses (``Accept-Encoding: identity``).
+        compression_level: zlib's level for request bodies, 0 (stored) to 9 (smallest);
+            default 1, the fastest, which packed bits barely lose by (README "Compression").
         headers: extra headers for every request.
         verify: verify the server's TLS certificate (True, the default: against certifi's CA
             bundle), not (False), against a CA bundle file or folder (a path), or with an
@@ -82,6 +84,7 @@ class Client(BaseClient):
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
+        compression_level: int = 1,
         headers: Mapping[str, str] | None = None,
         verify: VerifyTypes = True,
         cert: CertTypes | None = None,
@@ -96,6 +99,7 @@ class Client(BaseClient):
             timeout=timeout,
             retries=retries,
             compression=compression,
+            compression_level=compression_level,
             headers=headers,
             verify=verify,
             cert=cert,
@@ -308,6 +312,7 @@ class Client(BaseClient):
         binary: bool = True,
         headers: Headers = None,
         timeout: TimeoutTypes = None,
+        bitorder: Bitorder | None = None,
     ) -> InferResult:
         """Run one inference.
 
@@ -328,6 +333,10 @@ class Client(BaseClient):
             binary: binary tensors both ways (default) or JSON.
             headers: extra headers for this call.
             timeout: this call's HTTP timeout (None: the client's).
+            bitorder: the bit order of this call's bit-packed inputs, sent as each one's
+                ``parameters.bitorder`` (the server unpacks them in it): uint8 arrays are
+                taken as packed in it (RDKit's ``BitVectToBinaryText`` bytes: ``"little"``),
+                bool arrays are packed in it. None: the model's (its metadata says which).
 
         Returns:
             Every output by name (read-only NumPy arrays), with model name, version, id and
@@ -341,7 +350,7 @@ class Client(BaseClient):
         spec = self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
             spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
-            deadline=deadline, binary=binary, headers=headers, timeout=timeout,
+            deadline=deadline, binary=binary, headers=headers, timeout=timeout, bitorder=bitorder,
         )  # fmt: skip
         try:
             response = self._send(request)
