@@ -23,9 +23,9 @@ from service.config import ModelConfig
 from service.config_override import ConfigOverride
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
+from service.protocol.header_cache import HeaderCache
 from service.protocol.types import InferRequest
 from service.repository import unknown_model
-from service.protocol.header_cache import HeaderCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats, Statistics
 
