@@ -14,10 +14,12 @@ Every score is checked against the program run here on the same rows.
 
     python -m benchmarks.bench_mlp            # writes benchmarks/results/mlp.md
     python -m benchmarks.bench_mlp --smoke    # short runs, prints only
+    python -m benchmarks.bench_mlp --workers-per-gpu 1,2,4   # a GPU host: workers per GPU
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
@@ -85,8 +87,26 @@ def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.
     return seconds, np.frombuffer(b"".join(scores), np.float32)
 
 
+def gpu_sweep(root: Path, per_gpu: list[int]) -> list[tuple[str, list[str]]]:
+    """bitserve on CUDA with ``k`` workers per GPU for each ``k`` (a GPU host's rule)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if not gpus:
+        raise SystemExit("--workers-per-gpu needs a CUDA device")
+    return [
+        (f"bitserve --workers {k * gpus} ({k} per GPU)",
+         perf.bitserve(root, "--workers", str(k * gpus), "--device", "cuda"))
+        for k in per_gpu
+    ]  # fmt: skip
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workers-per-gpu", default=None, help="e.g. 1,2,4: a GPU host's sweep")
+    known, rest = pre.parse_known_args()
+    args = parse_args(__doc__.splitlines()[0], rest)
+    sweep = [int(k) for k in known.workers_per_gpu.split(",")] if known.workers_per_gpu else []
     rounds, rows = (1, 20 * mlp.BATCH) if args.smoke else (3, 1000 * mlp.BATCH)
     rng = np.random.default_rng(0)
     bits = rng.random((rows, mlp.BITS)) < 0.5
@@ -99,6 +119,8 @@ def main() -> None:
             (WORKERS_1, perf.bitserve(Path(tmp), "--workers", "1")),
             (FASTAPI, [*perf.module("benchmarks.overhead.fastapi_mlp"), "--program", str(program)]),
         ]
+        if sweep:
+            servers = [servers[0], *gpu_sweep(Path(tmp), sweep)]
         with perf.start(servers) as running:
             warm = bits[: 4 * mlp.BATCH]
             for r in running:  # warm-up: every worker's connections and allocator pools
@@ -118,14 +140,21 @@ def main() -> None:
         ["server", "rows/s (median)", "rounds"],
         [[label, med(label), ", ".join(f"{x:,.0f}" for x in results[label])] for label in results],
     )
-    targets = markdown_table(
-        ["measure", "value", "target"],
-        [
-            [f"{DEFAULTS} / {FASTAPI}", med(DEFAULTS) / med(FASTAPI), ">= 1.5"],
-            [f"{WORKERS_1} / {FASTAPI}", med(WORKERS_1) / med(FASTAPI), "reported"],
-            [f"{DEFAULTS} / {WORKERS_1}", med(DEFAULTS) / med(WORKERS_1), ">= 0.95"],
-        ],
-    )
+    if sweep:
+        targets = markdown_table(
+            ["measure", "value", "target"],
+            [[f"{label} / {DEFAULTS}", med(label) / med(DEFAULTS), "reported"]
+             for label in results if label != DEFAULTS],
+        )  # fmt: skip
+    else:
+        targets = markdown_table(
+            ["measure", "value", "target"],
+            [
+                [f"{DEFAULTS} / {FASTAPI}", med(DEFAULTS) / med(FASTAPI), ">= 1.5"],
+                [f"{WORKERS_1} / {FASTAPI}", med(WORKERS_1) / med(FASTAPI), "reported"],
+                [f"{DEFAULTS} / {WORKERS_1}", med(DEFAULTS) / med(WORKERS_1), ">= 0.95"],
+            ],
+        )
     body = f"""
 A 2048-bit fingerprint MLP (2048 -> 256 -> 1, `torch.export`), {rows:,} random fingerprints,
 {mlp.BATCH} rows a request, {CONCURRENCY} requests in flight; {rounds} interleaved round(s),
@@ -139,7 +168,7 @@ benchmark.
 {targets}
 """
     report(
-        "mlp",
+        "mlp_gpu" if sweep else "mlp",
         "A light model at high rates: the fingerprint MLP through infer_many",
         body,
         smoke=args.smoke,

@@ -161,7 +161,11 @@ def main() -> None:
             (WORKERS_1, FLOOR, "reported"),
         ):
             targets.append([f"c={c}: {label} / {base}", ratio(label, base, c), target])
-    targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), ">= 1.3"])
+    for c in CONCURRENCY:
+        targets.append(
+            [f"c={c}: defaults (auto) / --workers 1", ratio(DEFAULTS, WORKERS_1, c), ">= 0.95"]
+        )
+    targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), "reported"])
     if before is not None:
         for c in CONCURRENCY:
             was = ratio(before_label, FASTAPI, c)
