@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import struct
 import subprocess
@@ -86,6 +87,59 @@ def before_server(checkout: Path, repository: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def histogram_quantile(before: str, after: str, name: str, q: float) -> float:
+    """The ``q`` quantile of a Prometheus histogram's observations between two scrapes,
+    interpolated linearly within its bucket (as PromQL's ``histogram_quantile``)."""
+    from benchmarks.e2e.probes import metric
+
+    pattern = re.compile(rf'^{name}_bucket{{.*le="([^"]+)"')
+    bounds = sorted(
+        {float(m.group(1)) for line in after.splitlines() if (m := pattern.match(line))}
+    )
+    counts = [
+        metric(after, f"{name}_bucket", 0.0, le=_le(b))
+        - metric(before, f"{name}_bucket", 0.0, le=_le(b))
+        for b in bounds
+    ]
+    total = counts[-1] if counts else 0.0
+    if not total:
+        return float("nan")
+    rank, lower, seen = q * total, 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - seen) / max(cumulative - seen, 1e-12)
+        lower, seen = bound, cumulative
+    return lower
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def demo_tail(server: Running, concurrency: int, seconds: float) -> list[list[object]]:
+    """The demo at ``concurrency`` from perf_analyzer's run above and from the Python load
+    generator now, with the server's own quantiles over the Python run (the tail's witness)."""
+    import asyncio
+
+    from benchmarks.e2e.loadgen import run_level
+    from benchmarks.e2e.workload import Pool
+
+    url = f"{server.url}/v2/models/demo/infer"
+    before = httpx.get(server.url + "/metrics", timeout=30).text
+    level = asyncio.run(run_level(url, "packed", Pool.make(4), concurrency, seconds=seconds))
+    after = httpx.get(server.url + "/metrics", timeout=30).text
+    if level.errors:
+        raise RuntimeError(f"the Python load generator saw errors: {level.first_problem}")
+    name = "bitserve_request_latency_seconds"
+    own = [histogram_quantile(before, after, name, q) * 1e3 for q in (0.5, 0.99)]
+    return [
+        ["Python (httpx, e2e load generator)", level.rps, level.p50_ms, level.p99_ms,
+         level.p99_ms / level.p50_ms, *own],
+    ]  # fmt: skip
+
+
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--before", type=Path, default=None)
@@ -129,11 +183,13 @@ def main() -> None:
         if before is not None:
             demo_servers.insert(0, (before_label, before_server(before, demo_repo)))
         demo: dict[tuple[str, int], Load] = {}
+        tail: list[list[object]] = []
         with perf.start(demo_servers) as running:
             for r in running:
                 for c in CONCURRENCY:
                     demo[(r.label, c)] = perf.measure(command, r, "demo", c, smoke=args.smoke)
                     print(f"demo {r.label} c={c}: {demo[(r.label, c)].rps:.1f} req/s", flush=True)
+            tail = demo_tail(running[-1], 32, seconds=2.0 if args.smoke else 12.0)
 
     def med(label: str, c: int, field: str) -> float:
         return statistics.median(getattr(x, field) for x in loads[(label, c)])
@@ -183,6 +239,11 @@ def main() -> None:
     demo_table = markdown_table(
         ["server", "concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], demo_rows
     )
+    tail_table = markdown_table(
+        ["load generator (c=32, bitserve defaults)", "req/s", "p50 ms", "p99 ms", "p99 / p50",
+         "server's own p50 ms", "server's own p99 ms"],
+        tail,
+    )  # fmt: skip
     body = f"""
 Tiny model (one packed byte in, one float out: the serving layer is the whole cost), V2 binary
 requests from perf_analyzer (`--measurement-interval 4000 --stability-percentage 50`) over
@@ -197,6 +258,15 @@ to 16, perf_analyzer random data; its operator runs on torch's threads, so this 
 two cores, not by serving):
 
 {demo_table}
+
+The demo's tail at concurrency 32, the same server driven by each load generator in turn:
+perf_analyzer (C++), then the Python load generator of the e2e benchmark (httpx, asyncio, every
+answer checked against a float64 reference, on the same two cores). "server's own" is the
+server's latency histogram (`bitserve_request_latency_seconds`: from a request's arrival to its
+answer) over the Python run, read from `/metrics` before and after it and interpolated within
+its buckets.
+
+{tail_table}
 
 {markdown_table(["measure", "value", "target"], targets)}
 """
