@@ -45,7 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import sys
+import termios
 import urllib.parse
 from collections import OrderedDict, deque
 from typing import Any
@@ -427,8 +430,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def _idle_timed_out(self) -> None:
         self._idle_timer = None
-        if self.active is None and not self._head_begun:
-            self._close()
+        if self.active is not None or self._head_begun:
+            return
+        if _unread_bytes(self.transport):
+            # A request arrived as the timer fired (the loop runs due timers before it reads
+            # the sockets): closing now would reset it. Its bytes are read next.
+            self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
+            return
+        self._close()
 
     def _count_head(self, nbytes: int) -> None:
         self._head_bytes += nbytes
@@ -442,6 +451,18 @@ class HttpProtocol(asyncio.Protocol):
         if not self._reading_paused and not self.transport.is_closing():
             self._reading_paused = True
             self.transport.pause_reading()
+
+
+def _unread_bytes(transport: asyncio.Transport) -> int:
+    """Bytes in the socket's receive queue that the loop has not read yet (0 if unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        out = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int.from_bytes(out, sys.byteorder, signed=True)
 
 
 def _address(value: object) -> tuple[str, int] | None:

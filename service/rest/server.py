@@ -58,6 +58,9 @@ def uvicorn_config(
         log_level=settings.log_level,
         access_log=False,  # our middleware writes access lines with the request id
         server_header=False,
+        # No layer reads the client's address (X-Forwarded-For would only rewrite it): the
+        # proxy-headers middleware would be one more coroutine on every request.
+        proxy_headers=False,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         **extra,

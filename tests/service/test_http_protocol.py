@@ -334,3 +334,39 @@ async def test_a_body_arriving_in_pieces_is_handed_over_whole() -> None:
     await settle()
     (response,) = transport.writes
     assert json.loads(response.partition(b"\r\n\r\n")[2])["n"] == 300000
+
+
+async def test_the_idle_timeout_does_not_reset_a_request_waiting_to_be_read() -> None:
+    """The loop runs a due timer before it reads the sockets: a request that arrived as the
+    keep-alive timer fired sits unread then. Closing would reset it (RST: the client reads
+    ``ECONNRESET``); it is answered instead."""
+    import socket
+
+    cls = protocol_class(head_timeout_s=10.0, max_header_bytes=1024, max_connections=0)
+    config = Config(app, http=cls, lifespan="off", log_level="warning", timeout_keep_alive=60)
+    config.load()
+    loop = asyncio.get_running_loop()
+    server_sock, client = socket.socketpair()
+    client.setblocking(False)
+    transport, protocol = await loop.connect_accepted_socket(
+        lambda: cls(config=config, server_state=ServerState(), app_state={}), server_sock
+    )
+    try:
+        get = b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n"
+        await loop.sock_sendall(client, get)
+        first = await loop.sock_recv(client, 65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        transport.pause_reading()  # the loop is busy elsewhere: nothing is read for now
+        await loop.sock_sendall(client, get)
+        await asyncio.sleep(0.05)
+        protocol._idle_timed_out()  # the keep-alive timer fires now
+        assert not transport.is_closing()
+        transport.resume_reading()
+        second = await asyncio.wait_for(loop.sock_recv(client, 65536), 5)
+        assert second.startswith(b"HTTP/1.1 200 ")
+        protocol._idle_timed_out()  # truly idle now: closed, without an answer
+        assert transport.is_closing()
+        assert await asyncio.wait_for(loop.sock_recv(client, 65536), 5) == b""
+    finally:
+        transport.close()
+        client.close()
