@@ -87,6 +87,11 @@ def before_server(checkout: Path, repository: Path) -> list[str]:
     ]  # fmt: skip
 
 
+PROFILE = (Path(__file__).parent / "overhead" / "profile.md").read_text().strip()
+"""Where a request's time went: the profile that chose this round's changes (written by hand
+from py-spy and cProfile runs; the tables below are measured on every run)."""
+
+
 def histogram_quantile(before: str, after: str, name: str, q: float) -> float:
     """The ``q`` quantile of a Prometheus histogram's observations between two scrapes,
     interpolated linearly within its bucket (as PromQL's ``histogram_quantile``)."""
@@ -244,7 +249,13 @@ def main() -> None:
          "server's own p50 ms", "server's own p99 ms"],
         tail,
     )  # fmt: skip
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     body = f"""
+Load average when the tables were written: {load} (other work shares the machine; the rows
+of a table are interleaved rounds, so it weighs on every server alike).
+
+{PROFILE}
+
 Tiny model (one packed byte in, one float out: the serving layer is the whole cost), V2 binary
 requests from perf_analyzer (`--measurement-interval 4000 --stability-percentage 50`) over
 loopback; {rounds} interleaved round(s), medians. The load generator shares the machine's

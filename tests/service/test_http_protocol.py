@@ -79,6 +79,7 @@ def connect(
     config = Config(
         asgi or app,
         http=cls,
+        ws="none",  # as bitserve serves (older uvicorns import websockets' legacy API)
         lifespan="off",
         log_level="warning",
         timeout_keep_alive=limits.get("keep_alive_s", 5),
@@ -343,7 +344,9 @@ async def test_the_idle_timeout_does_not_reset_a_request_waiting_to_be_read() ->
     import socket
 
     cls = protocol_class(head_timeout_s=10.0, max_header_bytes=1024, max_connections=0)
-    config = Config(app, http=cls, lifespan="off", log_level="warning", timeout_keep_alive=60)
+    config = Config(
+        app, http=cls, ws="none", lifespan="off", log_level="warning", timeout_keep_alive=60
+    )
     config.load()
     loop = asyncio.get_running_loop()
     server_sock, client = socket.socketpair()
