@@ -125,8 +125,9 @@ def main() -> None:
             warm = bits[: 4 * mlp.BATCH]
             for r in running:  # warm-up: every worker's connections and allocator pools
                 (run_fastapi if r.label == FASTAPI else run_bitserve)(r, warm)
-            for _ in range(rounds):
-                for r in running:
+            for k in range(rounds):
+                for r in running[k % len(running) :] + running[: k % len(running)]:
+                    # Each round starts with the next server: no one is always first.
                     run = run_fastapi if r.label == FASTAPI else run_bitserve
                     seconds, got = run(r, bits)
                     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

@@ -148,6 +148,7 @@ def demo_tail(server: Running, concurrency: int, seconds: float) -> list[list[ob
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--before", type=Path, default=None)
+    pre.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
     command = perf.perf_analyzer()
@@ -155,7 +156,7 @@ def main() -> None:
         if not args.smoke:
             raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
         print("perf_analyzer not found: a small Python load stands in for this smoke run")
-    rounds = 1 if args.smoke else 3
+    rounds = 1 if args.smoke else known.rounds
     before = known.before.resolve() if known.before is not None else None
     before_label = f"{BEFORE} ({_revision(before)})" if before is not None else ""
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -174,9 +175,10 @@ def main() -> None:
         with perf.start(servers) as running:
             for r in running:
                 check_answer(r)
-            for _ in range(rounds):
+            for k in range(rounds):
                 for c in CONCURRENCY:
-                    for r in running:
+                    # Each round starts with the next server: no one is always first.
+                    for r in running[k % len(running) :] + running[: k % len(running)]:
                         load = perf.measure(command, r, tiny.NAME, c, smoke=args.smoke)
                         loads.setdefault((r.label, c), []).append(load)
                         print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
@@ -250,9 +252,12 @@ def main() -> None:
         tail,
     )  # fmt: skip
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    unstable = sum(not x.stable for runs in loads.values() for x in runs)
+    unstable += sum(not d.stable for d in demo.values())
     body = f"""
 Load average when the tables were written: {load} (other work shares the machine; the rows
-of a table are interleaved rounds, so it weighs on every server alike).
+of a table are interleaved rounds, so it weighs on every server alike). perf_analyzer found
+no stable window (50%) in {unstable} of its runs, which then took the last of three windows.
 
 {PROFILE}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from service.protocol.request import InputChecker, SharedMemoryRegions, decode_infer_request
 from service.protocol.tensors import from_binary
@@ -28,57 +29,75 @@ from service.protocol.types import BYTES, InferRequest, RequestInput, RequestOut
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """What a header decoded to, less its inputs' data. Its parameter dicts are shared by
-    every request decoded from the same header (the data plane only reads them)."""
+class _Input:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    parameters: dict[str, Any]
+    start: int
+    """Where its bytes start in the data part."""
+    nbytes: int
 
-    request: InferRequest
-    """The first request decoded from it (its inputs' data are not reused)."""
-    offsets: tuple[int, ...]
-    """Where each input's bytes start in the data part."""
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a header decoded to, less its inputs' data (a plan holds no request's bytes). Its
+    parameter dicts are shared by every request decoded from the same header (the data plane
+    only reads them)."""
+
+    inputs: tuple[_Input, ...]
+    id: str | None
+    outputs: list[RequestOutput] | None
+    parameters: dict[str, Any]
+    binary_data_output: bool
+    timeout_us: int | None
     data_bytes: int
 
     def build(self, data: memoryview) -> InferRequest:
-        first = self.request
         inputs = [
             RequestInput(
-                inp.name,
-                inp.datatype,
-                inp.shape,
+                i.name,
+                i.datatype,
+                i.shape,
                 from_binary(
-                    data[start : start + inp.data.nbytes],
-                    inp.datatype,
-                    inp.shape,
-                    f"input {inp.name!r}",
+                    data[i.start : i.start + i.nbytes], i.datatype, i.shape, f"input {i.name!r}"
                 ),
-                inp.parameters,
+                i.parameters,
             )
-            for inp, start in zip(first.inputs, self.offsets, strict=True)
+            for i in self.inputs
         ]
         return InferRequest(
-            id=first.id,
+            id=self.id,
             inputs=inputs,
-            outputs=first.outputs,
-            parameters=first.parameters,
-            binary_data_output=first.binary_data_output,
-            timeout_us=first.timeout_us,
+            outputs=self.outputs,
+            parameters=self.parameters,
+            binary_data_output=self.binary_data_output,
+            timeout_us=self.timeout_us,
         )
 
 
 def _plan(request: InferRequest, data_bytes: int) -> _Plan | None:
     """A plan for the header ``request`` came from, or None when it cannot be reused."""
-    offsets = []
+    inputs = []
     offset = 0
     for inp in request.inputs:
         size = inp.parameters.get("binary_data_size")
         if inp.datatype == BYTES or size is None or "shared_memory_region" in inp.parameters:
             return None
-        offsets.append(offset)
+        inputs.append(_Input(inp.name, inp.datatype, inp.shape, inp.parameters, offset, size))
         offset += size
     outputs: list[RequestOutput] = request.outputs or []
     if any(o.shared_memory is not None for o in outputs) or offset != data_bytes:
         return None
-    return _Plan(request, tuple(offsets), data_bytes)
+    return _Plan(
+        tuple(inputs),
+        request.id,
+        request.outputs,
+        request.parameters,
+        request.binary_data_output,
+        request.timeout_us,
+        data_bytes,
+    )
 
 
 class HeaderCache:

@@ -143,3 +143,22 @@ def test_the_cache_is_bounded() -> None:
     for _ in range(3):
         long.decode(body, n, SIG, None)
     assert not long._plans
+
+
+def test_a_kept_header_holds_no_requests_bytes() -> None:
+    import gc
+    import weakref
+
+    class Body(bytearray):
+        """A body that can be watched for its release."""
+
+    rng = np.random.default_rng(3)
+    cache = HeaderCache()
+    raw, n = request(rng, batch=2)
+    body = Body(raw)
+    watch = weakref.ref(body)
+    decoded = cache.decode(body, n, SIG, None)
+    assert cache._plans  # kept
+    del body, decoded
+    gc.collect()
+    assert watch() is None  # the cache keeps what the header said, not the request's data
