@@ -224,6 +224,9 @@ class OperatorConfig(_Strict):
     border_correction)."""
     scale: float = Field(default=1.0, allow_inf_nan=False)
     """A constant factor on the output."""
+    on_the_fly: bool = False
+    """Evaluate a named response inside the kernels instead of storing the band: O(N A)
+    memory whatever the width (wide kernels), at some compute per call."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -239,6 +242,8 @@ class OperatorConfig(_Strict):
             raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
+            if self.on_the_fly:
+                raise ValueError("on_the_fly needs a named response (a table is stored)")
             if self.center != "median":
                 raise ValueError("center applies to named responses; a table is used as given")
         else:
