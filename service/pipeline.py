@@ -34,6 +34,7 @@ import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
 from gpu_ops import BandedResampler, OnTheFlyResampler
 from service import devices
 from service.backends import ModelFile
+from service.config import COMPUTE_DTYPES as COMPUTE_DTYPE_NAMES
 from service.config import (
     ConfigError,
     InputConfig,
@@ -47,9 +48,9 @@ from service.statistics import ModelStats
 from service.text import safe_text
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
+    name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES
 }
-"""The operator's compute dtypes by their config names (``[operator] dtype``)."""
+"""The operator's compute dtypes by their config names (``service.config.COMPUTE_DTYPES``)."""
 
 
 def torch_dtype(datatype: str) -> torch.dtype:
