@@ -14,10 +14,10 @@ from safetensors.numpy import save_file
 
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
+from service.builder import build_version, check_repository
 from service.config import ConfigError, clean_reason, model_versions, parse_config
 from service.errors import InvalidInput
 from service.model_check import handed_dtypes
-from service.model_files import build_version, check_repository
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
 from service.signature import Signature
