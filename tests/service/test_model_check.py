@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from harness.model_formats import fingerprint_mlp, write_model
+from harness.repo_utils import model_toml, tensor
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
 from service.builder import build_version, check_repository
@@ -21,8 +23,6 @@ from service.model_check import handed_dtypes
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
 from service.signature import Signature
-from tests.model_formats import fingerprint_mlp, write_model
-from tests.repo_utils import model_toml, tensor
 
 BITS = 64
 
