@@ -1,9 +1,10 @@
-"""The outermost ASGI layer: request ids, header limits, paths, access log, the last-resort 500,
-and the dispatch of inference to the fast path (``service.rest.fastpath``) ahead of FastAPI.
+"""The outermost ASGI layer: request ids, the header count, paths, access log, the last-resort
+500, and the dispatch of inference to the fast path (``service.rest.fastpath``) ahead of
+FastAPI.
 
-Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
-cannot be trusted with them: no parser bounds the number of headers, and h11 bounds only an
-*incomplete* request head.
+The number of headers is bounded here, on the parsed ``scope["headers"]`` (no HTTP parser
+bounds it); their bytes are bounded by the HTTP protocol as they arrive
+(``service.rest.http_protocol``: the head must not be held whole first).
 
 Paths are answered without redirects: a trailing slash is dropped (``/v2/`` is ``/v2``), so
 no ``Location`` is ever built from the request's ``Host`` header. Paths are logged escaped and
@@ -71,8 +72,6 @@ class Gateway:
         infer: the inference route.
         access_log: log one line per request (method, path, status, milliseconds, id).
         max_headers: requests with more header lines are answered 431.
-        max_header_bytes: requests whose headers (``name: value\\r\\n`` each) add up to more
-            bytes are answered 431.
         limit_concurrency: requests handled at once above which new ones are answered 503
             with ``Retry-After``; None: no limit.
     """
@@ -84,7 +83,6 @@ class Gateway:
         *,
         access_log: bool = True,
         max_headers: int = 100,
-        max_header_bytes: int = 64 << 10,
         limit_concurrency: int | None = None,
     ) -> None:
         self.fallback = fallback
@@ -94,26 +92,20 @@ class Gateway:
         self.infer = infer
         self.access_log = access_log
         self.max_headers = max_headers
-        self.max_header_bytes = max_header_bytes
         self.request_ids = RequestIds()
 
     def _inspect(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, bool]:
         """The sent ``X-Request-ID``, why the headers are refused (None when they are not),
         and whether the client expects ``100 Continue``."""
         sent = None
-        size = 0
         expects = False
         for k, v in headers:
-            size += len(k) + len(v) + 4  # as sent: "k: v\r\n"
             if k == b"x-request-id":
                 sent = v
             elif k == b"expect":
                 expects = v.lower() == b"100-continue"
         if len(headers) > self.max_headers:
             problem = f"too many request headers: {len(headers)} (limit {self.max_headers})"
-            return sent, problem, expects
-        if size > self.max_header_bytes:
-            problem = f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
             return sent, problem, expects
         return sent, None, expects
 

@@ -483,7 +483,7 @@ def test_functional_form_names_a_non_tensor_input() -> None:
 def test_from_dense_peak_memory_stays_near_the_size_of_the_dense_operator() -> None:
     """The issue's target: peak memory <= 1.2x T. In a fresh process, VmHWM (reset just before
     from_dense) against VmRSS then, for a 244 MiB T (the old code: 2.25x T above T)."""
-    from benchmarks.bench_resample import from_dense_peak
+    from harness.memory import from_dense_peak
 
     assert from_dense_peak(4, 400, 40000, 100 / 40000) <= 0.2
 

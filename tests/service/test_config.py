@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from service.builder import check_repository as _check_repository
 from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
@@ -18,8 +20,6 @@ from service.config import (
     valid_model_name,
 )
 from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
-from service.model_files import check_repository as _check_repository
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 
 def check_repository(root: Path) -> list[str]:

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 from service.backends import ModuleModel
 from service.config import ConfigError, ModelConfig, parse_config
-from service.model_files import load_version
-from service.pipeline import Artifacts, Pipeline
+from service.model_files import Artifacts, load_version
+from service.pipeline import Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
-from tests.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
 from service import dataplane
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, ServiceError
 from service.handle import ModelHandle
 from service.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse, RequestInput, RequestOutput
 from service.repository import ModelRepository
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B, A = 2, 21, 4
 
