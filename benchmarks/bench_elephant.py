@@ -49,8 +49,9 @@ window; `prefix`: prefix sums, for the piecewise polynomial kernels). Elephant a
 sampling period is the same computation as ours (spikes at their fine points), so "matching
 accuracy" compares with it. Kernels cut at {CUTOFF:g} sigma (Elephant's default `cutoff`),
 centred on their median (Elephant's `center_kernel=True`). One thread each
-(`torch.set_num_threads(1)`; scipy's FFT is single-threaded); medians of repeated calls,
-wall time."""
+(`torch.set_num_threads(1)`; scipy's FFT is single-threaded); medians of repeated calls in
+CPU time of the process (one thread: what each side costs, whatever else the shared machine
+runs)."""
 
 
 @dataclass
@@ -138,12 +139,14 @@ def parity(w: Workload, sigmas: Sequence[float]) -> str:
 
 
 def _median(fn: Callable[[], object], repeat: int) -> float:
+    """Median CPU time of this process over ``repeat`` calls (after one untimed call): both
+    sides run on one thread, so CPU time is their cost, whatever else the machine runs."""
     fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times)
 
 
