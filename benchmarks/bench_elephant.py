@@ -47,8 +47,10 @@ rates at the 10 ms coarse points only, by the path its cost model picks per inpu
 each spike adds its kernel to the coarse points in reach; `band`: every fine point of every
 window; `prefix`: prefix sums, for the piecewise polynomial kernels). Elephant at a 0.1 ms
 sampling period is the same computation as ours (spikes at their fine points), so "matching
-accuracy" compares with it. Kernels cut at {CUTOFF:g} sigma (Elephant's default `cutoff`),
-centred on their median (Elephant's `center_kernel=True`). One thread each
+accuracy" compares with it. Kernels cut at {CUTOFF:g} sigma (Elephant's default `cutoff`;
+ours half a fine step further, so that a spike exactly {CUTOFF:g} sigma away counts on both
+sides as it does in Elephant's kernel array), centred on their median (Elephant's
+`center_kernel=True`). One thread each
 (`torch.set_num_threads(1)`; scipy's FFT is single-threaded); medians of repeated calls in
 CPU time of the process (one thread: what each side costs, whatever else the shared machine
 runs)."""
@@ -102,7 +104,10 @@ def operator(w: Workload, name: str, sigma: float) -> OnTheFlyResampler:
     A = round(w.duration / STEP)
     x = torch.arange(B, dtype=torch.float64) / FS
     c = (torch.arange(A, dtype=torch.float64) * STEP).expand(N, A).contiguous()
-    support = None if name in COMPACT else CUTOFF
+    # Elephant's kernel array includes its ends, +-cutoff sigma exactly: a spike exactly that
+    # far from a coarse point counts. Our cut is a window search on float offsets, where
+    # such a tie may fall either way; half a fine step more makes it count here too.
+    support = None if name in COMPACT else CUTOFF + 0.5 / (FS * sigma)
     center = "none" if name in UNCENTRED else "median"
     return OnTheFlyResampler(x, c, name, support, sigma=sigma, normalize=True, center=center)
 
@@ -197,7 +202,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "off by about 0.5 s; ours centre on the true median, 1.678 tau.\n\n"
         f"{parity_table}\n\n### Speed (Gaussian kernel)\n\n{speed_table}\n\n"
         f"Speed targets (>= 5x Elephant at 10 ms and >= 20x at 0.1 ms, every row): "
-        f"{'met' if met else 'NOT met'}."
+        f"{'met' if met else 'NOT met'}. The exact sum costs events x coarse points per "
+        "window: the demo's 10% (100,000 ones in the 20 rows) has 36 times the spike trains' "
+        "events, and at sigma = 200 ms each reaches 200 coarse points (20 M kernel values per "
+        "call); Elephant at 10 ms bins the spikes to 10 ms first (inexact), at 0.1 ms it pays "
+        "a fine-grid FFT whatever the density."
     )
     report("elephant", "forward_bits against Elephant's instantaneous_rate", body,
            smoke=args.smoke, devices=["cpu"])  # fmt: skip
