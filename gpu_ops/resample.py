@@ -14,6 +14,9 @@ Two modules compute it:
 - :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
   weights inside the kernels; gradients also flow to c and the parameter.
 
+Both also take bit-packed inputs, ``forward_bits(packed)`` (:mod:`gpu_ops._bits_resample`):
+the band, an event scatter or prefix sums, whichever costs least for each input's density.
+
 Both call torch operators (``torch.ops.bitserve.*``, :mod:`gpu_ops._resample_ops`): Triton
 kernels on CUDA, compiled C on the CPU, chunked torch elsewhere, each compared in the tests
 with the plain references of :mod:`gpu_ops._reference`. Being torch operators, they run
