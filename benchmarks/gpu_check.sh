@@ -46,3 +46,10 @@ for b in bench_bits bench_resample bench_loader; do
   name="${b#bench_}"
   [ -f "benchmarks/results/$name.md" ] && cp "benchmarks/results/$name.md" "$OUT/${name}_gpu.md"
 done
+
+# 3. Workers per GPU for `--workers auto` (README "Workers"): the fingerprint MLP through
+#    infer_many with 1, 2 and 4 workers per GPU, where the server's packages are.
+if "$PY" -c "import fastapi, uvicorn, httptools, prometheus_client, safetensors, bitserve_client" 2>/dev/null; then
+  timeout 420 "$PY" -m benchmarks.bench_mlp --workers-per-gpu 1,2,4 2>&1 | tail -20 | tee "$OUT/mlp_gpu.txt"
+  [ -f benchmarks/results/mlp_gpu.md ] && cp benchmarks/results/mlp_gpu.md "$OUT/mlp_gpu.md"
+fi
