@@ -88,3 +88,44 @@ def reference_scores(packed: np.ndarray, seed: int = 0) -> np.ndarray:
     bits = np.unpackbits(packed, axis=-1, count=BITS).astype(np.float64)
     with torch.no_grad():
         return np.asarray(module(torch.from_numpy(bits)).numpy())
+
+
+def write_slow_fingerprint_model(root: Path, rounds: int, name: str = "slow_fingerprint") -> Path:
+    """A fingerprint model that takes its time: ``score = fp @ w`` (``w = (i mod 7) / 7`` over
+    the 2048 bits), after ``rounds`` 300x300 matrix products a batch (TorchScript); its config
+    takes batches of 25 rows. Returns ``root``."""
+    import torch
+
+    from tests.repo_utils import torchscript
+
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rounds = rounds
+            self.w = torch.nn.Parameter((torch.arange(BITS) % 7 / 7.0).reshape(BITS, 1))
+
+        def forward(self, fp: torch.Tensor) -> torch.Tensor:
+            y = torch.ones(300, 300)
+            for _ in range(self.rounds):
+                y = torch.tanh(y @ y / 300.0)
+            return fp @ self.w + 0.0 * y.sum()
+
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    torchscript(Slow().eval()).save(str(folder / "model.pt"))
+    (folder / "config.toml").write_text(
+        model_toml(
+            max_batch_size=25,
+            # TorchScript states no dtypes: the bits are handed over as float32
+            inputs=[tensor("fp", "BOOL", [BITS], packing="bits", dtype="float32")],
+            model={"file": "model.pt"},
+            outputs=[tensor("score", "FP32", [1])],
+        )
+    )
+    return root
+
+
+def slow_reference(packed: np.ndarray) -> np.ndarray:
+    """What :func:`write_slow_fingerprint_model`'s model answers, in float64: ``(rows, 1)``."""
+    bits = np.unpackbits(packed, axis=-1, count=BITS).astype(np.float64)
+    return bits @ (np.arange(BITS) % 7 / 7.0).reshape(BITS, 1)

@@ -2,9 +2,9 @@
 
     bitserve score --model-repository R --model M INPUT OUTPUT/ [--address ADDR] [...]
 
-Without ``--address`` it starts Ray embedded in the process (``ray.init()``: this machine's
-CPUs and GPUs; ``RAY_ADDRESS``, if set, is obeyed as by every Ray program); with it, it joins
-that cluster. Ray Data's own progress bars show the reads, the scoring and the writes. Run
+Without ``--address`` it starts a Ray of its own, embedded in the process (this machine's CPUs
+and GPUs), even where a local cluster runs; with it (``auto``: the local cluster), it joins that
+cluster. Ray Data's own progress bars show the reads, the scoring and the writes. Run
 it again with the same arguments to resume: rows already in OUTPUT are skipped.
 
 This module imports Ray only when the command runs (``bitserve --help`` stays fast).
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from service.ray.job import IncompleteOutput, score_files
     from service.ray.scorer import ScoringError
 
-    if args.address is None:
-        ray.init(include_dashboard=False)
+    if args.address is None:  # a new Ray of its own, even where a local cluster runs
+        ray.init(address="local", include_dashboard=False)
     else:
         ray.init(address=args.address)
     try:
