@@ -43,3 +43,9 @@ for b in bench_bits bench_resample bench_loader; do
   name="${b#bench_}"
   [ -f "benchmarks/results/$name.md" ] && cp "benchmarks/results/$name.md" "$OUT/${name}_gpu.md"
 done
+
+# 3. The Ray scorer's per-row cost on the GPU (no Ray needed: the model and pipeline alone),
+#    for the scale-out model in benchmarks/results/ray.md.
+if "$PY" -c "import pydantic_settings, safetensors" 2>/dev/null; then
+  timeout 180 "$PY" -m benchmarks.bench_ray --scorer-only --device cuda 2>&1 | tee "$OUT/ray_scorer_gpu.txt"
+fi
