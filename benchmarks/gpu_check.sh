@@ -53,3 +53,9 @@ if "$PY" -c "import fastapi, uvicorn, httptools, prometheus_client, safetensors,
   timeout 420 "$PY" -m benchmarks.bench_mlp --workers-per-gpu 1,2,4 2>&1 | tail -20 | tee "$OUT/mlp_gpu.txt"
   [ -f benchmarks/results/mlp_gpu.md ] && cp benchmarks/results/mlp_gpu.md "$OUT/mlp_gpu.md"
 fi
+
+# 4. The Ray scorer's per-row cost on the GPU (no Ray needed: the model and pipeline alone),
+#    for the scale-out model in benchmarks/results/ray.md.
+if "$PY" -c "import pydantic_settings, safetensors" 2>/dev/null; then
+  timeout 180 "$PY" -m benchmarks.bench_ray --scorer-only --device cuda 2>&1 | tee "$OUT/ray_scorer_gpu.txt"
+fi
