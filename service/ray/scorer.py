@@ -210,8 +210,8 @@ class BatchScorer:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         torch_threads: int | None = None,
     ) -> None:
-        from service.devices import set_torch_threads
         from service.builder import build_version
+        from service.devices import set_torch_threads
 
         threads = torch_threads if torch_threads is not None else ray_cpus()
         if threads is not None:
