@@ -19,7 +19,8 @@ class OnTheFlyResampler(_resampler_base.Resampler):
     """``out[..., n, a] = sum_b r(c[n, a] - x[b]) * f[..., n, b]`` with no stored weights.
 
     Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` and the response's parameter as
-    ``nn.Parameter``s (named after it: ``.sigma``, ``.gamma`` or ``.half_width``); the
+    ``nn.Parameter``s (named after it: ``.sigma``, ``.gamma``, ``.half_width`` or ``.tau``,
+    whichever is the response's own, also when built from ``sigma=``); the
     kernels evaluate the weights of each window as they use it, in the forward and in the
     backward, so memory is O(N A) whatever the band width. Gradients flow to f, to ``c``
     and to the parameter (analytic derivatives of the response; the movement of the window
@@ -32,11 +33,15 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         x: (B,) fine grid, sorted, evenly spaced or not.
         c: (N, A) coarse points, any order (the output keeps it).
         response: a name from :data:`gpu_ops.responses.NAMED`.
-        support: the cut in units of the parameter (gaussian default 4, lorentzian 10);
-            None for ``boxcar`` and ``triangle``.
+        support: the cut in units of the parameter given (gaussian default 4 sigma,
+            lorentzian 10 gamma, laplacian, exponential and alpha 5 sigma); None for the
+            compact ``boxcar``, ``triangle`` and ``epanechnikov``.
         dtype: float32 (default) computes in float32; float64 keeps c and the parameter in
             float64 and computes in float64 (for gradcheck).
         device: where the module lives (default: x's device).
+        normalize, center, border, scale, recording: see :class:`gpu_ops.responses.Options`
+            (gradients flow through the normalisation, the centring and the border
+            correction too).
         **params: the response's parameter, e.g. ``sigma=2.0``.
 
     Raises:
@@ -56,13 +61,20 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        normalize: bool = False,
+        center: str = "median",
+        border: str = "none",
+        scale: float = 1.0,
+        recording: tuple[float, float] | None = None,
         **params: float,
     ) -> None:
         super().__init__()
         dev = torch.device(device) if device is not None else torch.as_tensor(x).device
         x64, c64 = responses.check_grid(x, c, dev)
-        self.spec, value = responses.parse_named(response, support, params)
-        self.support = None if support is None else float(support)
+        options = responses.Options(normalize, center, border, scale, recording)
+        self.shape = responses.parse_named(response, support, params, options)
+        self.spec, value = self.shape.spec, self.shape.value
+        self.support = self.shape.support  # the kernels' support (includes a causal shift)
         self.num_fine = x64.numel()
         geometry = torch.float64 if dtype == torch.float64 else torch.float32
         self.register_buffer("x", x64)
@@ -84,23 +96,35 @@ class OnTheFlyResampler(_resampler_base.Resampler):
     def _input_layout(self) -> tuple[int, torch.device]:
         return self.c.shape[0], self.x.device
 
+    def _kernel_c(self) -> torch.Tensor:
+        """The coarse points the kernels see: moved by a causal response's centring shift."""
+        return self.c if self.shape.shift == 0 else self.c + self.shape.shift * self.param
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        """The kernels' output (M, N, A) with the gain and border correction applied."""
+        return out if self.shape.plain else self.shape.apply(out, self.x, self.c, self.param)
+
     def _resample(self, f: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = _resample_ops.on_the_fly_forward(
-            f, self.x, self.c, self.param, self.spec.name, self.support
+            f, self.x, self._kernel_c(), self.param, self.spec.name, self.support
         )
-        return out
+        return self._finish(out)
 
     def _windows(self) -> _resample_torch.Windows:
         """The windows of the current c and parameter (as the kernels find them)."""
-        return _resample_torch.Windows(self.x, self.c, self.spec, self.param.detach(), self.support)
+        c = self._kernel_c().detach()
+        return _resample_torch.Windows(self.x, c, self.spec, self.param.detach(), self.support)
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` built from the current c and parameter."""
         win = self._windows()
         p = {self.spec.param: self.param.detach().to(self.x.dtype)}
+        c = self._kernel_c().detach()
         w = responses.evaluate_band(
-            self.x, self.c.detach(), self.spec.bind(p), win.first, win.last, win.starts, win.W
+            self.x, c, self.spec.bind(p), win.first, win.last, win.starts, win.W
         )
+        with torch.no_grad():
+            w = self._finish(w.movedim(-1, 0)).movedim(0, -1)
         return win.starts.to(torch.int32), w.to(self.c.dtype)
 
     @property
@@ -125,10 +149,17 @@ class OnTheFlyResampler(_resampler_base.Resampler):
 
     def save(self, path: str | Path) -> None:
         """Write x, c and the parameter to a safetensors file (format in the README)."""
+        o = self.shape.options
+        cut = self.shape.cut
         meta = {
             "mode": "on_the_fly",
             "response": self.spec.name,
-            "support": "" if self.support is None else repr(self.support),
+            "support": "" if cut is None else repr(cut),
+            "normalize": str(o.normalize).lower(),
+            "center": o.center,
+            "border": o.border,
+            "scale": repr(o.scale),
+            "recording": "" if o.recording is None else repr([float(v) for v in o.recording]),
         }
         tensors = {"x": self.x, "c": self.c, "param": self.param.reshape(1)}
         _resampler_base.write(path, self.num_fine, meta, tensors)
@@ -147,8 +178,14 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             spec = responses.named(meta["response"])
             support = float(meta["support"]) if meta["support"] else None
             value = float(t["param"][0])
+            rec = meta.get("recording", "")
+            recording = tuple(float(v) for v in rec.strip("[]").split(",")) if rec else None
             return cls(
                 t["x"], t["c"], spec.name, support, dtype=t["c"].dtype, device=device,
+                normalize=meta.get("normalize", "false") == "true",
+                center=meta.get("center", "median"), border=meta.get("border", "none"),
+                scale=float(meta.get("scale", "1.0")),
+                recording=recording,  # type: ignore[arg-type]
                 **{spec.param: value},
             )  # fmt: skip
         except KeyError as exc:

@@ -366,7 +366,8 @@ void bs_backward_w(const float *g, const float *f, const int32_t *starts, float 
  * double (c and x may be large while the response is narrow), then the response is evaluated
  * in float32 into a per-thread buffer: the same numbers the Triton kernels use.
  * Response codes (gpu_ops.responses.NamedResponse.code): 0 gaussian, 1 boxcar, 2 triangle,
- * 3 lorentzian. */
+ * 3 lorentzian, 4 laplacian, 5 exponential, 6 alpha, 7 epanechnikov (all unit peak, at their
+ * own origin: the callers move c for a centred causal response). */
 
 /* exp(x) for x <= 0, relative error ~2e-7: Cephes' expf polynomial after a ln 2 range
  * reduction, without calls or branches so that the loops below vectorise. Arguments below
@@ -413,7 +414,14 @@ INLINE void response(const int code, const double *xs, double c, int64_t len, fl
             const float t = 1.0f - __builtin_fabsf(u);
             r = t > 0.0f ? t : 0.0f;
         }
-        else r = 1.0f / (1.0f + u * u);
+        else if (code == 3) r = 1.0f / (1.0f + u * u);
+        else if (code == 4) r = exp_neg(-__builtin_fabsf(u));
+        else if (code == 5) r = u >= 0.0f ? exp_neg(-u) : 0.0f;
+        else if (code == 6) r = u >= 0.0f ? u * exp_neg(1.0f - u) : 0.0f;
+        else {
+            const float t = 1.0f - u * u;
+            r = t > 0.0f ? t : 0.0f;
+        }
         w[j] = r;
     }
 }
@@ -441,10 +449,30 @@ INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
             const float sgn = (float)(d > 0) - (float)(d < 0);
             a = -on * sgn * ip;
             b = on * ad * ip * ip;
-        } else {
+        } else if (code == 3) {
             const float q = 1.0f / (1.0f + u * u);
             a = -2.0f * u * q * q * ip;
             b = 2.0f * u * u * q * q * ip;
+        } else if (code == 4) {
+            const float au = __builtin_fabsf(u);
+            const float r = exp_neg(-au);
+            const float sgn = (float)(d > 0) - (float)(d < 0);
+            a = -sgn * ip * r;
+            b = au * ip * r;
+        } else if (code == 5) {
+            const float on = (float)(u >= 0.0f);
+            const float r = on * exp_neg(-(u > 0.0f ? u : 0.0f));
+            a = -r * ip;
+            b = u * ip * r;
+        } else if (code == 6) {
+            const float on = (float)(u >= 0.0f);
+            const float e = on * exp_neg(1.0f - (u > 0.0f ? u : 0.0f));
+            a = (1.0f - u) * e * ip;
+            b = -u * (1.0f - u) * e * ip;
+        } else {
+            const float on = (float)(__builtin_fabsf(u) < 1.0f);
+            a = -2.0f * u * ip * on;
+            b = 2.0f * u * u * ip * on;
         }
         dd[j] = a;
         dp[j] = b;
@@ -465,9 +493,15 @@ RESPONSE(0)
 RESPONSE(1)
 RESPONSE(2)
 RESPONSE(3)
-static const response_fn RESPONSES[4] = {response_0, response_1, response_2, response_3};
-static const derivatives_fn DERIVATIVES[4] = {derivatives_0, derivatives_1, derivatives_2,
-                                              derivatives_3};
+RESPONSE(4)
+RESPONSE(5)
+RESPONSE(6)
+RESPONSE(7)
+static const response_fn RESPONSES[8] = {response_0, response_1, response_2, response_3,
+                                         response_4, response_5, response_6, response_7};
+static const derivatives_fn DERIVATIVES[8] = {derivatives_0, derivatives_1, derivatives_2,
+                                              derivatives_3, derivatives_4, derivatives_5,
+                                              derivatives_6, derivatives_7};
 
 static float *thread_buffer(int64_t n) {
     return (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));

@@ -125,14 +125,16 @@ class Windows:
         c: (N, A) coarse points (any float dtype; offsets are formed in float64).
         code: the response's ``NamedResponse.code``.
         param: its parameter's value.
-        half: the window half-width in units of x.
+        lo, hi: the window, ``lo <= c - x <= hi``, in units of x.
     """
 
-    def __init__(self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, half: float):
+    def __init__(
+        self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, lo: float, hi: float
+    ) -> None:
         self.x = x.contiguous()
         self.c = c.detach().to(torch.float64).contiguous()
         # wmax sizes the kernels' per-thread buffers (at least 1).
-        self.first, self.last, self.wmax = responses.windows(self.x, self.c, -half, half)
+        self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
         self.code, self.param = code, param
 
     def args(self) -> tuple[int, int, int, int, int, float, int]:

@@ -198,11 +198,11 @@ def _torch_otf_forward(
     return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
 
 
-def _cut(param: Tensor, response: str, support: float | None) -> tuple[int, float, float]:
-    """(response code, parameter value, window half-width) for the compiled kernels."""
+def _cut(param: Tensor, response: str, support: float | None) -> tuple[int, float, float, float]:
+    """(response code, parameter value, window ``lo``, ``hi``) for the compiled kernels."""
     spec = responses.named(response)
     value = float(param)
-    return spec.code, value, spec.half_width(value, support)
+    return spec.code, value, *spec.window(value, support)
 
 
 def _c_windows(

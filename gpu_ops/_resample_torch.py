@@ -100,8 +100,8 @@ class Windows:
         self, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
         param: torch.Tensor, support: float | None,
     ) -> None:  # fmt: skip
-        half = spec.half_width(float(param), support)
-        self.first, self.last, self.W = responses.windows(x, c, -half, half)
+        lo, hi = spec.window(float(param), support)
+        self.first, self.last, self.W = responses.windows(x, c, lo, hi)
         self.starts = responses.clipped_starts(self.first, self.W, x.numel())
         self.step = max(1, _OTF_CHUNK_ITEMS // max(1, c.shape[0] * self.W))
 

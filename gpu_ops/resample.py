@@ -222,6 +222,11 @@ class BandedResampler(_resampler_base.Resampler):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        normalize: bool = False,
+        center: str = "median",
+        border: str = "none",
+        scale: float = 1.0,
+        recording: tuple[float, float] | None = None,
         **params: float,
     ) -> BandedResampler:
         """Build the operator ``T[n, a, b] = r(c[n, a] - x[b])`` as a band.
@@ -232,12 +237,15 @@ class BandedResampler(_resampler_base.Resampler):
             response: a callable on offsets ``c - x`` (then ``support`` is required: r counts
                 as zero where ``|c - x| > support``); a table ``(xs, ys)`` interpolated
                 linearly, zero outside ``[xs[0], xs[-1]]``; or a name from
-                :data:`gpu_ops.responses.NAMED` with its parameter as a keyword
-                (``sigma=``, ``half_width=`` or ``gamma=``), ``support`` then in units of
-                that parameter (gaussian default 4, lorentzian default 10).
+                :data:`gpu_ops.responses.NAMED` with its parameter as a keyword (its own,
+                ``half_width=``, ``gamma=``, ``tau=``, or ``sigma=`` its standard deviation),
+                ``support`` then in units of that parameter (gaussian default 4, lorentzian
+                10, laplacian, exponential and alpha 5 sigma).
             support: see ``response``.
             dtype: weight dtype (float32, bfloat16, float16; float64 for gradcheck).
             device: where the operator lives (default: x's device).
+            normalize, center, border, scale, recording: see
+                :class:`gpu_ops.responses.Options` (a callable takes only ``scale``).
             **params: the named response's parameter.
 
         Returns:
@@ -248,7 +256,8 @@ class BandedResampler(_resampler_base.Resampler):
             raise TypeError("on_the_fly= is gone: use OnTheFlyResampler.from_response")
         dev = torch.device(device) if device is not None else torch.as_tensor(x).device
         x64, c64 = responses.check_grid(x, c, dev)
-        cut = responses.parse(response, support, params, dev)
+        options = responses.Options(normalize, center, border, scale, recording)
+        cut = responses.parse(response, support, params, dev, options, x64)
         c_sorted, order = torch.sort(c64, dim=1, stable=True)
         first, last, W = responses.windows(x64, c_sorted, cut.lo, cut.hi)
         starts = responses.clipped_starts(first, W, x64.numel())
@@ -260,6 +269,8 @@ class BandedResampler(_resampler_base.Resampler):
             band = responses.evaluate_band(
                 x64, c_sorted[:, sl], cut.r, first[:, sl], last[:, sl], starts[:, sl], W
             )
+            if cut.factor is not None:
+                band = band * cut.factor(c_sorted[:, sl])[..., None]
             weights[:, sl] = band.to(dtype)
         return cls(starts, weights, x64.numel(), inverse_order=_inverse(order))
 

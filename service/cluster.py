@@ -7,99 +7,70 @@ every worker its path, the worker count, the worker's index and a per-server sec
       control.json    what every worker must hold alike (service.control)
       control.lock    flock: one shared change at a time, server-wide
       ready/w<i>      exists (holding the pid) while worker i is caught up and ready
-      w<i>.sock       worker i's private listener, for requests from its peers
+      ready/w<i>.why  while worker i is caught up but not ready: its pid, then why (which
+                      model failed or is loading), for every worker's readiness answer
+      w<i>.sock       worker i's private listener, for changes from its peers
       stats/<pid>.json  each worker's statistics, for its peers to add up
       metrics/        PROMETHEUS_MULTIPROC_DIR
 
-A shared change (``POST /v2/repository/models/{m}/load|unload``, a system shared-memory
-registration or unregistration, ``POST /v2/logging``) taken by worker k is applied by k,
-recorded in ``control.json`` with the next sequence number, and forwarded unchanged (body and
-headers) to every peer's private socket with the secret in ``X-Bitserve-Peer``, which tells
-the peer to apply it locally and not forward it again. k
-answers once every worker has, reporting any failure. A peer that is not listening (starting
-or restarting) is skipped: when it starts it loads the set in ``control.json``, and once it
-listens it re-reads the file under the lock and replays what changed meanwhile (a peer that
-listens before k's forward gets the forward; one that listens after reads k's record).
+A change (:mod:`service.changes`: a load or unload, a shared-memory registration or
+unregistration, new log settings) taken by worker k is applied by k under ``control.lock``,
+recorded in ``control.json`` with the next sequence number, and sent to every peer's private
+socket as one line of JSON, ``{"secret", "seq", "request_id", "change"}``; the peer applies it
+in its own process (it never sends it on) and answers one line, ``{"status": 200}`` or
+``{"status": <HTTP status>, "error": <message>}``. k answers once every worker has, naming
+each worker that failed. No HTTP request is made between workers: a change is data, whatever
+characters its names hold.
 
-Readiness: ``/v2/health/ready`` answers 503 on every worker until every worker has caught up
-and has its models ready.
+A peer that is not listening (starting or restarting) is skipped. A worker starts by loading
+the models whose last change was a plain load; then it listens for its peers and, under the
+lock, replays every recorded change it has not applied (loads with a config override,
+unloads, regions, log settings) before it takes traffic. A peer that listens before k's
+change gets k's message; one that takes the lock after it reads k's record.
+
+Readiness: the server is ready when every worker has caught up and its repository is ready
+(by its readiness rule, ``--strict-readiness`` included; each keeps ``ready/w<i>`` while it
+is, else ``ready/w<i>.why``); the answer says why, naming the model of the first worker that
+is not.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import json
 import logging
 import os
-import re
 import signal
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from service.control import ControlEntry, ControlState
-from service.errors import ServiceError
-from service.protocol.response import dumps
-from service.rest.bodies import CONTROL_BODY_BYTES, read_body
+from service.changes import Change, LoadModel, UnloadModel
+from service.control import ControlState
+from service.errors import ChangeFailed, ServiceError
+from service.observability import request_id_var
 from service.statistics import Snapshot, merge
 
-__all__ = ["PEER_HEADER", "WORKER_HEADER", "Cluster", "ClusterMiddleware"]
+__all__ = ["WORKER_HEADER", "Cluster", "PeerAnswer", "WorkerFailed"]
 
 log = logging.getLogger(__name__)
 
-PEER_HEADER = "x-bitserve-peer"
-"""Carries the server's secret on requests one worker forwards to another."""
-SEQ_HEADER = "x-bitserve-control-seq"
-"""The ``control.json`` sequence number a forwarded change was recorded under."""
 WORKER_HEADER = "x-bitserve-worker"
-"""The index of the worker that answered, on every response (set by uvicorn)."""
+"""The index of the worker that answered, on every HTTP response (set by uvicorn)."""
 
-# The routes that change what every worker must hold alike, and the control.json key of each.
-_CONTROL_ROUTES = (
-    (re.compile(r"/v2/repository/models/([^/]+)/(load|unload)"), "{0}"),
-    (re.compile(r"/v2/systemsharedmemory/region/([^/]+)/(register|unregister)"), "@shm/{0}"),
-    (re.compile(r"/v2/systemsharedmemory/(unregister)"), "@shm/*"),
-    (re.compile(r"/v2/(logging)"), "@logging"),
-)
-_CONTROL_PREFIXES = ("/v2/repository/models/", "/v2/systemsharedmemory/", "/v2/logging")
+Applier = Callable[[Change], Awaitable[Any]]
+"""Applies a change in this process (``ControlPlane.apply``)."""
 
-
-def control_target(path: str) -> tuple[str, str] | None:
-    """``(key, action)`` of a POST to ``path`` that changes shared state, else None."""
-    for pattern, key in _CONTROL_ROUTES:
-        m = pattern.fullmatch(path)
-        if m is not None:
-            groups = m.groups()
-            return key.format(*groups[:-1]), groups[-1]
-    return None
-
-
-# Headers that describe one hop, not the request: never forwarded to a peer.
-_HOP_HEADERS = frozenset(
-    {
-        b"host",
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"te",
-        b"upgrade",
-        b"expect",
-        PEER_HEADER.encode(),
-        SEQ_HEADER.encode(),
-    }
-)
-# How long a peer may take to apply a forwarded change (a load builds and warms up models).
+# How long a peer may take to apply a change (a load builds and warms up models).
 _FORWARD_TIMEOUT_S = 600.0
 _HEARTBEAT_S = 0.25
+# The longest message between workers: a change carries at most a control body (1 MiB of
+# JSON, a config override), which JSON's escapes can make six times longer.
+_MAX_MESSAGE = 8 << 20
 
 
 def socket_path(run_dir: Path, index: int) -> Path:
@@ -112,35 +83,57 @@ def ready_path(run_dir: Path, index: int) -> Path:
     return run_dir / "ready" / f"w{index}"
 
 
-@dataclass
-class _Answer:
-    """A response captured from the local application or a peer."""
+def why_path(run_dir: Path, index: int) -> Path:
+    """The file that says why worker ``index`` is not ready (while it is caught up)."""
+    return run_dir / "ready" / f"w{index}.why"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class WorkerFailed(ServiceError):
+    """A change failed on one or more peers: the first one's status, every one's message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status
+
+
+@dataclass(frozen=True)
+class PeerAnswer:
+    """A peer's answer to a change: 200, or an error's status and message."""
 
     status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
+    error: str = ""
 
-    def error(self) -> str:
+    def line(self) -> bytes:
+        """The answer as one line of JSON."""
+        data = {"status": self.status, **({"error": self.error} if self.error else {})}
+        return json.dumps(data).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, line: bytes) -> PeerAnswer:
+        """An answer as :meth:`line` wrote it (a malformed one is a 502 saying so)."""
         try:
-            message = json.loads(self.body)["error"]
+            data = json.loads(line)
+            return cls(int(data["status"]), str(data.get("error", "")))
         except (ValueError, KeyError, TypeError):
-            message = self.body[:200].decode("utf-8", "replace")
-        return str(message)
+            return cls(502, "a malformed answer from the worker")
 
 
 class Cluster:
-    """One worker's view of the server: its peers, the shared model set, readiness.
+    """One worker's view of the server: its peers, the shared record, readiness.
 
     Args:
         run_dir: the supervisor's run directory.
         index: this worker's index, 0 to ``workers - 1``.
         workers: how many workers the server runs.
-        secret: the per-server secret that marks a request as forwarded by a peer.
-        repository_ready: whether this worker's own models are ready.
+        secret: the per-server secret that every message between workers carries.
         statistics: this worker's statistics snapshots (published for its peers to add up).
-        auth_token: the server's bearer token, for the changes this worker replays itself.
-        max_body_bytes: the largest control request body accepted (as the routes accept).
-        body_timeout_s: the most seconds a control request body may take to arrive.
     """
 
     def __init__(
@@ -150,94 +143,108 @@ class Cluster:
         workers: int,
         secret: str,
         *,
-        repository_ready: Callable[[], bool],
         statistics: Callable[[], list[Snapshot]] = list,
-        auth_token: str | None = None,
-        max_body_bytes: int = CONTROL_BODY_BYTES,
-        body_timeout_s: float | None = 60.0,
     ) -> None:
         self.run_dir = run_dir
         self.index = index
         self.workers = workers
         self.control = ControlState(run_dir)
-        self._secret = secret
-        self._repository_ready = repository_ready
+        self._secret = secret.encode()
         self._statistics = statistics
         self._published: list[dict[str, Any]] | None = None
-        self._auth_token = auth_token
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
-        self._applied: dict[str, int] = {}  # model -> seq of the change applied here
+        self._applied: dict[str, int] = {}  # subject -> seq of the change applied here
         self._caught_up = False
-        self._app: ASGIApp | None = None
+        self._apply: Applier | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         self._parent = os.getppid()
 
-    # --- start-up ------------------------------------------------------------------------
+    # --- start-up and leaving ------------------------------------------------------------
 
     def initial_models(self) -> list[str]:
         """The models to load at start: those whose last change was a plain load.
 
-        Loads that carried a body are replayed once the application runs (:meth:`catch_up`);
-        unloaded models are not loaded at all.
+        The rest of the record (loads with an override, regions, log settings) is replayed
+        once the models are loaded (:meth:`start`); unloaded models are not loaded at all.
         """
         _, entries = self.control.read()
         names = []
-        for name, entry in entries.items():
-            if name.startswith("@"):
-                continue  # shared memory and log settings: replayed once the app runs
-            if entry.action == "unload" or not entry.body:
-                self._applied[name] = entry.seq
-            if entry.action == "load" and not entry.body:
-                names.append(name)
+        for subject, recorded in entries.items():
+            change = recorded.change
+            if isinstance(change, UnloadModel) or (
+                isinstance(change, LoadModel) and change.config is None
+            ):
+                self._applied[subject] = recorded.seq
+            if isinstance(change, LoadModel) and change.config is None:
+                names.append(change.name)
         return sorted(names)
 
-    def install(self, app: Any) -> None:
-        """Put :class:`ClusterMiddleware` into a Starlette/FastAPI ``app``, innermost of the
-        user middleware (request ids and access logs still cover what it answers)."""
-        from starlette.middleware import Middleware
+    async def start(self, apply: Applier, not_ready_reason: Callable[[], str | None]) -> None:
+        """Listen for peers, catch up under the lock, then keep the ready file current.
 
-        app.user_middleware.append(Middleware(ClusterMiddleware, cluster=self))
-        self._app = app
-
-    def private_socket(self) -> socket.socket:
-        """This worker's private listener, bound but not listening: peers are refused until
-        the server starts serving it (and so know to skip this worker)."""
+        Args:
+            apply: applies a change in this process (peers' changes and replays).
+            not_ready_reason: why this worker's own repository is not ready; None when it is.
+        """
+        self._apply = apply
         path = socket_path(self.run_dir, self.index)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # left by this index's previous process
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(path))
-        return sock
-
-    async def run(self) -> None:
-        """Once listening: catch up under the lock, then keep the ready file current."""
+        self._listener = await asyncio.start_unix_server(
+            self._serve_peer, sock=sock, limit=_MAX_MESSAGE
+        )
         async with self.control.locked():
-            await self.catch_up()
+            await self._catch_up(apply)
         self._caught_up = True
-        path = ready_path(self.run_dir, self.index)
-        shown: bool | None = None
+        self._heartbeat = asyncio.create_task(self._beat(not_ready_reason))
+
+    def leave(self) -> None:
+        """Not ready any more (the worker is draining); peers skip it from now on."""
+        self._caught_up = False
+        ready_path(self.run_dir, self.index).unlink(missing_ok=True)
+        why_path(self.run_dir, self.index).unlink(missing_ok=True)
+        if self._listener is not None:
+            self._listener.close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        self.publish_statistics()
+
+    async def _beat(self, not_ready_reason: Callable[[], str | None]) -> None:
+        path, why_file = ready_path(self.run_dir, self.index), why_path(self.run_dir, self.index)
+        shown: tuple[str | None] | None = None
         while True:
             if os.getppid() != self._parent:  # the supervisor is gone: drain and exit
                 log.error("the supervisor exited; worker %d stops", self.index)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.publish_statistics()
-            ready = self._repository_ready()
-            if ready != shown:
-                if ready:  # atomically: a reader never sees a half-written pid
-                    tmp = path.with_suffix(".tmp")
-                    tmp.write_text(str(os.getpid()))
-                    os.replace(tmp, path)
+            why = not_ready_reason()
+            if (why,) != shown:
+                if why is None:
+                    _write_atomically(path, str(os.getpid()))
+                    why_file.unlink(missing_ok=True)
                 else:
                     path.unlink(missing_ok=True)
-                shown = ready
+                    _write_atomically(why_file, f"{os.getpid()}\n{why}")
+                shown = (why,)
             await asyncio.sleep(_HEARTBEAT_S)
 
-    def leave(self) -> None:
-        """Not ready any more (the worker is draining)."""
-        self._caught_up = False
-        ready_path(self.run_dir, self.index).unlink(missing_ok=True)
-        self.publish_statistics()
+    async def _catch_up(self, apply: Applier) -> None:
+        """Apply every recorded change not applied here yet, in the order they were made."""
+        _, entries = self.control.read()
+        for subject, recorded in sorted(entries.items(), key=lambda kv: kv[1].seq):
+            if self._applied.get(subject) == recorded.seq:
+                continue
+            outcome = "applied"
+            try:
+                await apply(recorded.change)
+            except ServiceError as e:
+                outcome = f"{e.status_code}: {e.message}"
+            self._applied[subject] = recorded.seq
+            level = logging.INFO if outcome == "applied" else logging.WARNING
+            log.log(level, "caught up: %s %s: %s", recorded.change.kind, subject[:128], outcome)
 
     # --- statistics ----------------------------------------------------------------------
 
@@ -267,38 +274,11 @@ class Cluster:
                 snaps += [Snapshot.from_dict(d) for d in json.loads(path.read_text())]
         return merge(snaps)
 
-    async def catch_up(self) -> None:
-        """Replay, through this worker's own application, every recorded change it has not
-        applied yet (in the order they were made)."""
-        _, entries = self.control.read()
-        for name, entry in sorted(entries.items(), key=lambda kv: kv[1].seq):
-            if self._applied.get(name) == entry.seq:
-                continue
-            answer = await self._replay(name, entry)
-            self._applied[name] = entry.seq
-            level = logging.INFO if answer.status == 200 else logging.WARNING
-            log.log(level, "caught up: %s %s -> %d", entry.action, name, answer.status)
-
-    async def _replay(self, name: str, entry: ControlEntry) -> _Answer:
-        assert self._app is not None, "install() the cluster into the application first"
-        headers = {**entry.headers, PEER_HEADER: self._secret, SEQ_HEADER: str(entry.seq)}
-        if self._auth_token:
-            headers["authorization"] = f"Bearer {self._auth_token}"
-        transport = httpx.ASGITransport(app=self._app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
-            r = await client.post(
-                entry.route(name),
-                content=base64.b64decode(entry.body),
-                headers=headers,
-                timeout=None,
-            )
-        return _Answer(r.status_code, [], r.content)
-
     # --- readiness -----------------------------------------------------------------------
 
     def not_ready(self) -> list[int]:
-        """The workers that are not ready now (this one counts only its catching up: the
-        application itself answers for its models)."""
+        """The workers that are not ready now (this one counts only its catching up: its
+        control plane answers for its own models)."""
         missing = []
         for j in range(self.workers):
             if j == self.index:
@@ -312,189 +292,130 @@ class Cluster:
                 missing.append(j)
         return missing
 
-    # --- repository changes --------------------------------------------------------------
-
-    def is_peer(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
-        """Whether a request was forwarded by a peer (right secret), and its sequence number."""
-        secret = seq = None
-        for k, v in headers:
-            if k == PEER_HEADER.encode():
-                secret = v
-            elif k == SEQ_HEADER.encode():
-                seq = v
-        if secret is None or not hmac.compare_digest(secret, self._secret.encode()):
-            return False, None
-        return True, int(seq) if seq is not None and seq.isdigit() else None
-
-    def applied(self, name: str, seq: int) -> None:
-        """Note that the change ``seq`` of ``name`` was applied here."""
-        self._applied[name] = seq
-
-    async def forward(
-        self,
-        path: str,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
-        seq: int | None,
-        request_id: str | None = None,
-    ) -> list[tuple[int, _Answer | None]]:
-        """Send a change to every peer; ``(index, answer)``, None for a peer not running."""
-        sent = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        sent = [(k, v) for k, v in sent if k.encode() not in _HOP_HEADERS]
-        if request_id and not any(k.lower() == "x-request-id" for k, _ in sent):
-            sent.append(("x-request-id", request_id))  # one id in every worker's log
-        sent.append((PEER_HEADER, self._secret))
-        if seq is not None:
-            sent.append((SEQ_HEADER, str(seq)))
-
-        async def one(j: int) -> tuple[int, _Answer | None]:
-            transport = httpx.AsyncHTTPTransport(uds=str(socket_path(self.run_dir, j)))
+    def not_ready_message(self) -> str | None:
+        """Why the server is not ready as far as the workers go (this worker's own models are
+        its control plane's to answer for); None when every worker is ready."""
+        missing = self.not_ready()
+        if not missing:
+            return None
+        for j in missing:
             try:
-                async with httpx.AsyncClient(transport=transport, base_url="http://peer") as c:
-                    r = await c.post(path, content=body, headers=sent, timeout=_FORWARD_TIMEOUT_S)
-            except httpx.ConnectError:
-                return j, None  # not listening: it reads control.json when it starts
-            except httpx.TimeoutException:
-                msg = dumps({"error": f"no answer within {_FORWARD_TIMEOUT_S:g} s"})
-                return j, _Answer(504, [], msg)
-            except httpx.TransportError:
-                return j, None  # it died with the request: its successor catches up
-            return j, _Answer(r.status_code, [], r.content)
+                pid, why = why_path(self.run_dir, j).read_text().split("\n", 1)
+                os.kill(int(pid), 0)  # not a dead worker's last word
+            except (OSError, ValueError):
+                continue
+            return f"{why} (worker {j} of {self.workers})"
+        shown = ", ".join(map(str, missing))
+        return (
+            f"server is not ready: worker(s) {shown} of {self.workers} are starting or catching up"
+        )
 
-        peers = [j for j in range(self.workers) if j != self.index]
-        return list(await asyncio.gather(*(one(j) for j in peers)))
+    # --- changes -------------------------------------------------------------------------
 
+    async def change(self, change: Change, apply: Applier) -> Any:
+        """Apply ``change`` here, record it, and send it to every peer, under the lock.
 
-class ClusterMiddleware:
-    """Cluster-wide readiness and repository changes, in front of one worker's routes.
+        A change that fails here is not recorded, and not sent on unless it is a
+        :class:`~service.errors.ChangeFailed` (tried and failed: a load whose files are bad,
+        whose reason every worker's index should show).
 
-    Args:
-        app: the wrapped ASGI application.
-        cluster: this worker's :class:`Cluster`.
-    """
+        Returns:
+            what applying it here returned.
 
-    def __init__(self, app: ASGIApp, *, cluster: Cluster) -> None:
-        self.app = app
-        self.cluster = cluster
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if path == "/v2/health/ready":
-                missing = self.cluster.not_ready()
-                if missing:
-                    shown = ", ".join(map(str, missing))
-                    message = (
-                        f"server is not ready: worker(s) {shown} of {self.cluster.workers} "
-                        "are starting, catching up or not ready"
-                    )
-                    await _send(send, _Answer(503, [], dumps({"error": message})))
-                    return
-            elif (
-                path.startswith(_CONTROL_PREFIXES)  # cheap test first: infer is hot
-                and scope["method"] == "POST"
-                and (target := control_target(path)) is not None
-            ):
-                await self._control(scope, receive, send, *target)
-                return
-        elif scope["type"] == "lifespan":
-            await self.app(scope, receive, self._lifespan_send(send))
-            return
-        await self.app(scope, receive, send)
-
-    def _lifespan_send(self, send: Send) -> Send:
-        async def send_(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete":
-                # Models loaded with a body are replayed before the worker takes traffic.
-                await self.cluster.catch_up()
-            await send(message)
-
-        return send_
-
-    async def _control(
-        self, scope: Scope, receive: Receive, send: Send, name: str, action: str
-    ) -> None:
-        headers: list[tuple[bytes, bytes]] = list(scope.get("headers", ()))
-        from_peer, seq = self.cluster.is_peer(headers)
-        if from_peer:
-            answer = await self._local(scope, receive)
-            if seq is not None:
-                self.cluster.applied(name, seq)
-            await _send(send, answer)
-            return
-        try:  # bounded as the routes bound it, before it is held for every worker
-            body = bytes(
-                await read_body(
-                    receive,
-                    declared=None,
-                    limit=self.cluster.max_body_bytes,
-                    timeout_s=self.cluster.body_timeout_s,
-                )
-            )
-        except ServiceError as e:  # too big, too slow, or the client left: nothing applied
-            await _send(send, _Answer(e.status_code, [], dumps({"error": e.message})))
-            return
-        async with self.cluster.control.locked():
-            local = await self._local(scope, _replay_receive(body))
-            # 200: applied; 400: the repository tried and failed (peers will fail the same
-            # way, but their index should say so too). Anything else (auth, unknown model,
-            # shutting down) changed nothing here and is not forwarded.
-            if local.status not in (200, 400):
-                await _send(send, local)
-                return
+        Raises:
+            ServiceError: it failed here; WorkerFailed: it failed on a peer.
+        """
+        async with self.control.locked():
+            failed_here: ChangeFailed | None = None
+            result = None
             seq = None
-            if local.status == 200:
-                plain = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-                seq = self.cluster.control.record(name, action, body, plain, path=scope["path"])
-                self.cluster.applied(name, seq)
-            rid = scope.get("state", {}).get("request_id")
-            answers = await self.cluster.forward(scope["path"], body, headers, seq, rid)
-        failed = [(j, a) for j, a in answers if a is not None and a.status != 200]
+            try:
+                result = await apply(change)
+            except ChangeFailed as e:
+                failed_here = e
+            else:
+                seq = self.control.record(change)
+                self._applied[change.subject] = seq
+            answers = await self.forward(change, seq)
         skipped = [j for j, a in answers if a is None]
         if skipped:
             log.info("%s %s: worker(s) %s not running; they apply it when they start",
-                     action, name, skipped)  # fmt: skip
-        if local.status != 200 or not failed:
-            await _send(send, local)
-            return
-        message = "; ".join(f"worker {j}: {a.error()}" for j, a in failed)
-        log.warning("%s %s failed on %s", action, name, message)
-        await _send(send, _Answer(failed[0][1].status, [], dumps({"error": message})))
+                     change.kind, change.subject[:128], skipped)  # fmt: skip
+        if failed_here is not None:
+            raise failed_here
+        failed = [(j, a) for j, a in answers if a is not None and a.status != 200]
+        if failed:
+            message = "; ".join(f"worker {j}: {a.error}" for j, a in failed)
+            log.warning("%s %s failed on %s", change.kind, change.subject[:128], message)
+            raise WorkerFailed(failed[0][1].status, message)
+        return result
 
-    async def _local(self, scope: Scope, receive: Receive) -> _Answer:
-        answer = _Answer(500, [], b"")
-        chunks: list[bytes] = []
+    async def forward(self, change: Change, seq: int | None) -> list[tuple[int, PeerAnswer | None]]:
+        """Send a change to every peer; ``(index, answer)``, None for a peer not running."""
+        rid = request_id_var.get()
+        message = {
+            "secret": self._secret.decode(),
+            "seq": seq,
+            "request_id": None if rid == "-" else rid,  # one id in every worker's log
+            "change": change.to_json(),
+        }
+        line = json.dumps(message).encode() + b"\n"
+        peers = [j for j in range(self.workers) if j != self.index]
+        return list(await asyncio.gather(*(self._send(j, line) for j in peers)))
 
-        async def capture(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                answer.status = message["status"]
-                answer.headers = list(message.get("headers", ()))
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
+    async def _send(self, j: int, line: bytes) -> tuple[int, PeerAnswer | None]:
+        path = str(socket_path(self.run_dir, j))
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=_MAX_MESSAGE)
+        except OSError:
+            return j, None  # not listening: it reads control.json when it starts
+        try:
+            writer.write(line)
+            async with asyncio.timeout(_FORWARD_TIMEOUT_S):
+                answer = await reader.readline()
+        except TimeoutError:
+            return j, PeerAnswer(504, f"no answer within {_FORWARD_TIMEOUT_S:g} s")
+        except (OSError, ValueError):
+            return j, None  # it died with the change: its successor catches up
+        finally:
+            writer.close()
+        if not answer:
+            return j, None  # closed without an answer: it died (or is leaving)
+        return j, PeerAnswer.parse(answer)
 
-        await self.app(scope, receive, capture)
-        answer.body = b"".join(chunks)
-        return answer
+    async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One peer's change: apply it here, answer one line."""
+        try:
+            line = await reader.readline()
+            answer = await self._applied_from_peer(line)
+            writer.write(answer.line())
+            await writer.drain()
+        except (OSError, ValueError):  # the peer left, or sent a line past the limit
+            pass
+        finally:
+            writer.close()
 
-
-def _replay_receive(body: bytes) -> Receive:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if sent:
-            await asyncio.Event().wait()  # like a client that is still connected
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return receive
-
-
-async def _send(send: Send, answer: _Answer) -> None:
-    """Send a captured or made-up answer (its content headers rebuilt for its body)."""
-    kept = [(k, v) for k, v in answer.headers if k.lower() != b"content-length"]
-    if not any(k.lower() == b"content-type" for k, _ in kept):
-        kept.append((b"content-type", b"application/json"))
-    kept.append((b"content-length", b"%d" % len(answer.body)))
-    await send({"type": "http.response.start", "status": answer.status, "headers": kept})
-    await send({"type": "http.response.body", "body": answer.body})
+    async def _applied_from_peer(self, line: bytes) -> PeerAnswer:
+        try:
+            message = json.loads(line)
+            secret = str(message["secret"]).encode()
+            change = Change.from_json(message["change"])
+            seq, rid = message.get("seq"), message.get("request_id")
+        except (ValueError, KeyError, TypeError) as e:
+            return PeerAnswer(400, f"a malformed message from a peer: {type(e).__name__}")
+        if not hmac.compare_digest(secret, self._secret):
+            return PeerAnswer(401, "a message without this server's secret")
+        assert self._apply is not None, "start() the cluster first"
+        token = request_id_var.set(rid if isinstance(rid, str) else "-")
+        try:
+            await self._apply(change)
+        except ServiceError as e:
+            return PeerAnswer(e.status_code, e.message)
+        except Exception:
+            log.exception("a peer's change failed: %s %s", change.kind, change.subject[:128])
+            return PeerAnswer(500, f"internal error (request id {request_id_var.get()})")
+        finally:
+            if isinstance(seq, int):
+                self._applied[change.subject] = seq
+            request_id_var.reset(token)
+        return PeerAnswer(200)

@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import tomllib
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,42 +28,52 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from service.devices import parse_device
-from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES
+from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
 
-def hidden_error(where: str, what: str, exc: BaseException) -> ConfigError:
-    """A load problem whose client message leaves out the library exception's own text.
+def library_error(
+    where: str, what: str, exc: BaseException, folder: Path | None = None, shown: str = ""
+) -> ConfigError:
+    """A load problem a library raised, with the library's own message, cleaned for a client.
 
-    Library exceptions (torch's loaders above all) carry absolute server paths, TorchScript
-    tracebacks and code locations. ``problems`` (what ``/load`` and the index show) says where
-    the problem is (``where``: file and key, relative to the repository), ``what`` failed, and
-    the exception class; ``details`` adds the exception's text, for the server log and for
-    ``bitserve check-repo`` (run by the repository's owner). Raise it ``from exc`` so the
-    server can log the traceback.
+    The message (``where: what: ExceptionClass: text``) is the same for ``/load``, the
+    repository index and ``bitserve check-repo``: the exception's first paragraph, without
+    its traceback, each line's whitespace folded, cut to 300 characters; the model folder's
+    absolute path is shown as ``shown`` (the folder as the repository names it) and any
+    other absolute path as ``<server path>``. Raise it ``from exc`` so the server log keeps
+    the traceback.
     """
+    return ConfigError([f"{where}: {what}: {clean_reason(exc, folder, shown)}"])
+
+
+_TRACE_MARKS = ("Traceback", "The above exception", "Exception raised from", "While executing")
+_ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s'\"`:,;()\[\]<>]+/?)+")
+
+
+def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = "") -> str:
+    """``ExceptionClass: message`` of ``exc`` for a client (see :func:`library_error`)."""
+    lines = []
+    for line in str(exc).splitlines():
+        if line.lstrip().startswith(_TRACE_MARKS):
+            break
+        if line.strip():
+            lines.append(" ".join(line.split()))
+    text = " ".join(lines)
+    if folder is not None:
+        for root in {str(folder), str(folder.resolve())}:
+            text = text.replace(root, shown or folder.name)
+    text = _ABS_PATH.sub("<server path>", text)
     kind = type(exc).__name__
-    text = safe_text(" ".join(str(exc).split()), 500)
-    return ConfigError(
-        [f"{where}: {what} ({kind}; details in the server log)"],
-        details=[f"{where}: {what} ({kind}: {text})"],
-    )
-
-
-def safe_text(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters, with control and unprintable characters escaped.
-
-    For names and keys taken from files or folders and printed to a terminal or log: an
-    escape sequence in a TOML key or a folder name is shown, never interpreted.
-    """
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut if cut.isprintable() else ascii(cut)[1:-1]
+    return f"{kind}: {safe_text(text, 300)}" if text else kind
 
 
 CONFIG_FILE = "config.toml"
@@ -87,29 +98,33 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
 InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
 OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
 ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
-Response = Literal["gaussian", "lorentzian", "boxcar", "triangle", "tabulated"]
-# Suffix of a [model] file -> how it is loaded (never with pickle).
-MODEL_FORMATS = {".pt2": "torch_export", ".pt": "torchscript", ".ts": "torchscript"}
+Response = Literal[
+    "gaussian", "lorentzian", "boxcar", "triangle", "epanechnikov", "laplacian", "exponential",
+    "alpha", "tabulated",
+]  # fmt: skip
+MODEL_SUFFIXES = (".pt2", ".pt", ".ts", ".onnx")
+"""The model file suffixes a format is known by (``service.backends.SUFFIXES``)."""
+ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
+"""The model formats (``service.backends.FORMATS``), as ``[model] format`` names them."""
+# The dtypes bits unpack straight into (gpu_ops.UNPACK_DTYPES), by name.
+UNPACK_DTYPE_NAMES = ("uint8", "bool", "float16", "bfloat16", "float32", "float64")
+HandedDtype = Literal[
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
+]
 
 
 class ConfigError(Exception):
-    """A model configuration is invalid; ``problems`` holds one line per problem.
+    """A model configuration is invalid; ``problems`` holds one line per problem, each
+    naming the file and key, as clients and ``bitserve check-repo`` see it."""
 
-    ``details`` holds the same problems with library exceptions' own text (see
-    :func:`hidden_error`); it equals ``problems`` when nothing was hidden.
-    """
-
-    def __init__(self, problems: list[str], *, details: list[str] | None = None) -> None:
+    def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
-        self.details = list(problems) if details is None else details
 
     @classmethod
     def join(cls, errors: Sequence[ConfigError]) -> ConfigError:
         """One error with every problem of ``errors`` (the first cause kept for the log)."""
-        out = cls(
-            [p for e in errors for p in e.problems], details=[d for e in errors for d in e.details]
-        )
+        out = cls([p for e in errors for p in e.problems])
         out.__cause__ = next((e.__cause__ for e in errors if e.__cause__ is not None), None)
         return out
 
@@ -137,7 +152,14 @@ class InputConfig(_Strict):
     packing: Literal["none", "bits"] = "none"
     """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted)."""
     bitorder: Literal["big", "little"] = "big"
-    """Bit order of the packed bytes (NumPy's ``bitorder``)."""
+    """Bit order of the packed bytes (NumPy's ``bitorder``); a request's input
+    ``parameters.bitorder`` overrides it for that request."""
+    dtype: HandedDtype | None = None
+    """The torch dtype the model is handed this input in, for formats whose file does not
+    say (TorchScript); where it does (torch.export, AOTInductor, ONNX) it must agree. Default:
+    the file's, else the datatype's own (``bool`` for BOOL). A BOOL input may be handed in any
+    numeric dtype (bit-packed: uint8, bool, float16, bfloat16, float32, float64, unpacked
+    straight into it); another input only in its own datatype's."""
 
     @field_validator("shape")
     @classmethod
@@ -153,7 +175,23 @@ class InputConfig(_Strict):
     def _packing_needs_bool(self) -> InputConfig:
         if self.packing == "bits" and self.datatype != "BOOL":
             raise ValueError(f'packing = "bits" needs datatype = "BOOL", not {self.datatype!r}')
+        if self.dtype is not None and self.dtype not in self.handed_dtypes:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one {self.datatype}"
+                f"{' bits' if self.packing == 'bits' else ''} can be handed in "
+                f"(one of {', '.join(self.handed_dtypes)})"
+            )
         return self
+
+    @property
+    def handed_dtypes(self) -> tuple[str, ...]:
+        """The torch dtypes (by name) this input may be handed to a model in."""
+        if self.packing == "bits":
+            return UNPACK_DTYPE_NAMES
+        if self.datatype == "BOOL":
+            return typing.get_args(HandedDtype)
+        own = REGISTRY[self.datatype].torch
+        return (own,) if own is not None else ()
 
     @property
     def packed_shape(self) -> list[int]:
@@ -161,13 +199,20 @@ class InputConfig(_Strict):
         return [*self.shape[:-1], (self.shape[-1] + 7) // 8]
 
 
-# Named response -> its width parameter and whether it takes a ``support`` (in those units).
-RESPONSE_PARAMS: dict[str, tuple[str, bool]] = {
-    "gaussian": ("sigma", True),
-    "lorentzian": ("gamma", True),
-    "boxcar": ("half_width", False),
-    "triangle": ("half_width", False),
+# Named response -> its own width parameter, whether it takes a ``support`` (in the units of
+# the parameter given) and whether it also takes ``sigma`` (its standard deviation), as
+# gpu_ops.responses.NAMED defines them.
+RESPONSE_PARAMS: dict[str, tuple[str, bool, bool]] = {
+    "gaussian": ("sigma", True, True),
+    "lorentzian": ("gamma", True, False),
+    "boxcar": ("half_width", False, True),
+    "triangle": ("half_width", False, True),
+    "epanechnikov": ("half_width", False, True),
+    "laplacian": ("tau", True, True),
+    "exponential": ("tau", True, True),
+    "alpha": ("tau", True, True),
 }
+_WIDTHS = ("sigma", "gamma", "half_width", "tau")
 
 
 class OperatorConfig(_Strict):
@@ -181,13 +226,25 @@ class OperatorConfig(_Strict):
     response: Response
     """A named shape (its width parameter below) or ``"tabulated"`` (``response_x``/``_y``)."""
     sigma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Gaussian ``exp(-d²/(2 sigma²))`` width, in the units of ``x``."""
+    """The response's standard deviation (every response but the lorentzian), in x's units."""
     gamma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Lorentzian ``1/(1 + (d/gamma)²)`` half-width, in the units of ``x``."""
     half_width: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Boxcar / triangle half-width, in the units of ``x``."""
+    """Boxcar / triangle / epanechnikov half-width, in the units of ``x``."""
+    tau: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Laplacian / exponential / alpha time constant, in the units of ``x``."""
     support: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Cut-off of a gaussian (in sigmas, default 4) or lorentzian (in gammas, default 10)."""
+    """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
+    normalize: bool = False
+    """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
+    center: Literal["median", "peak", "none"] = "median"
+    """Where a causal response (exponential, alpha) is centred: on its median (Elephant's
+    default), its peak, or not at all (strictly causal)."""
+    border: Literal["none", "correct"] = "none"
+    """``"correct"``: divide by the response's mass inside the recording (Elephant's
+    border_correction)."""
+    scale: float = Field(default=1.0, allow_inf_nan=False)
+    """A constant factor on the output."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -198,46 +255,61 @@ class OperatorConfig(_Strict):
 
     @model_validator(mode="after")
     def _parameters(self) -> OperatorConfig:
-        given = {k for k in ("sigma", "gamma", "half_width", "support") if getattr(self, k)}
+        given = {k for k in (*_WIDTHS, "support") if getattr(self, k)}
+        if self.scale == 0:
+            raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
+            if self.center != "median":
+                raise ValueError("center applies to named responses; a table is used as given")
         else:
-            param, has_support = RESPONSE_PARAMS[self.response]
-            if param not in given:
-                raise ValueError(f"response = {self.response!r} needs {param}")
-            allowed = {param, "support"} if has_support else {param}
+            param, has_support, has_sigma = RESPONSE_PARAMS[self.response]
+            widths = {param, "sigma"} if has_sigma else {param}
+            allowed = widths | {"support"} if has_support else widths
         extra = sorted(given - allowed)
         if extra:
             raise ValueError(f"response = {self.response!r} takes no {', '.join(extra)}")
+        if self.response != "tabulated" and len(given & widths) != 1:
+            names = " or ".join(sorted(widths))
+            raise ValueError(f"response = {self.response!r} needs exactly one of {names}")
         return self
 
     @property
     def parameters(self) -> dict[str, float]:
-        """The named response's width parameter, e.g. ``{"sigma": 125.0}``."""
+        """The named response's width parameter as given, e.g. ``{"sigma": 125.0}``."""
         if self.response == "tabulated":
             return {}
-        param = RESPONSE_PARAMS[self.response][0]
-        return {param: float(getattr(self, param))}
+        return {k: float(getattr(self, k)) for k in _WIDTHS if getattr(self, k) is not None}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keywords of ``from_response`` for the shape options (normalize, center, ...)."""
+        return {
+            "normalize": self.normalize, "center": self.center, "border": self.border,
+            "scale": self.scale,
+        }  # fmt: skip
 
 
 class ModelFileConfig(_Strict):
-    """An optional model applied to the operator's (batch, N, A) output."""
+    """An optional model, given the inputs (the operator's one as its (batch, N, A) output)."""
 
+    format: ModelFormat | None = None
+    """The file's format; by default its suffix says (a ``.pt2`` holding
+    ``data/aotinductor/`` is an AOTInductor package)."""
     file: str
-    """A ``torch.export`` program (``.pt2``) or TorchScript (``.pt``, ``.ts``)."""
+    """A ``torch.export`` program or AOTInductor package (``.pt2``), TorchScript (``.pt``,
+    ``.ts``) or ONNX (``.onnx``)."""
 
     @field_validator("file")
     @classmethod
-    def _suffix(cls, value: str) -> str:
+    def _suffix(cls, value: str, info: ValidationInfo) -> str:
         _relative_file(value)
-        if Path(value).suffix not in MODEL_FORMATS:
-            raise ValueError(f"must end in one of {sorted(MODEL_FORMATS)} (no pickle files)")
+        if info.data.get("format") is None and Path(value).suffix not in MODEL_SUFFIXES:
+            raise ValueError(
+                f"must end in one of {', '.join(MODEL_SUFFIXES)}, or [model] format must say "
+                "what it is (no pickle files)"
+            )
         return value
-
-    @property
-    def format(self) -> str:
-        """``"torch_export"`` or ``"torchscript"``."""
-        return MODEL_FORMATS[Path(self.file).suffix]
 
 
 class OutputConfig(_Strict):
@@ -246,7 +318,7 @@ class OutputConfig(_Strict):
     name: str = Field(min_length=1, max_length=128)
     datatype: OutputDatatype
     shape: list[int] | None = None
-    """Shape of one item without the batch dimension; checked against the warm-up run."""
+    """Shape of one item without the batch dimension; checked by the dry run at load."""
 
 
 class ModelConfig(_Strict):
@@ -271,6 +343,14 @@ class ModelConfig(_Strict):
     operator: OperatorConfig | None = None
     model: ModelFileConfig | None = None
     outputs: list[OutputConfig] = Field(min_length=1)
+    warmup_file: str | None = None
+    """A safetensors file whose tensors (one per input, named as it, batch first, in a wire
+    form: UINT8 packed or the logical datatype) replace the zeros of the dry run at load."""
+
+    @field_validator("warmup_file")
+    @classmethod
+    def _warmup_file(cls, value: str | None) -> str | None:
+        return None if value is None else _relative_file(value)
 
     @field_validator("device")
     @classmethod
@@ -421,6 +501,15 @@ class VersionSource:
     model_folder: Path
     source: str
     """The config's path as shown in messages (relative to the repository's parent)."""
+
+    @property
+    def shown_folder(self) -> str:
+        """The version's folder as messages name it (``repo/model`` or ``repo/model/2``)."""
+        return self.source.removesuffix(f"/{CONFIG_FILE}")
+
+    def error(self, where: str, what: str, exc: BaseException) -> ConfigError:
+        """:func:`library_error` for a file of this version (its folder shown as named)."""
+        return library_error(where, what, exc, self.folder, self.shown_folder)
 
     @property
     def config_path(self) -> Path:

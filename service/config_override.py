@@ -34,8 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.config import ConfigError, safe_text
+from service.config import ConfigError
 from service.errors import InvalidInput
+from service.text import safe_text
 
 _DIGITS = re.compile(r"-?[0-9]{1,20}")
 _TOP = {"name", "platform", "backend", "max_batch_size", "dynamic_batching", "instance_group",

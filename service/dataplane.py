@@ -16,23 +16,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 import service
-from service.config import ConfigError, safe_text
-from service.config_override import ConfigOverride, load_parameters, parse_override
+from service.config_override import ConfigOverride
 from service.errors import (
     InvalidInput,
-    ModelNotFound,
     ModelNotReady,
     PayloadTooLarge,
     ServiceError,
 )
 from service.handle import ModelHandle
-from service.log_settings import LogSettings
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.protocol import (
@@ -50,7 +47,7 @@ from service.protocol import (
 from service.protocol.compression import MIN_BYTES
 from service.protocol.response import compress_response, wants_binary
 from service.protocol.types import SharedOutput
-from service.shared_memory import CudaSharedMemory, SystemSharedMemory
+from service.shared_memory import SystemSharedMemory
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -84,6 +81,7 @@ class Repository(Protocol):
 
     @property
     def ready(self) -> bool: ...
+    def not_ready_reason(self) -> str | None: ...
     async def start(self) -> None: ...
     async def stop(self, timeout_s: float = 30.0) -> None: ...
     def index(self) -> list[dict[str, Any]]: ...
@@ -175,9 +173,8 @@ class DataPlane:
         max_json_bytes: the limit of an inference request's JSON part.
         response_compression: the response compression policy (``auto``, ``always``,
             ``never``; see :func:`service.protocol.worth_compressing`).
-        log_level: the starting log level (``--log-level``), for the logging extension.
         shared_memory: the client's system shared memory regions (the extension), or None
-            when client shared memory is disabled.
+            when client shared memory is disabled (``service.controlplane`` registers them).
     """
 
     def __init__(
@@ -188,13 +185,10 @@ class DataPlane:
         max_body_bytes: int = 64 << 20,
         max_json_bytes: int = 16 << 20,
         response_compression: CompressionMode = "auto",
-        log_level: str = "info",
         shared_memory: SystemSharedMemory | None = None,
     ) -> None:
         self.repository = repository
-        self.logging = LogSettings(log_level)
         self.shared_memory = shared_memory
-        self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_json_bytes = max_json_bytes
@@ -203,10 +197,6 @@ class DataPlane:
         self._verdicts: dict[tuple[str, str], tuple[bool, int]] = {}
 
     # --- server and models ----------------------------------------------------------------
-
-    def ready(self) -> bool:
-        """Whether every model is loaded and the server is not stopping."""
-        return self.repository.ready
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""
@@ -231,11 +221,6 @@ class DataPlane:
             return False
         return True
 
-    def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
-        """Triton's repository index (only the READY versions when ``ready``)."""
-        index = self.repository.index()
-        return [m for m in index if m.get("state") == "READY"] if ready else index
-
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension: every READY version of every model, of one model,
         or one version.
@@ -254,112 +239,6 @@ class DataPlane:
         counts = {(s.name, s.version): s for s in self.metrics.statistics_source()}
         stats = [counts.get((h.name, h.version)) or h.stats.snapshot() for h in handles]
         return {"model_stats": [s.triton() for s in stats]}
-
-    # --- shared memory --------------------------------------------------------------------
-
-    def _system_shm(self) -> SystemSharedMemory:
-        if self.shared_memory is None:
-            raise InvalidInput(
-                "client shared memory is disabled on this server; start it with "
-                "--allow-client-shm (BITSERVE_ALLOW_CLIENT_SHM=true) to use it"
-            )
-        return self.shared_memory
-
-    def register_system_shared_memory(self, name: str, body: Mapping[str, Any]) -> None:
-        """Register a region: ``body`` is Triton's ``{key, offset, byte_size}``.
-
-        Raises:
-            InvalidInput: disabled, or a bad or unusable region (the message names it).
-        """
-        shm = self._system_shm()
-        shm.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
-        log.info("shared memory region '%s' registered: %s", name, shm.status(name)[0])
-
-    def unregister_system_shared_memory(self, name: str | None = None) -> None:
-        """Unregister a region (None: all of them); an unknown name is no error.
-
-        Raises:
-            InvalidInput: client shared memory is disabled.
-        """
-        self._system_shm().unregister(name)
-        shown = "(all)" if name is None else f"'{safe_text(name, 128)}'"
-        log.info("shared memory region %s unregistered", shown)
-
-    def system_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """The registered regions (one, or all; none when disabled).
-
-        Raises:
-            NotFound: no region ``name``.
-        """
-        if self.shared_memory is None:
-            return self.cuda_shared_memory.status(name)  # [] or "not found"
-        return self.shared_memory.status(name)
-
-    def register_cuda_shared_memory(self, name: str) -> None:
-        """Refused: CUDA shared memory is not supported (InvalidInput)."""
-        self.cuda_shared_memory.register(name)
-
-    def unregister_cuda_shared_memory(self, name: str | None = None) -> None:
-        """Nothing to unregister (no CUDA region is ever registered)."""
-        self.cuda_shared_memory.unregister(name)
-
-    def cuda_shared_memory_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """``[]``; a named region is not found.
-
-        Raises:
-            NotFound: always for a name.
-        """
-        return self.cuda_shared_memory.status(name)
-
-    # --- logging --------------------------------------------------------------------------
-
-    def log_settings(self) -> dict[str, Any]:
-        """Triton's logging extension: the log settings."""
-        return self.logging.get()
-
-    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Change log settings (all or nothing); returns them all.
-
-        Raises:
-            InvalidInput: an unknown setting or a bad value (see ``service.log_settings``).
-        """
-        return self.logging.update(changes)
-
-    # --- the model repository -------------------------------------------------------------
-
-    def load_parameters(self, name: str, body: Mapping[str, Any]) -> str | None:
-        """The config override of a V2 load request body (``parameters.config``), or None.
-
-        Raises:
-            InvalidInput: see :func:`service.config_override.load_parameters`.
-        """
-        return load_parameters(name, body)
-
-    async def load(self, name: str, config: str | None = None) -> None:
-        """(Re)load a model from the repository, with Triton's config override if given.
-
-        Args:
-            name: the model.
-            config: ``parameters.config`` of the load request (a JSON string with Triton's
-                field names, see ``service.config_override``), for this load only.
-
-        Raises:
-            InvalidInput: no such model, a malformed override, or a model that fails to load
-                (the message contains ``failed to load``, as Triton's).
-            ModelNotReady: the server is stopping.
-        """
-        failed = f"failed to load '{safe_text(name, 128)}'"
-        try:
-            override = None if config is None else parse_override(config, name)
-            await self.repository.load(name, override)
-        except ConfigError as exc:
-            raise InvalidInput(f"{failed}: {'; '.join(exc.problems)}") from None
-        except ModelNotFound as exc:
-            raise InvalidInput(f"{failed}: {exc.message}") from None
-
-    async def unload(self, name: str) -> None:
-        """Unload a model."""
-        await self.repository.unload(name)
 
     # --- inference ------------------------------------------------------------------------
 

@@ -86,3 +86,14 @@ class DeviceExecutors:
             for ex in self._executors.values():
                 ex.shutdown(wait=False)
             self._executors.clear()
+
+
+def set_torch_threads(torch_threads: int | None, interop_threads: int) -> None:
+    """Apply a :class:`service.workers.WorkerPlan`'s threads to this process (a worker, or
+    the one process of ``--workers 1``): intra-op threads (None: torch's default, as
+    ``OMP_NUM_THREADS`` set them) and inter-op threads."""
+    import torch
+
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    torch.set_num_interop_threads(interop_threads)

@@ -5,6 +5,7 @@ handlers that turn these into responses are registered in ``service.rest.app.cre
 
     ServiceError (500)
      +-- InvalidInput (400)
+     |    +-- ChangeFailed (400)
      +-- Unauthorized (401)
      +-- NotFound (404)
      |    +-- ModelNotFound (404)
@@ -35,6 +36,11 @@ class InvalidInput(ServiceError):
     """The request is malformed or does not match the model's inputs."""
 
     status_code = 400
+
+
+class ChangeFailed(InvalidInput):
+    """A change of the server's state that was tried and failed, leaving a trace that every
+    worker should show alike (a load whose files are bad: the index gives the reason)."""
 
 
 class Unauthorized(ServiceError):

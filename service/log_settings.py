@@ -134,11 +134,8 @@ class LogSettings:
             "log_format": self.format,
         }
 
-    def update(self, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Apply the settings given (a ``null`` value leaves one as it is); all or nothing.
-
-        Returns:
-            every setting after the change.
+    def check(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings ``changes`` gives (a ``null`` value leaves one as it is), checked.
 
         Raises:
             InvalidInput: an unknown setting, a value of the wrong type, or a log file.
@@ -168,6 +165,18 @@ class LogSettings:
             raise InvalidInput(
                 "logging: log_file can not be changed through the API (the server logs to stderr)"
             )
+        return given
+
+    def update(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply the settings given (checked by :meth:`check`); all or nothing.
+
+        Returns:
+            every setting after the change.
+
+        Raises:
+            InvalidInput: see :meth:`check`.
+        """
+        given = self.check(changes)
         s = self.switches
         s.info = given.get("log_info", s.info)
         s.warning = given.get("log_warning", s.warning)

@@ -4,11 +4,14 @@
 ``config.toml`` (refused when it is a symlink out of the model's folder), the files it names
 (inside the model), the operator's tensors (names, shapes, floating-point dtypes, finite
 values, a strictly increasing fine grid) and the size of the operator they would build
-(checked against ``max_operator_bytes`` without building it), then the model program.
-``bitserve serve`` loads every version through it, then builds the pipeline on its device;
-``bitserve check-repo`` calls the same function and drops the result, so the two cannot
-disagree about a file. (What only a device can tell, a CUDA device the host lacks or a
-model's output shapes, is checked by ``serve`` alone.)
+(checked against ``max_operator_bytes`` without building it), the model file in its format
+(``service.backends``) and the config's inputs against its signature
+(:func:`service.model_check.check_signature`), then each input buffer's size in the dtype
+it is handed in. :func:`build_version` adds the device: it builds the pipeline, whose dry
+run (:func:`service.model_check.dry_run`) runs a batch of 1 and one of ``max_batch_size``
+through it and checks the outputs. ``bitserve serve`` builds every version through it;
+``bitserve check-repo`` calls the same function (on the CPU unless told otherwise) and drops
+the result, so the two cannot disagree about a model.
 
 Every problem is reported as ``<file>: <key>: <problem>``; nothing here lets another
 exception out for a bad file, and nothing here prints.
@@ -17,25 +20,25 @@ exception out for a bad file, and nothing here prints.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from service.backends import ModelFile, load_model_file
 from service.config import (
     DEFAULT_MAX_BATCH_BYTES,
     ConfigError,
     ModelConfig,
     VersionSource,
-    hidden_error,
     load_config,
     model_names,
     model_versions,
-    safe_text,
 )
-from service.pipeline import COMPUTE_DTYPES, Artifacts, torch_dtype
+from service.model_check import check_signature, handed_dtypes, read_warmup
+from service.pipeline import COMPUTE_DTYPES, Artifacts, Pipeline, resolve_device, torch_dtype
+from service.text import safe_text
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
 _FLOAT_DTYPES = {
@@ -94,33 +97,81 @@ def load_version(
             tensors = _read_operator(src, cfg, max_operator_bytes)
         except ConfigError as exc:
             errors.append(exc)
+    warmup = None
+    try:
+        warmup = read_warmup(src, cfg)
+    except ConfigError as exc:
+        errors.append(exc)
     if errors:
         raise ConfigError.join(errors)
     model = None
     if cfg.model is not None and model_path is not None:
-        try:
-            model = _load_model(model_path, cfg.model.format)
-        except Exception as exc:  # torch's loaders raise many types for a bad file
-            raise hidden_error(f"{src.source}: model.file", "cannot load", exc) from exc
-    return cfg, Artifacts(tensors, model)
+        where = f"{src.source}: model.file"
+        model = _load_model(model_path, cfg, where, src)
+        operator_shape = None
+        if cfg.operator is not None:  # the operator's output: (N, A)
+            operator_shape = [cfg.inputs[cfg.operator_input or 0].shape[0], tensors["c"].shape[1]]
+        check_signature(cfg, model, where, operator_shape)
+        # The buffers again, now in the dtypes the model is handed its inputs in.
+        check_buffers(cfg, src.source, max_batch_bytes, handed_dtypes(cfg, model))
+    return cfg, Artifacts(tensors, model, warmup, (src.folder, src.shown_folder))
 
 
-def buffer_bytes(cfg: ModelConfig) -> list[int]:
+def build_version(
+    name: str,
+    src: VersionSource,
+    *,
+    default_device: str,
+    max_operator_bytes: int,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    patch: Mapping[str, Any] | None = None,
+    warmup: bool = True,
+) -> tuple[ModelConfig, Pipeline]:
+    """:func:`load_version`, then the pipeline on its device with its dry run.
+
+    Args:
+        name: the model's name.
+        src: where the version lives.
+        default_device: the device of a config that says ``device = "auto"``.
+        max_operator_bytes: see :func:`load_version`.
+        max_batch_bytes: see :func:`load_version`.
+        patch: see :func:`load_version`.
+        warmup: also run the full batch a second time (``--warmup``).
+
+    Raises:
+        ConfigError: every problem, each naming the file and the key.
+    """
+    cfg, artifacts = load_version(
+        src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes, patch=patch
+    )
+    device = resolve_device(cfg.device, default_device, source=src.source)
+    pipe = Pipeline(name, cfg, artifacts, device, warmup=warmup, source=src.source)
+    return cfg, pipe
+
+
+def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) -> list[int]:
     """Bytes of each input's device buffer: ``max(max_batch_size, 1)`` items of its logical
     shape, in the dtype it is computed in (the operator's input in the operator's dtype, the
-    others in their own; bit-packed ones unpacked)."""
+    others in ``dtypes``, by default ``[[inputs]] dtype`` or their own; bit-packed ones
+    unpacked)."""
     capacity = max(cfg.max_batch_size, 1)
     sizes = []
     for i, spec in enumerate(cfg.inputs):
         if cfg.operator is not None and i == cfg.operator_input:
             itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
+        elif dtypes is not None:
+            itemsize = dtypes[i].itemsize
+        elif spec.dtype is not None:
+            itemsize = getattr(torch, spec.dtype).itemsize
         else:
             itemsize = torch_dtype(spec.datatype).itemsize
         sizes.append(capacity * math.prod(spec.shape) * itemsize)
     return sizes
 
 
-def check_buffers(cfg: ModelConfig, source: str, limit: int) -> None:
+def check_buffers(
+    cfg: ModelConfig, source: str, limit: int, dtypes: Sequence[torch.dtype] | None = None
+) -> None:
     """Refuse a config whose input buffers (allocated whole at load) would pass ``limit``
     (the ``max_batch_bytes`` setting).
 
@@ -134,7 +185,7 @@ def check_buffers(cfg: ModelConfig, source: str, limit: int) -> None:
         f"{source}: inputs[{i}] ({safe_text(spec.name)}): max_batch_size "
         f"{cfg.max_batch_size} x shape {spec.shape} needs a device buffer of {n:,} bytes, "
         f"more than max_batch_bytes ({limit:,})"
-        for i, (spec, n) in enumerate(zip(cfg.inputs, buffer_bytes(cfg), strict=True))
+        for i, (spec, n) in enumerate(zip(cfg.inputs, buffer_bytes(cfg, dtypes), strict=True))
         if n > limit
     ]
     if problems:
@@ -175,34 +226,45 @@ def check_model(
     *,
     max_operator_bytes: int,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    device: str = "cpu",
 ) -> list[str]:
-    """Every problem of one model of a repository, through :func:`load_version`.
+    """Every problem of one model of a repository, through :func:`build_version` (the dry
+    run included) on ``device``: ``serve`` refuses exactly these.
+
+    Args:
+        device: where the versions are built, whatever their configs say (a config's own
+            ``"cuda:N"`` needs a host that has it; the dry run's outcome does not).
 
     Returns:
-        One line per problem with the libraries' own text (``ConfigError.details``); empty
-        when ``serve`` would load it (device and output checks aside).
+        One line per problem, as the server would say it; empty when ``serve`` would load
+        the model.
     """
     try:
         versions = model_versions(root, name)
     except ConfigError as exc:
-        return exc.details
+        return exc.problems
     problems: list[str] = []
+    limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
     for src in versions.values():
         try:
-            load_version(
-                src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes
-            )
+            build_version(name, src, default_device=device, patch={"device": device},
+                          warmup=False, **limits)  # fmt: skip
         except ConfigError as exc:
-            problems += exc.details
+            problems += exc.problems
         except Exception as exc:  # a bug of ours: still one line, never a traceback
-            problems += hidden_error(src.source, "unexpected error", exc).details
-    return problems
+            problems += src.error(src.source, "unexpected error", exc).problems
+    return [p.replace(f"{src.source} + config override", src.source) for p in problems]
 
 
 def check_repository(
-    root: Path, *, max_operator_bytes: int, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    root: Path,
+    *,
+    max_operator_bytes: int,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    device: str = "cpu",
 ) -> list[str]:
-    """Validate a repository without putting anything on a device (``bitserve check-repo``).
+    """Validate a repository as ``serve`` loads it, dry runs on ``device`` included
+    (``bitserve check-repo``).
 
     Returns:
         Human-readable problems, each naming the file and the key; empty when valid.
@@ -216,7 +278,7 @@ def check_repository(
     if not names:
         return [f"{root}: no model folders"]
     limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
-    return [p for n in names for p in check_model(root, n, **limits)]
+    return [p for n in names for p in check_model(root, n, device=device, **limits)]
 
 
 # --- the operator -------------------------------------------------------------------------
@@ -258,7 +320,7 @@ def _read_operator(src: VersionSource, cfg: ModelConfig, limit: int) -> dict[str
     except ConfigError:
         raise
     except Exception as exc:  # safetensors raises several types for a corrupt file
-        raise hidden_error(where, "not a readable safetensors file", exc) from exc
+        raise src.error(where, "not a readable safetensors file", exc) from exc
     _check_values(cfg, tensors, src.source, limit)
     return tensors
 
@@ -338,9 +400,10 @@ def _check_values(
         xs = tensors["response_x"].detach().to(torch.float64)
         lo, hi = float(xs[0]), float(xs[-1])
     else:
-        spec = responses.named(op.response)
-        half = spec.half_width(op.parameters[spec.param], op.support)
-        lo, hi = -half, half
+        options = responses.Options(**op.options)
+        shape = responses.parse_named(op.response, op.support, op.parameters, options)
+        lo, hi = shape.window(shape.value)
+        lo, hi = lo - shape.shift * shape.value, hi - shape.shift * shape.value
     _, _, W = responses.windows(x, c, lo, hi)
     sorted_rows = bool((c[:, 1:] >= c[:, :-1]).all())
     size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows)
@@ -374,12 +437,11 @@ def _size(n: int) -> str:
 # --- the model ----------------------------------------------------------------------------
 
 
-def _load_model(path: Path, fmt: str) -> Any:
-    if fmt == "torch_export":
-        import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*, which programs may call
-
-        return torch.export.load(str(path))
-    with warnings.catch_warnings():
-        # TorchScript is deprecated in favour of torch.export but still the common format.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
+def _load_model(path: Path, cfg: ModelConfig, where: str, src: VersionSource) -> ModelFile:
+    """The model file in its format, on the host; its loader's message when it cannot."""
+    assert cfg.model is not None
+    try:
+        return load_model_file(path, cfg.model.format)
+    except Exception as exc:  # each format's loader raises its own types for a bad file
+        file = safe_text(cfg.model.file)
+        raise src.error(where, f"{file}: cannot load", exc) from exc

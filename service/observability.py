@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any
 
-from service.config import safe_text
+from service.text import safe_text
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")

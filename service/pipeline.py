@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,15 +29,18 @@ import torch
 
 import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
 from service import devices
+from service.backends import ModelFile
 from service.config import (
     ConfigError,
     InputConfig,
     ModelConfig,
     OperatorConfig,
 )
+from service.model_check import dry_run, handed_dtypes
 from service.protocol.types import DATATYPES, REGISTRY
 from service.signature import Bound
 from service.statistics import ModelStats
+from service.text import safe_text
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
@@ -64,11 +68,17 @@ class Artifacts:
     Attributes:
         tensors: the operator's tensors (``x``, ``c`` and for a tabulated response
             ``response_x``/``response_y``); empty without an operator.
-        model: a ``torch.export.ExportedProgram`` or a TorchScript module, or None.
+        model: the model file in its format (``service.backends``), or None.
+        warmup: the dry run's sample (``warmup_file``): per input name, items batch first
+            in a wire form; None: zeros.
+        folder: the model's folder and how messages show it (library messages name files
+            relative to it).
     """
 
     tensors: dict[str, torch.Tensor]
-    model: Any = None
+    model: ModelFile | None = None
+    warmup: dict[str, np.ndarray[Any, Any]] | None = None
+    folder: tuple[Path, str] | None = None
 
 
 def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
@@ -90,21 +100,11 @@ def build_operator(
     x, c = tensors["x"], tensors["c"]
     if op.response == "tabulated":
         table = (tensors["response_x"].double(), tensors["response_y"].double())
-        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device)
+        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
     return BandedResampler.from_response(
-        x, c, op.response, op.support, dtype=dtype, device=device, **params
+        x, c, op.response, op.support, dtype=dtype, device=device, **op.options, **params
     )
-
-
-def _prepare_model(model: Any, device: torch.device) -> Callable[..., Any]:
-    if isinstance(model, torch.export.ExportedProgram):
-        from torch.export.passes import move_to_device_pass
-
-        return move_to_device_pass(model, device).module()
-    module: torch.nn.Module = model.to(device)
-    module.eval()
-    return module
 
 
 def _module_bytes(module: Any) -> int:
@@ -115,20 +115,25 @@ def _module_bytes(module: Any) -> int:
 
 
 class Pipeline:
-    """A model version resident on its device.
+    """A model version resident on its device, dry-run before it is handed out.
+
+    The dry run (:func:`service.model_check.dry_run`, as Triton's ModelWarmup) sends a zero
+    batch (or the ``warmup_file`` sample) through :meth:`run` at batch 1 and at
+    ``max_batch_size`` and checks every output against ``[[outputs]]``.
 
     Args:
         name: the model name (messages).
         cfg: its configuration.
         artifacts: its loaded files (moved to the device once, here).
         device: ``"cpu"`` or ``"cuda:N"``.
-        warmup: also run a full-size batch at load (the first run compiles kernels and
-            grows allocator pools; without it the first request pays for that).
+        warmup: also run a second full-size batch at load (the first runs compile kernels
+            and grow allocator pools; without it the first request pays for that).
         source: the config's path for messages.
 
     Raises:
-        ConfigError: the operator tensors do not fit the input, or the model's outputs do
-            not match ``[[outputs]]`` (count, names, or a declared shape).
+        ConfigError: the model cannot run on the device, the dry run failed (the model
+            raised, with its message), or the outputs do not match ``[[outputs]]`` (count,
+            datatype, a declared shape).
     """
 
     def __init__(
@@ -158,11 +163,8 @@ class Pipeline:
         self.operator_input = cfg.operator_input
         self.compute_dtype = COMPUTE_DTYPES[op.dtype] if op is not None else torch.float32
         # What each input is on the device: the operator's in its compute dtype, the others
-        # in their logical datatype (bit-packed ones as bool).
-        self._dtypes = [
-            self.compute_dtype if i == self.operator_input else torch_dtype(spec.datatype)
-            for i, spec in enumerate(self.inputs)
-        ]
+        # in the dtype the model is handed them in (bits unpacked straight into it).
+        self._dtypes = handed_dtypes(cfg, artifacts.model)
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
         self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
@@ -170,37 +172,51 @@ class Pipeline:
             self.operator = (
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
             )
-            self.model = (
-                None if artifacts.model is None else _prepare_model(artifacts.model, self.device)
-            )
+            self.model = None if artifacts.model is None else self._on_device(artifacts.model)
             # Each batch is unpacked into (a prefix of) these buffers: no allocation per batch.
             self._buffers = [
                 torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
                 for spec, dtype in zip(self.inputs, self._dtypes, strict=True)
             ]
-            # A single item gives the output shapes (and checks the model against the config).
-            probe = self._forward(1)
-            self.output_shapes = [list(t.shape[1:]) for t in probe]
-            self._check_outputs()
-            if warmup:
-                for _ in range(2):
-                    self._forward(self.capacity)
-                self._synchronize()
+        self.output_shapes: list[list[int]] = dry_run(self, artifacts, again=warmup)
+        """Each output's shape of one item, as the dry run found it."""
+        model_bytes = 0
+        if artifacts.model is not None and self.model is not None:
+            model_bytes = artifacts.model.device_bytes(self.model)
         self.device_memory_bytes = (
             sum(b.numel() * b.element_size() for b in self._buffers)
             + _module_bytes(self.operator)
-            + _module_bytes(self.model)
+            + model_bytes
         )
 
     # --- loading checks -------------------------------------------------------------------
 
-    def _check_outputs(self) -> None:
-        outs = self.cfg.outputs
-        for i, (o, shape) in enumerate(zip(outs, self.output_shapes, strict=True)):
-            if o.shape is not None and o.shape != shape:
-                raise ConfigError(
-                    [f"{self.source}: outputs[{i}].shape: {o.shape}, but the model gives {shape}"]
-                )
+    def _on_device(self, model: ModelFile) -> Callable[..., Any]:
+        try:
+            return model.to(self.device)
+        except ValueError as exc:
+            raise self._bad_model(f"{safe_text(model.path.name)}: {exc}") from None
+
+    def check_outputs(self, outs: Sequence[torch.Tensor], m: int) -> None:
+        """The dry run's check of a batch of ``m`` items' outputs against ``[[outputs]]``:
+        a model's datatypes, and each declared shape.
+
+        Raises:
+            ConfigError: naming the output, what the model gives and what is declared.
+        """
+        for i, (o, t) in enumerate(zip(self.cfg.outputs, outs, strict=True)):
+            where = f"{self.source}: outputs[{i}]"
+            name = safe_text(o.name)
+            # A wider datatype than the model's is a lossless conversion; another is refused.
+            want = self._out_dtypes[i]
+            if self.model is not None and torch.promote_types(t.dtype, want) != want:
+                got = f"{str(t.dtype).removeprefix('torch.')} {[m, *t.shape[1:]]}"
+                raise ConfigError([f"{where}.datatype: {o.datatype} for '{name}', but the model "
+                                   f"gives {got}"])  # fmt: skip
+            if o.shape is not None and o.shape != list(t.shape[1:]):
+                by = "model" if self.model is not None else "operator"
+                raise ConfigError([f"{where}.shape: {o.shape} for '{name}', but the {by} gives "
+                                   f"{list(t.shape[1:])}"])  # fmt: skip
 
     def _bad_model(self, problem: str) -> ConfigError:
         return ConfigError([f"{self.source}: model.file: {problem}"])
@@ -218,7 +234,7 @@ class Pipeline:
 
     def _forward(self, m: int) -> list[torch.Tensor]:
         """Operator then model on the first ``m`` items of the buffers; outputs batch-first,
-        in config order and dtypes."""
+        in config order, as the model gives them."""
         us = [b[:m] for b in self._buffers]
         if self.operator is not None and self.operator_input is not None:
             us[self.operator_input] = self.operator(us[self.operator_input])
@@ -243,7 +259,7 @@ class Pipeline:
                 raise ConfigError(
                     [f"{self.source}: outputs[{i}]: shape {shape} has no batch dimension of {m}"]
                 )
-        return [t.to(d) for t, d in zip(outs, self._out_dtypes, strict=True)]
+        return list(outs)
 
     def _gather(self, requests: Sequence[Bound]) -> tuple[torch.Tensor, list[int]]:
         """Every request's payloads, input by input, as one uint8 tensor on the device: one
@@ -291,9 +307,12 @@ class Pipeline:
             # Consecutive requests of the same wire form are contiguous in ``raw``: one call
             # each.
             while k < len(wires):
-                form = (wires[k].packed, wires[k].data.dtype)
+                form = (wires[k].packed, wires[k].data.dtype, wires[k].bitorder)
                 j = k
-                while j < len(wires) and (wires[j].packed, wires[j].data.dtype) == form:
+                while (
+                    j < len(wires)
+                    and (wires[j].packed, wires[j].data.dtype, wires[j].bitorder) == form
+                ):
                     j += 1
                 n = sum(r.size for r in requests[k:j])
                 nbytes = sum(w.data.nbytes for w in wires[k:j])
@@ -301,7 +320,7 @@ class Pipeline:
                 dst = buffer[row : row + n]
                 if wires[k].packed:
                     packed = part.view(n, *spec.packed_shape)
-                    unpack(packed, packed.dim() - 1, spec.bitorder, dst)
+                    unpack(packed, packed.dim() - 1, form[2] or spec.bitorder, dst)
                 elif form[1] == np.bool_:
                     # Every request path already refuses BOOL bytes other than 0/1 (the
                     # framing checks binary and JSON data), so this clamp is defence for
@@ -318,12 +337,16 @@ class Pipeline:
             m = row
         return m
 
-    def run(self, requests: Sequence[Bound]) -> list[list[np.ndarray[Any, Any]]]:
+    def run(
+        self, requests: Sequence[Bound], *, check: bool = False
+    ) -> list[list[np.ndarray[Any, Any]]]:
         """Compute one batch.
 
         Args:
             requests: the batch's requests, checked by the model's signature (shapes, dtypes;
                 total size at most ``capacity``).
+            check: check the outputs against ``[[outputs]]`` (the dry run's
+                :meth:`check_outputs`).
 
         Returns:
             Per request, one array per configured output, in config order: ``(b, *shape)``
@@ -344,6 +367,9 @@ class Pipeline:
             if events:
                 events[1].record()
             outs = self._forward(m)
+            if check:
+                self.check_outputs(outs, m)
+            outs = [t.to(d) for t, d in zip(outs, self._out_dtypes, strict=True)]
             t2 = clock()
             if events:
                 events[2].record()

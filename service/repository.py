@@ -34,7 +34,7 @@ from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.model_files import check_buffers, check_operator, load_version
+from service.model_files import build_version, check_buffers, check_operator
 from service.pipeline import Artifacts, Pipeline, resolve_device
 from service.settings import Settings
 from service.signature import Bound, Signature
@@ -72,6 +72,8 @@ class ModelRepository:
         max_batch_bytes: the most bytes each of a model's input buffers may take (the same).
         initial_models: the models :meth:`start` loads; None: every model of the repository
             (``--workers``: the set the workers agreed on, see ``service.cluster``).
+        strict_readiness: whether a model that failed to load keeps the server not ready
+            (see :meth:`not_ready_reason`).
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class ModelRepository:
         max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         initial_models: list[str] | None = None,
+        strict_readiness: bool = True,
     ) -> None:
         self.root = root
+        self.strict_readiness = strict_readiness
         self.max_operator_bytes = max_operator_bytes
         self.max_batch_bytes = max_batch_bytes
         self.metrics = metrics
@@ -127,6 +131,7 @@ class ModelRepository:
             max_operator_bytes=settings.max_operator_bytes,
             max_batch_bytes=settings.max_batch_bytes,
             initial_models=initial_models,
+            strict_readiness=settings.strict_readiness,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -134,8 +139,8 @@ class ModelRepository:
     async def start(self) -> None:
         """Load every model (heavy work in threads, off the event loop).
 
-        A model that fails to load is recorded as UNAVAILABLE with the reason; the server is
-        then not ready (see :attr:`ready`), as in Triton's strict readiness.
+        A model that fails to load is recorded as UNAVAILABLE with the reason; with strict
+        readiness the server is then not ready (see :meth:`not_ready_reason`), as in Triton.
         """
         if self._initial_models is not None:
             names = self._initial_models
@@ -156,14 +161,25 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, and every model not explicitly unloaded is READY."""
-        if not self._started or self._closing:
-            return False
-        return all(
-            e.state == READY
-            for name, versions in self._models.items()
+        """Whether the server is ready (see :meth:`not_ready_reason`)."""
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready, naming the models; None when it is.
+
+        Ready: started, not stopping, and every model not explicitly unloaded is READY; with
+        ``strict_readiness`` off, a model whose load failed (UNAVAILABLE) does not count, so
+        one bad model does not take a healthy server out of a load balancer (Triton's
+        ``--strict-readiness``).
+        """
+        states = [
+            (name, v, e.state, e.reason)
+            for name, versions in sorted(self._models.items())
             if name not in self._unloaded
-            for e in versions.values()
+            for v, e in sorted(versions.items(), key=lambda kv: int(kv[0]))
+        ]
+        return readiness_reason(
+            states, started=self._started, closing=self._closing, strict=self.strict_readiness
         )
 
     def index(self) -> list[dict[str, Any]]:
@@ -335,25 +351,24 @@ class ModelRepository:
         problems: list[str] = []
         for v, src in sources.items():
             try:
-                cfg, artifacts = load_version(
+                cfg, pipe = build_version(
+                    name,
                     src,
+                    default_device=self.default_device,
                     max_operator_bytes=self.max_operator_bytes,
                     max_batch_bytes=self.max_batch_bytes,
                     patch=patch,
+                    warmup=self.warmup,
                 )
-                device = resolve_device(cfg.device, self.default_device, source=src.source)
-                pipe = Pipeline(name, cfg, artifacts, device, warmup=self.warmup,
-                                source=src.source)  # fmt: skip
                 _check_override_io(override, src.source, name, cfg, pipe)
                 out[v] = (cfg, pipe)
             except ConfigError as exc:
                 problems += exc.problems
-                if exc.__cause__ is not None:  # a library's error: its text and traceback
-                    log.error("%s", "; ".join(exc.details), exc_info=exc.__cause__)
+                if exc.__cause__ is not None:  # a library's error: its traceback, logged
+                    log.error("%s", "; ".join(exc.problems), exc_info=exc.__cause__)
             except Exception as exc:  # a broken operator or model: report, don't crash
                 log.exception("model %s version %s failed to build", name, v)
-                problems.append(f"{src.source}: failed to build: {type(exc).__name__} "
-                                "(details in the server log)")  # fmt: skip
+                problems += src.error(src.source, "failed to build", exc).problems
         if problems:
             raise ConfigError(problems)
         return out
@@ -399,6 +414,35 @@ class ModelRepository:
         devices |= set(per_device)
         for dev in devices:  # devices it has left are set to 0, not left stale
             self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
+
+
+def readiness_reason(
+    states: list[tuple[str, str, str, str]], *, started: bool, closing: bool, strict: bool
+) -> str | None:
+    """The readiness rule, for any transport: why a server is not ready, or None.
+
+    Args:
+        states: ``(model, version, state, reason)`` of every version of every model not
+            explicitly unloaded.
+        started: whether the initial loads are done.
+        closing: whether the server is stopping.
+        strict: whether a version that failed to load (UNAVAILABLE) keeps it not ready.
+    """
+    if closing:
+        return "server is not ready: shutting down"
+    busy = sorted({m for m, _, state, _ in states if state in (LOADING, UNLOADING)})
+    if not started or busy:
+        names = ", ".join(f"'{m}'" for m in busy)
+        return f"server is not ready: loading models{f' ({names})' if names else ''}"
+    failed = [(m, v, why) for m, v, state, why in states if state == UNAVAILABLE]
+    if not strict or not failed:
+        return None
+    m, v, why = failed[0]
+    more = f" (and {len(failed) - 1} more failed versions)" if len(failed) > 1 else ""
+    return (
+        f"server is not ready: model '{m}' version {v} failed to load{more}; serve with "
+        f"--no-strict-readiness to be ready without it: {why or 'no reason given'}"
+    )
 
 
 def _check_override_io(

@@ -141,7 +141,13 @@ class Settings(BaseSettings):
     """On SIGTERM, how long in-flight requests may take to finish before the server exits."""
 
     warmup: bool = True
-    """Run one batch through every model at load, so the first request is not slow."""
+    """Run the full batch of every model's dry run twice at load, so the first request is
+    not slow (the dry run itself, at batch 1 and at max_batch_size, always runs)."""
+
+    strict_readiness: bool = True
+    """/v2/health/ready answers 200 only when every model is READY (Triton's default).
+    False: 200 once the server is live and every model is READY or has failed to load, so
+    one bad model does not take a healthy server out of a load balancer."""
 
     limit_concurrency: int | None = Field(default=None, gt=0)
     """Requests handled at once (per worker process) above which new ones are answered 503

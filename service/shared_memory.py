@@ -87,13 +87,13 @@ class SystemSharedMemory:
 
     # --- registration ---------------------------------------------------------------------
 
-    def register(self, name: object, key: object, offset: object, byte_size: object) -> None:
-        """Map ``byte_size`` bytes at ``offset`` of the POSIX object ``key`` as region ``name``.
+    def check(
+        self, name: object, key: object, offset: object, byte_size: object
+    ) -> tuple[str, str, int, int]:
+        """A registration's name, key, offset and byte size, checked (nothing is opened).
 
         Raises:
-            InvalidInput: a bad name, key, offset or size, an object that cannot be opened or
-                is too small, a name already registered, or too many regions; the message
-                names the region.
+            InvalidInput: a bad name, key, offset or size; the message names the region.
         """
         name = check_text(name, "shared memory region name", MAX_NAME_CHARS)
         what = f"failed to register shared memory region '{name}'"
@@ -107,6 +107,19 @@ class SystemSharedMemory:
             )
         offset = _count(offset, f"{what}: offset", least=0)
         byte_size = _count(byte_size, f"{what}: byte_size", least=1)
+        return name, key_text, offset, byte_size
+
+    def register(self, name: object, key: object, offset: object, byte_size: object) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the POSIX object ``key`` as region ``name``.
+
+        Raises:
+            InvalidInput: a bad name, key, offset or size (:meth:`check`), an object that
+                cannot be opened or is too small, a name already registered, or too many
+                regions; the message names the region.
+        """
+        name, key_text, offset, byte_size = self.check(name, key, offset, byte_size)
+        what = f"failed to register shared memory region '{name}'"
+        base = key_text.lstrip("/")
         with self._lock:
             if name in self._regions:
                 raise InvalidInput(f"shared memory region '{name}' already in manager")
@@ -115,7 +128,7 @@ class SystemSharedMemory:
                     f"{what}: {len(self._regions)} regions are registered, the most this "
                     f"server takes (max_shm_regions {self.max_regions}); unregister some"
                 )
-            self._regions[name] = self._map(name, key_text, match.group(1), offset, byte_size)
+            self._regions[name] = self._map(name, key_text, base, offset, byte_size)
 
     def _map(self, name: str, key: str, base: str, offset: int, byte_size: int) -> _Region:
         what = f"failed to register shared memory region '{name}'"

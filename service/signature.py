@@ -34,10 +34,13 @@ class WireInput:
             ``(b, *packed_shape)`` when ``packed``, else the logical ``(b, *shape)`` in the
             wire datatype. Read-only views over the request body are fine.
         packed: whether ``data`` holds bits packed along the last axis.
+        bitorder: the request's own bit order of those bits (its input's
+            ``parameters.bitorder``); None: the model's.
     """
 
     data: np.ndarray[Any, Any]
     packed: bool
+    bitorder: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,8 @@ class Signature:
             size = b
             packed = t.datatype == "UINT8" and spec.packing == "bits"
             data = t.data if self.batched else t.data.reshape(1, *t.data.shape)
-            wires.append(WireInput(np.ascontiguousarray(data), packed))
+            order = self._bitorder(spec, t.parameters) if t.parameters else None
+            wires.append(WireInput(np.ascontiguousarray(data), packed, order))
         if len(request.inputs) != len(self.inputs):  # decoders refuse most of this earlier
             names = [t.name for t in request.inputs]
             repeated = [n for n in names if names.count(n) > 1]
@@ -177,6 +181,26 @@ class Signature:
             expected = [s.name for s in self.inputs]
             raise InvalidInput(f"{m}: unknown input '{extra[0]}' (expected inputs: {expected})")
         return Bound(tuple(wires), self._outputs(request, size), size)
+
+    def _bitorder(self, spec: InputConfig, parameters: dict[str, Any]) -> str | None:
+        """An input's ``parameters.bitorder``: ``"big"`` or ``"little"`` for a bit-packed
+        input (its BOOL form ignores it); None when not given."""
+        order = parameters.get("bitorder")
+        if order is None:
+            return None
+        m = self._prefix()
+        if spec.packing != "bits":
+            raise InvalidInput(
+                f"{m}: input '{spec.name}' has parameters.bitorder, but it is not bit-packed "
+                '(packing = "bits")'
+            )
+        if order not in ("big", "little"):
+            shown = ascii(order)[:40] if isinstance(order, str) else type(order).__name__
+            raise InvalidInput(
+                f'{m}: input \'{spec.name}\': parameters.bitorder must be "big" or "little", '
+                f"not {shown}"
+            )
+        return str(order)
 
     def _outputs(self, request: InferRequest, size: int) -> tuple[int, ...]:
         if request.outputs is None:

@@ -2,14 +2,13 @@
 
 A fresh interpreter (``spawn``): it sizes torch's threads, builds its own repository (its own
 copy of every model, on its device), application and :class:`~service.cluster.Cluster`, and
-runs uvicorn on two sockets: the server's port, shared with the other workers through
-``SO_REUSEPORT``, and its private unix socket for its peers. Its gRPC server (unless
-``grpc_port`` is 0) shares the gRPC port with the other workers the same way.
+runs uvicorn on the server's port, shared with the other workers through ``SO_REUSEPORT``
+(its control plane listens for its peers' changes on a private unix socket). Its gRPC
+server (unless ``grpc_port`` is 0) shares the gRPC port with the other workers the same way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -19,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from service.cluster import WORKER_HEADER, Cluster
+from service.devices import set_torch_threads
+from service.rest.server import Server, run_server, uvicorn_config
 from service.settings import Settings
 
 __all__ = ["WorkerSpec", "bind_port", "run_worker"]
@@ -54,17 +53,6 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def set_torch_threads(torch_threads: int | None, interop_threads: int) -> None:
-    """Apply a :class:`service.workers.WorkerPlan`'s threads to this process (a worker, or
-    the one process of ``--workers 1``): intra-op threads (None: torch's default, as
-    ``OMP_NUM_THREADS`` set them) and inter-op threads."""
-    import torch
-
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
-    torch.set_num_interop_threads(interop_threads)
-
-
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process: its own torch threads, models, uvicorn server and private socket."""
     # Ctrl-C reaches the whole process group; the supervisor passes it on as SIGTERM, which
@@ -85,58 +73,27 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # Imported here: the supervisor imports this module too, and stays without torch.
-    from service.cli import run_server, uvicorn_config
     from service.metrics import Metrics
     from service.repository import ModelRepository
     from service.rest.app import create_app
 
     settings = spec.settings
-    run_dir = Path(spec.run_dir)
-    token = settings.token
-    repository: ModelRepository | None = None
     metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cluster = Cluster(
-        run_dir,
+        Path(spec.run_dir),
         spec.index,
         spec.workers,
         spec.secret,
-        repository_ready=lambda: repository is not None and repository.ready,
         statistics=metrics.statistics.snapshots,
-        auth_token=token,
-        body_timeout_s=settings.body_timeout_s,
     )
     metrics.statistics_source = cluster.statistics  # /metrics and the stats routes: all of it
     repository = ModelRepository.from_settings(
         settings, metrics, device=spec.device, initial_models=cluster.initial_models()
     )
-    app = create_app(settings, repository, metrics=metrics, grpc=True, grpc_shared_port=True)
-    cluster.install(app)
+    app = create_app(
+        settings, repository, metrics=metrics, grpc=True, grpc_shared_port=True, cluster=cluster
+    )
     config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
-    server = _WorkerServer(config, cluster)
-    # uvicorn listens on both once the models are loaded: until then the kernel sends this
-    # worker no connections, and its peers no repository changes.
-    sockets = [bind_port(settings.host, spec.port), cluster.private_socket()]
-    return run_server(server, sockets)
-
-
-class _WorkerServer(uvicorn.Server):
-    """uvicorn's server, plus the cluster's catch-up once it listens (see service.cluster)."""
-
-    def __init__(self, config: uvicorn.Config, cluster: Cluster) -> None:
-        super().__init__(config)
-        self.cluster = cluster
-        self._cluster_task: asyncio.Task[None] | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self._cluster_task = asyncio.create_task(self.cluster.run())
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        from service.rest.app import begin_shutdown  # the supervisor imports this module too
-
-        begin_shutdown(self.config.app)  # gRPC stops taking calls with HTTP
-        self.cluster.leave()
-        if self._cluster_task is not None:
-            self._cluster_task.cancel()
-        await super().shutdown(sockets)
+    # uvicorn listens once the models are loaded and the worker has caught up with its peers
+    # (the lifespan): until then the kernel sends this worker no connections.
+    return run_server(Server(config), [bind_port(settings.host, spec.port)])

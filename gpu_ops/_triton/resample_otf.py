@@ -53,10 +53,31 @@ def _response(d, p, RESP: tl.constexpr):
             tl.where(on, -sgn / p, 0.0),
             tl.where(on, tl.abs(d) / (p * p), 0.0),
         )
-    else:  # lorentzian: 1 / (1 + u^2)
+    elif RESP == 3:  # lorentzian: 1 / (1 + u^2)
         u = d / p
         q = 1.0 / (1.0 + u * u)
         return q, -2.0 * u * q * q / p, 2.0 * u * u * q * q / p
+    elif RESP == 4:  # laplacian: exp(-|u|)
+        au = tl.abs(d) / p
+        r = tl.exp(-au)
+        sgn = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        return r, -sgn / p * r, au / p * r
+    elif RESP == 5:  # exponential (causal): exp(-u) for u >= 0
+        u = d / p
+        r = tl.where(u >= 0, tl.exp(-tl.maximum(u, 0.0)), 0.0)
+        return r, -r / p, u / p * r
+    elif RESP == 6:  # alpha (causal): u exp(1 - u) for u >= 0
+        u = d / p
+        e = tl.where(u >= 0, tl.exp(1.0 - tl.maximum(u, 0.0)), 0.0)
+        return u * e, (1.0 - u) * e / p, -u * (1.0 - u) * e / p
+    else:  # epanechnikov: max(0, 1 - u^2)
+        u = d / p
+        on = tl.abs(u) < 1.0
+        return (
+            tl.where(on, 1.0 - u * u, 0.0),
+            tl.where(on, -2.0 * u / p, 0.0),
+            tl.where(on, 2.0 * u * u / p, 0.0),
+        )
 
 
 @triton.jit
@@ -177,20 +198,22 @@ class Geometry(NamedTuple):
     code: int
 
 
-def prepare(x: torch.Tensor, c: torch.Tensor, code: int, param: float, half: float) -> Geometry:
-    """Sort c per row and find each window ``|c - x| <= half`` with one searchsorted.
+def prepare(
+    x: torch.Tensor, c: torch.Tensor, code: int, param: float, lo: float, hi: float
+) -> Geometry:
+    """Sort c per row and find each window ``lo <= c - x <= hi`` with one searchsorted.
 
     Args:
         x: (B,) float64 fine grid.
         c: (N, A) coarse points.
         code: the response's ``NamedResponse.code``.
         param: its parameter.
-        half: the window's half-width in units of x.
+        lo, hi: the window in units of x.
     """
     c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
     c64 = c_sorted.to(x.dtype).contiguous()
-    first = torch.searchsorted(x, c64 - half, side="left").to(torch.int32)
-    last = torch.searchsorted(x, c64 + half, side="right").to(torch.int32)
+    first = torch.searchsorted(x, c64 - hi, side="left").to(torch.int32)
+    last = torch.searchsorted(x, c64 - lo, side="right").to(torch.int32)
     return Geometry(
         x, c_sorted.contiguous(), first, last, order, torch.argsort(order, dim=1),
         float(param), code,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import numpy as np
 from google.protobuf import json_format
@@ -343,14 +342,3 @@ def log_settings(settings: Mapping[str, Any]) -> pb.LogSettingsResponse:
         else:
             v.string_param = str(value)
     return out
-
-
-def path_part(name: str) -> str:
-    """``name`` percent-encoded as one segment of a route's path."""
-    return quote(name, safe="")
-
-
-def json_safe(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Parameters for a JSON body: a ``bytes`` value (a ``file:`` parameter of a load) is
-    replaced by its size (the load refuses such parameters by name)."""
-    return {k: f"<{len(v)} bytes>" if isinstance(v, bytes) else v for k, v in params.items()}

@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 
+from service.controlplane import ControlPlane
 from service.dataplane import DataPlane
-from service.grpc.routes import AppRoutes
 from service.grpc.rpc import Rpcs
 from service.grpc.servicer import GrpcEndpoints
 from service.settings import Settings
@@ -86,9 +86,8 @@ class GrpcServer:
 
     Args:
         dataplane: the server's data plane (shared with HTTP).
+        control: the server's control plane (shared with HTTP).
         settings: host, ``grpc_port``, limits, keepalive, token, access log.
-        app: the application, whose control routes state changes and readiness go through
-            (``service.grpc.routes``: with ``--workers``, cluster-wide).
         shared_port: bind with ``SO_REUSEPORT``: each worker process of ``--workers`` serves
             the port, the kernel spreading connections over them (a gRPC channel is one
             connection: its calls all go to one worker).
@@ -97,16 +96,16 @@ class GrpcServer:
     def __init__(
         self,
         dataplane: DataPlane,
+        control: ControlPlane,
         settings: Settings,
         *,
-        app: Any,
         shared_port: bool = False,
     ) -> None:
         self.settings = settings
         self.shared_port = shared_port
         token = settings.token
         rpcs = Rpcs(auth_token=token, access_log=settings.access_log)
-        self.endpoints = GrpcEndpoints(dataplane, rpcs, AppRoutes(app, token))
+        self.endpoints = GrpcEndpoints(dataplane, control, rpcs)
         self.port: int | None = None
         """The port bound, once started."""
         self._server: grpc.aio.Server | None = None

@@ -1,10 +1,11 @@
 """``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``: thin adapters over the data
-plane.
+plane and the control plane.
 
-Each handler takes its message apart, makes one :class:`service.dataplane.DataPlane` call and
-builds the answer (``service.grpc.codec``); lookups, checks, capacity, metrics and messages
-are the data plane's, as for REST. Inference goes through :meth:`DataPlane.infer_with` with
-gRPC's decoder and encoder.
+Each handler takes its message apart, makes one :class:`service.dataplane.DataPlane` or
+:class:`service.controlplane.ControlPlane` call and builds the answer (``service.grpc.codec``);
+lookups, checks, capacity, state changes, readiness, metrics and messages are the planes', as
+for REST. Inference goes through :meth:`DataPlane.infer_with` with gRPC's decoder and
+encoder.
 
 ModelStreamInfer computes the requests of a stream concurrently (so they batch with each
 other and with everyone else's) and answers them in the order they came; an error is
@@ -19,14 +20,13 @@ from typing import Any
 
 import grpc
 
-from service.config import valid_model_name
+from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, decode_sized
 from service.errors import ModelNotFound, ServiceError, Unimplemented
 from service.grpc import codec
 from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
-from service.grpc.routes import AppRoutes
 from service.grpc.rpc import Context, Rpcs, log, safe_details
 from service.handle import ModelHandle
 from service.observability import request_id_var
@@ -68,19 +68,19 @@ def _stream_frame(infer_response: bytes) -> bytes:
 
 
 class GrpcEndpoints:
-    """The RPC handlers, bound to one data plane.
+    """The RPC handlers, bound to the server's two planes.
 
     Args:
         dataplane: the server's data plane.
+        control: the server's control plane (state changes and readiness; under
+            ``--workers``, server-wide).
         rpcs: the call envelope (auth, logging, status codes).
-        routes: the application's control routes, which state changes and readiness go
-            through (``service.grpc.routes``: with ``--workers``, cluster-wide).
     """
 
-    def __init__(self, dataplane: DataPlane, rpcs: Rpcs, routes: AppRoutes) -> None:
+    def __init__(self, dataplane: DataPlane, control: ControlPlane, rpcs: Rpcs) -> None:
         self.dataplane = dataplane
+        self.control = control
         self.rpcs = rpcs
-        self.routes = routes
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """grpcio's handlers of both services."""
@@ -123,11 +123,8 @@ class GrpcEndpoints:
     async def server_live(self, request: Any, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def _ready(self) -> bool:
-        return await self.routes.ready()
-
     async def server_ready(self, request: Any, context: Context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=await self._ready())
+        return pb.ServerReadyResponse(ready=self.control.ready())
 
     async def check(
         self, request: health_pb2.HealthCheckRequest, context: Context
@@ -136,7 +133,7 @@ class GrpcEndpoints:
         SERVING when every model is ready (Kubernetes' gRPC probe asks this)."""
         if request.service not in ("", SERVICE):
             raise _UnknownService(f"unknown service '{safe_details(request.service[:200])}'")
-        ready = await self._ready()
+        ready = self.control.ready()
         return health_pb2.HealthCheckResponse(
             status=_Serving.SERVING if ready else _Serving.NOT_SERVING
         )
@@ -174,30 +171,21 @@ class GrpcEndpoints:
     async def repository_index(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
-        return codec.repository_index(self.dataplane.repository_index(request.ready))
-
-    async def _change(self, name: str, action: str, body: dict[str, Any]) -> None:
-        if valid_model_name(name):
-            await self._post(f"/v2/repository/models/{name}/{action}", body)
-        elif action == "load":  # a name no route takes: the data plane refuses it, as for REST
-            await self.dataplane.load(name, self.dataplane.load_parameters(name, body))
-        else:
-            await self.dataplane.unload(name)
+        return codec.repository_index(self.control.repository_index(request.ready))
 
     async def repository_model_load(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         """Load or reload; ``parameters["config"]`` (a JSON string) overrides the model's
         config for this load, as Triton's; model files (``file:`` parameters) are refused."""
-        params = codec.json_safe(codec.parameters_from_proto(request.parameters))
-        body = {"parameters": params} if params else {}
-        await self._change(request.model_name, "load", body)
+        params = codec.parameters_from_proto(request.parameters)
+        await self.control.load(request.model_name, {"parameters": params} if params else {})
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
-        await self._change(request.model_name, "unload", {})
+        await self.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # --- extensions -----------------------------------------------------------------------
@@ -214,51 +202,44 @@ class GrpcEndpoints:
             "(request timings are in the Prometheus metrics at /metrics)"
         )
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return await self.routes.post(path, body, request_id_var.get())
-
     async def shm_status(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        regions = self.dataplane.system_shared_memory_status(request.name or None)
+        regions = self.control.system_shared_memory_status(request.name or None)
         return codec.regions(regions, pb.SystemSharedMemoryStatusResponse)
 
     async def shm_register(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        body = {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
-        region = codec.path_part(request.name)
-        await self._post(f"/v2/systemsharedmemory/region/{region}/register", body)
+        await self.control.register_system_shared_memory(
+            request.name, request.key, request.offset, request.byte_size
+        )
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def shm_unregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         """Unregister a region; ``name`` empty: every region."""
-        if request.name:
-            region = codec.path_part(request.name)
-            await self._post(f"/v2/systemsharedmemory/region/{region}/unregister", {})
-        else:
-            await self._post("/v2/systemsharedmemory/unregister", {})
+        await self.control.unregister_system_shared_memory(request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def cuda_shm_status(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
-        regions = self.dataplane.cuda_shared_memory_status(request.name or None)
+        regions = self.control.cuda_shared_memory_status(request.name or None)
         return codec.regions(regions, pb.CudaSharedMemoryStatusResponse)
 
     async def cuda_shm_register(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
     ) -> pb.CudaSharedMemoryRegisterResponse:
-        """Refused with the data plane's message: CUDA shared memory is not supported."""
-        self.dataplane.register_cuda_shared_memory(request.name)
+        """Refused with the control plane's message: CUDA shared memory is not supported."""
+        self.control.register_cuda_shared_memory(request.name)
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def cuda_shm_unregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
     ) -> pb.CudaSharedMemoryUnregisterResponse:
-        self.dataplane.unregister_cuda_shared_memory(request.name or None)
+        self.control.unregister_cuda_shared_memory(request.name or None)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def log_settings(
@@ -267,11 +248,7 @@ class GrpcEndpoints:
         """Triton's logging extension: the settings given are changed (all or nothing, on every
         worker), and every setting is answered."""
         changes = codec.parameters_from_proto(request.settings)
-        if changes:
-            settings = await self._post("/v2/logging", changes)
-        else:
-            settings = self.dataplane.log_settings()
-        return codec.log_settings(settings)
+        return codec.log_settings(await self.control.update_log_settings(changes))
 
     # --- inference ------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
 from service.errors import ServiceError
 from service.metrics import Metrics
@@ -36,6 +37,9 @@ from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
+
+if TYPE_CHECKING:
+    from service.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +92,6 @@ class BitserveApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def begin_shutdown(app: Any) -> None:
-    """Stop taking gRPC calls now (the server calls this when HTTP stops taking requests, on
-    SIGTERM); the lifespan, after the HTTP drain, waits for the calls in flight before it
-    stops the repository."""
-    grpc_server = getattr(app.state, "grpc", None)
-    if grpc_server is not None:
-        grpc_server.begin_stop()
-
-
 def create_app(
     settings: Settings,
     repository: Repository | None = None,
@@ -104,6 +99,7 @@ def create_app(
     metrics: Metrics | None = None,
     grpc: bool = False,
     grpc_shared_port: bool = False,
+    cluster: Cluster | None = None,
 ) -> BitserveApp:
     """Build the application.
 
@@ -118,10 +114,13 @@ def create_app(
             leave it off).
         grpc_shared_port: the gRPC port is shared with other worker processes
             (``SO_REUSEPORT``, as ``--workers`` shares the HTTP port).
+        cluster: this worker's peers under ``--workers`` (``service.cluster``): changes
+            reach every worker, and readiness waits for them all.
 
     Returns:
         the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
-        ``dataplane`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`, or None).
+        ``dataplane``, ``control`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`,
+        or None).
     """
     metrics = metrics if metrics is not None else Metrics()
     if repository is None:
@@ -132,8 +131,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        dataplane.logging.attach()  # uvicorn has made the log handlers by now
-        await repo.start()
+        await control.start()
         log.info("repository started: %s", [m.get("name") for m in repo.index()])
         grpc_server = app.state.grpc
         try:
@@ -145,9 +143,7 @@ def create_app(
             # gRPC's in-flight calls finish next (it stopped taking new ones with HTTP).
             if grpc_server is not None:
                 await grpc_server.stop()
-            await repo.stop(timeout_s=settings.graceful_shutdown_s)
-            if shm is not None:
-                shm.close()
+            await control.stop(timeout_s=settings.graceful_shutdown_s)
             log.info("repository stopped")
 
     app = BitserveApp(
@@ -168,9 +164,9 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         max_json_bytes=settings.max_json_bytes,
         response_compression=settings.response_compression,
-        log_level=settings.log_level,
         shared_memory=shm,
     )
+    control = ControlPlane(repo, shared_memory=shm, log_level=settings.log_level, cluster=cluster)
     token = settings.token
     infer = InferRoute(
         dataplane,
@@ -183,12 +179,13 @@ def create_app(
     app.state.repository = repo
     app.state.metrics = metrics
     app.state.dataplane = dataplane
+    app.state.control = control
     app.state.grpc = None
     if grpc and settings.grpc_port:
         from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
 
-        app.state.grpc = GrpcServer(dataplane, settings, app=app, shared_port=grpc_shared_port)
-    ep = Endpoints(dataplane, metrics, infer, body_timeout_s=settings.body_timeout_s)
+        app.state.grpc = GrpcServer(dataplane, control, settings, shared_port=grpc_shared_port)
+    ep = Endpoints(dataplane, control, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and
     # one function serves several paths and methods here), so the OpenAPI schema is valid.

@@ -1,7 +1,6 @@
 """Reading a request body from ASGI ``receive``, bounded in size and in time: one reader for
-the infer route (``service.rest.fastpath``), the control routes and the ``--workers`` control
-middleware (``service.cluster``). Imports nothing heavy: the supervisor process imports the
-cluster without torch."""
+the infer route (``service.rest.fastpath``) and the control routes
+(``service.rest.endpoints``)."""
 
 from __future__ import annotations
 

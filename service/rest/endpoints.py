@@ -1,6 +1,8 @@
-"""FastAPI's routes: thin REST adapters over :class:`service.dataplane.DataPlane`.
+"""FastAPI's routes: thin REST adapters over :class:`service.dataplane.DataPlane` and
+:class:`service.controlplane.ControlPlane`.
 
-Each handler takes the HTTP request apart, makes one data-plane call, and writes the answer.
+Each handler takes the HTTP request apart, makes one call of either plane, and writes the
+answer.
 Inference itself is answered by the fast path (``service.rest.fastpath``) before FastAPI sees it;
 its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
 to the same handler.
@@ -17,13 +19,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.config import safe_text
+from service.controlplane import ControlPlane
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.metrics import Metrics
 from service.protocol.response import dumps_plain
 from service.rest.bodies import CONTROL_BODY_BYTES
 from service.rest.fastpath import InferRoute
+from service.text import safe_text
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -87,10 +90,11 @@ class _Delegate(Response):
 
 
 class Endpoints:
-    """The route handlers, bound to one data plane.
+    """The route handlers, bound to the server's two planes.
 
     Args:
         dataplane: the server's data plane.
+        control: the server's control plane.
         metrics: the metrics ``/metrics`` renders.
         infer: the fast path's infer route (``POST .../infer`` is handed to it).
         body_timeout_s: the most seconds a control body may take to arrive.
@@ -99,12 +103,14 @@ class Endpoints:
     def __init__(
         self,
         dataplane: DataPlane,
+        control: ControlPlane,
         metrics: Metrics,
         infer: InferRoute,
         *,
         body_timeout_s: float | None = 60.0,
     ) -> None:
         self.dataplane = dataplane
+        self.control = control
         self.metrics = metrics
         self.infer_route = infer
         self.body_timeout_s = body_timeout_s
@@ -113,8 +119,9 @@ class Endpoints:
         return json_response({"live": True})
 
     async def ready(self) -> Response:
-        if not self.dataplane.ready():
-            raise ModelNotReady("server is not ready: models are still loading or failed")
+        why = self.control.not_ready()
+        if why is not None:
+            raise ModelNotReady(why)
         return json_response({"ready": True})
 
     async def server_metadata(self) -> Response:
@@ -134,34 +141,36 @@ class Endpoints:
         return json_response(self.dataplane.statistics(model, version))
 
     async def system_shm_status(self, region: str | None = None) -> Response:
-        return json_response(self.dataplane.system_shared_memory_status(region))
+        return json_response(self.control.system_shared_memory_status(region))
 
     async def system_shm_register(self, region: str, request: Request) -> Response:
         body = await read_json_object(request, "register", self.body_timeout_s)
-        self.dataplane.register_system_shared_memory(region, body)
+        await self.control.register_system_shared_memory(
+            region, body.get("key"), body.get("offset", 0), body.get("byte_size")
+        )
         return json_response({})
 
     async def system_shm_unregister(self, region: str | None = None) -> Response:
-        self.dataplane.unregister_system_shared_memory(region)
+        await self.control.unregister_system_shared_memory(region)
         return json_response({})
 
     async def cuda_shm_status(self, region: str | None = None) -> Response:
-        return json_response(self.dataplane.cuda_shared_memory_status(region))
+        return json_response(self.control.cuda_shared_memory_status(region))
 
     async def cuda_shm_register(self, region: str) -> Response:
-        self.dataplane.register_cuda_shared_memory(region)
+        self.control.register_cuda_shared_memory(region)
         return json_response({})
 
     async def cuda_shm_unregister(self, region: str | None = None) -> Response:
-        self.dataplane.unregister_cuda_shared_memory(region)
+        self.control.unregister_cuda_shared_memory(region)
         return json_response({})
 
     async def logging_get(self) -> Response:
-        return json_response(self.dataplane.log_settings())
+        return json_response(self.control.log_settings())
 
     async def logging_post(self, request: Request) -> Response:
         changes = await read_json_object(request, "logging", self.body_timeout_s)
-        return json_response(self.dataplane.update_log_settings(changes))
+        return json_response(await self.control.update_log_settings(changes))
 
     async def repository_index(self, request: Request) -> Response:
         opts = {}
@@ -170,7 +179,7 @@ class Endpoints:
         ready = opts.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput("repository index: 'ready' must be a boolean")
-        return json_response(self.dataplane.repository_index(ready))
+        return json_response(self.control.repository_index(ready))
 
     async def load(self, model: str, request: Request) -> Response:
         body = await read_json_object(
@@ -179,11 +188,11 @@ class Endpoints:
             self.body_timeout_s,
             failure=f"failed to load '{safe_text(model, 128)}'",
         )
-        await self.dataplane.load(model, self.dataplane.load_parameters(model, body))
+        await self.control.load(model, body)
         return json_response({})
 
     async def unload(self, model: str) -> Response:
-        await self.dataplane.unload(model)
+        await self.control.unload(model)
         return json_response({})
 
     async def metrics_text(self) -> Response:

@@ -42,9 +42,9 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from service.config import safe_text
 from service.observability import Tally
 from service.protocol.response import error_body
+from service.text import safe_text
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,23 @@ def test_health(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ready: no" in capsys.readouterr().out
 
 
+def test_health_of_a_model_is_its_own_readiness(capsys: pytest.CaptureFixture[str]) -> None:
+    """Another model that failed to load keeps a strict server not ready; ``--model M`` says
+    whether M serves (exit 0 when it is ready)."""
+    fake = FakeV2()
+    not_ready = httpx.Response(503, json={"error": "model 'other' version 1 failed to load"})
+    fake.script += [httpx.Response(200), not_ready]
+    assert run(fake, "health", "--model", "bits") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "live: yes",
+        "ready: no",
+        "model bits ready: yes",
+    ]
+    fake.script += [httpx.Response(200), httpx.Response(200), httpx.Response(503, json={})]
+    assert run(fake, "health", "--model", "bits") == 1
+    assert "model bits ready: no" in capsys.readouterr().out
+
+
 def test_metadata(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(FakeV2(), "metadata", "bits", "--config") == 0
     out = capsys.readouterr().out

@@ -334,7 +334,7 @@ def test_errors_are_clear() -> None:
         BandedResampler.from_response(x, c, torch.exp)
     with pytest.raises(ValueError, match="unknown response 'gauss'"):
         BandedResampler.from_response(x, c, "gauss", sigma=1.0)
-    with pytest.raises(ValueError, match="exactly one parameter sigma"):
+    with pytest.raises(ValueError, match="exactly one parameter: sigma"):
         BandedResampler.from_response(x, c, "gaussian", width=1.0)
     with pytest.raises(ValueError, match="x must be sorted"):
         BandedResampler.from_response(x.flip(0), c, "gaussian", sigma=1.0)

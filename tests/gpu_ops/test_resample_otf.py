@@ -14,7 +14,8 @@ from gpu_ops import BandedResampler, OnTheFlyResampler
 from tests.common_utils import needs_triton
 from tests.gpu_ops.resample_cases import PARAMS, RESPONSES, assert_close, coarse, dense_ref, grid
 
-SMOOTH = ["gaussian", "lorentzian", "triangle"]  # boxcar: derivatives are 0 almost everywhere
+# boxcar: derivatives are 0 almost everywhere
+SMOOTH = ["gaussian", "lorentzian", "triangle", "epanechnikov", "laplacian", "exponential", "alpha"]
 
 
 def _problem(seed: int, B: int = 300) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
@@ -34,20 +35,25 @@ def _dense_grads(
     The cut is fixed at the windows of the starting parameter, as the kernels count it.
     """
     ((_pname, value),) = PARAMS[name].items()
-    spec_support = {"gaussian": 4.0, "lorentzian": 10.0}.get(name)
-    half = value * spec_support if spec_support else value
+    shape = OnTheFlyResampler(x, c, name, dtype=torch.float64, **PARAMS[name]).shape
+    lo, hi = shape.window(value)  # offsets of the moved coarse points c + shift * p
     c_ = c.clone().requires_grad_()
     p_ = torch.tensor(value, dtype=torch.float64, requires_grad=True)
     f_ = f.double().clone().requires_grad_()
-    d = c_[..., None] - x
+    d = c_[..., None] + shape.shift * p_ - x
     u = d / p_
+    causal = (u >= 0).double()
     r = {
         "gaussian": lambda: torch.exp(-0.5 * u * u),
         "lorentzian": lambda: 1 / (1 + u * u),
         "triangle": lambda: (1 - d.abs() / p_).clamp(min=0),
         "boxcar": lambda: (d.abs() <= p_).double(),
+        "epanechnikov": lambda: (1 - u * u).clamp(min=0),
+        "laplacian": lambda: torch.exp(-u.abs()),
+        "exponential": lambda: torch.exp(-u) * causal,
+        "alpha": lambda: u * torch.exp(1 - u) * causal,
     }[name]()
-    T = r * (d.detach().abs() <= half)
+    T = r * ((d.detach() >= lo) & (d.detach() <= hi))
     out = torch.einsum("nab,mnb->mna", T, f_)
     # boxcar builds no graph through c and p: their gradients are zeros.
     grads = torch.autograd.grad(out, (f_, c_, p_), g.double(), materialize_grads=True)
@@ -125,7 +131,7 @@ def test_geometry_stays_precise_under_dtype_casts(cast: str) -> None:
 def test_constructor_errors() -> None:
     x = torch.linspace(0, 1, 50, dtype=torch.float64)
     c = torch.rand(2, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="exactly one parameter sigma"):
+    with pytest.raises(ValueError, match="exactly one parameter: sigma"):
         OnTheFlyResampler(x, c, "gaussian", gamma=1.0)
     with pytest.raises(ValueError, match="unknown response"):
         OnTheFlyResampler(x, c, "sinc", sigma=1.0)
@@ -154,8 +160,9 @@ def test_triton_kernels_match_the_torch_kernels(name: str, M: int) -> None:
     ref = op(f)
     (ref * g).sum().backward()  # the torch kernels in float64: the reference
     p = float(op.param.detach())
-    half = op.spec.half_width(p, op.support)
-    geo = ko.prepare(x.to(device), op.c.detach().float().to(device), op.spec.code, p, half)
+    lo, hi = op.spec.window(p, op.support)
+    moved = (op.c + op.shape.shift * op.param).detach()  # a causal response's centring
+    geo = ko.prepare(x.to(device), moved.float().to(device), op.spec.code, p, lo, hi)
     f32 = f.detach().float().to(device).contiguous()
     g32 = g.float().to(device).contiguous()
     _close(ko.forward(f32, geo).cpu(), ref.detach())
@@ -165,6 +172,8 @@ def test_triton_kernels_match_the_torch_kernels(name: str, M: int) -> None:
     _close(ko.grad_f(g32, geo, 300).cpu(), f.grad)
     gc, gp = ko.grad_c_param(f32, g32, geo)
     _close(gc.cpu(), op.c.grad)
+    # The centring shift moves c with the parameter: its share of the parameter's gradient.
+    gp = gp + op.shape.shift * gc.double().sum()
     _close(gp.cpu(), op.param.grad, rtol=1e-4)
     if name == "boxcar":
         assert not bool(gc.any())

@@ -65,6 +65,7 @@ def test_on_the_fly_grids(monkeypatch: pytest.MonkeyPatch, M: int, A: int, B: in
         torch.empty(N, A, device="meta"),
         0,  # gaussian
         1.0,
+        -4.0,  # the window lo <= c - x <= hi: four sigmas either side
         4.0,
     )
     f = torch.empty(M, N, B, device="meta")

@@ -21,7 +21,7 @@ import numpy as np
 from service.batcher import Batcher
 from service.config import ModelConfig
 from service.config_override import ConfigOverride
-from service.errors import ModelNotFound, ModelNotReady, Overloaded
+from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
 from service.protocol.types import InferRequest
 from service.repository import unknown_model
@@ -130,10 +130,15 @@ class FakeRepository:
         self.loaded: list[str] = []
         self.overrides: list[ConfigOverride | None] = []
         self.unloaded: list[str] = []
+        self.broken: dict[str, str] = {}
+        """Models whose files are bad: their load fails with this reason."""
 
     @property
     def ready(self) -> bool:
         return self.started and self.is_ready
+
+    def not_ready_reason(self) -> str | None:
+        return None if self.ready else "server is not ready: loading models"
 
     async def start(self) -> None:
         self.started = True
@@ -151,13 +156,15 @@ class FakeRepository:
 
     async def load(self, name: str, override: ConfigOverride | None = None) -> None:
         if name not in self.models:
-            raise ModelNotFound(f"no model {name!r} in the repository")
+            raise ModelNotFound(unknown_model(name))  # the real repository's wording
+        if name in self.broken:
+            raise InvalidInput(f"failed to load '{name}': {self.broken[name]}")
         self.loaded.append(name)
         self.overrides.append(override)
 
     async def unload(self, name: str) -> None:
         if name not in self.models:
-            raise ModelNotFound(f"no model {name!r} in the repository")
+            raise ModelNotFound(unknown_model(name))  # the real repository's wording
         self.unloaded.append(name)
 
     def ready_handles(self, name: str | None = None) -> list[FakeHandle]:

@@ -95,14 +95,15 @@ def test_good_config_and_defaults() -> None:
         (("max_batch_size = 4", "max_batch_size = 4\ndevice = 'gpu'"), "device: 'gpu' is not"),
         (("max_batch_size = 4", "max_batch_size = 4\nbatch = 2"), "batch: Extra inputs"),
         (("sigma = 2.0", "sigma = -2.0"), "operator.sigma: Input should be greater than 0"),
-        (("sigma = 2.0", ""), "operator: response = 'gaussian' needs sigma"),
+        (("sigma = 2.0", ""), "operator: response = 'gaussian' needs exactly one of sigma"),
         (
             ("sigma = 2.0", "sigma = 2.0\nhalf_width = 3"),
             "operator: response = 'gaussian' takes no half_width",
         ),
         (
-            ('response = "gaussian"', 'response = "boxcar"'),
-            "operator: response = 'boxcar' needs half_width",
+            # the lorentzian has no standard deviation: no sigma
+            ('response = "gaussian"', 'response = "lorentzian"'),
+            "operator: response = 'lorentzian' takes no sigma",
         ),
         (
             ('response = "gaussian"\nsigma = 2.0', 'response = "tabulated"\nsigma = 2.0'),

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from service.config import ConfigError
-from service.config_override import MAX_OVERRIDE_CHARS, parse_override
-from service.dataplane import DataPlane
+from service.config_override import MAX_OVERRIDE_CHARS, load_parameters, parse_override
+from service.controlplane import ControlPlane
 from service.errors import InvalidInput
 from service.metrics import Metrics
 from service.repository import ModelRepository
@@ -105,7 +105,12 @@ def test_a_huge_override_is_refused_unread() -> None:
         parse_override(" " * (MAX_OVERRIDE_CHARS + 1), "m")
 
 
-# --- real loads through the data plane ----------------------------------------------------
+# --- real loads through the control plane -------------------------------------------------
+
+
+async def load(control: ControlPlane, name: str, config: str | None = None) -> None:
+    """A V2 load request through the control plane, ``config`` its override."""
+    await control.load(name, {} if config is None else {"parameters": {"config": config}})
 
 
 def run_with(root: Path, fn: Any) -> None:
@@ -114,7 +119,7 @@ def run_with(root: Path, fn: Any) -> None:
         repo = ModelRepository(root, warmup=False, metrics=metrics)
         await repo.start()
         try:
-            await fn(DataPlane(repo, metrics), repo)
+            await fn(ControlPlane(repo), repo)
         finally:
             await repo.stop()
 
@@ -124,22 +129,22 @@ def run_with(root: Path, fn: Any) -> None:
 def test_override_for_this_load_only_through_the_files_validation(tmp_path: Path) -> None:
     write(tmp_path / "m", cfg_text(max_batch_size=8, delay_us=5))
 
-    async def check(dp: DataPlane, repo: ModelRepository) -> None:
-        await dp.load("m", '{"max_batch_size": "16", "dynamic_batching": '
+    async def check(dp: ControlPlane, repo: ModelRepository) -> None:
+        await load(dp, "m", '{"max_batch_size": "16", "dynamic_batching": '
                            '{"max_queue_delay_microseconds": "300"}}')  # fmt: skip
         config = repo.get("m").config()
         assert config["max_batch_size"] == 16
         assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 300
         assert repo.get("m").batcher.max_batch_size == 16
         # What GET .../config gives can be sent back as it is.
-        await dp.load("m", json.dumps(config | {"max_batch_size": 4}))
+        await load(dp, "m", json.dumps(config | {"max_batch_size": 4}))
         assert repo.get("m").config()["max_batch_size"] == 4
         # A later load without an override reads the files again.
-        await dp.load("m")
+        await load(dp, "m")
         assert repo.get("m").config()["max_batch_size"] == 8
         # The patched config goes through config.toml's own validation...
         with pytest.raises(InvalidInput) as info:
-            await dp.load("m", '{"max_batch_size": 100000000}')
+            await load(dp, "m", '{"max_batch_size": 100000000}')
         message = info.value.message
         assert message.startswith("failed to load 'm': ")
         assert "m/config.toml + config override: max_batch_size: " in message
@@ -148,17 +153,17 @@ def test_override_for_this_load_only_through_the_files_validation(tmp_path: Path
         # Inputs and outputs are the repository's: an override may only repeat them.
         changed = config | {"input": [{"name": "other", "data_type": "TYPE_UINT8", "dims": [1]}]}
         with pytest.raises(InvalidInput, match=r"input .* differs from the model's"):
-            await dp.load("m", json.dumps(changed))
+            await load(dp, "m", json.dumps(changed))
         for bad, text in (
             ("{nope", "failed to load 'm': config override: not JSON"),
             ('{"max_batch_size": "x"}', "failed to load 'm': config override: max_batch_size"),
         ):
             with pytest.raises(InvalidInput, match=text):
-                await dp.load("m", bad)
+                await load(dp, "m", bad)
         with pytest.raises(InvalidInput, match="failed to load 'wrong_model_name': "):
-            await dp.load("wrong_model_name")
+            await load(dp, "wrong_model_name")
         with pytest.raises(InvalidInput, match="failed to load 'wrong_model_name': "):
-            await dp.load("wrong_model_name", "{}")
+            await load(dp, "wrong_model_name", "{}")
 
     run_with(tmp_path, check)
 
@@ -167,16 +172,16 @@ def test_override_of_the_builtin_demo() -> None:
     async def main() -> None:
         repo = ModelRepository(None, warmup=False)
         await repo.start()
-        dp = DataPlane(repo, Metrics(nvml=None))
+        dp = ControlPlane(repo)
         try:
-            await dp.load("demo", '{"max_batch_size": 2}')
+            await load(dp, "demo", '{"max_batch_size": 2}')
             assert repo.get("demo").config()["max_batch_size"] == 2
             with pytest.raises(InvalidInput, match=r"built-in demo.*\+ config override"):
-                await dp.load("demo", '{"max_batch_size": -1}')
+                await load(dp, "demo", '{"max_batch_size": -1}')
             # A valid but huge batch would allocate (and touch) 262 GB of input buffer at
             # load: refused before anything is allocated, and the demo keeps serving.
             with pytest.raises(InvalidInput) as info:
-                await dp.load("demo", '{"max_batch_size": 65536}')
+                await load(dp, "demo", '{"max_batch_size": 65536}')
             assert (
                 "inputs[0] (spikes): max_batch_size 65536 x shape [20, 50000] needs a device "
                 "buffer of 262,144,000,000 bytes, more than max_batch_bytes (4,294,967,296)"
@@ -197,10 +202,9 @@ def test_override_of_the_builtin_demo() -> None:
     ],
 )
 def test_load_parameters_refused(body: dict[str, Any], text: str) -> None:
-    dp = DataPlane(ModelRepository(None), Metrics(nvml=None))
     with pytest.raises(InvalidInput) as info:
-        dp.load_parameters("m", body)
+        load_parameters("m", body)
     assert info.value.message.startswith("failed to load 'm': ")
     assert text in info.value.message
-    assert dp.load_parameters("m", {}) is None
-    assert dp.load_parameters("m", {"parameters": {"config": "{}"}}) == "{}"
+    assert load_parameters("m", {}) is None
+    assert load_parameters("m", {"parameters": {"config": "{}"}}) == "{}"

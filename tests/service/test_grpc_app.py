@@ -341,7 +341,7 @@ async def test_internal_errors_leak_nothing(
     def broken(ready: bool = False) -> list[dict[str, Any]]:
         raise KeyError("secret internal detail")
 
-    monkeypatch.setattr(app.state.dataplane, "repository_index", broken)
+    monkeypatch.setattr(app.state.control, "repository_index", broken)
     e = await raw_error(target, "RepositoryIndex", b"")
     assert e.code() == grpc.StatusCode.INTERNAL
     assert re.fullmatch(r"internal error \(request id [0-9a-f]+-[0-9a-f]+\)", str(e.details()))

@@ -53,7 +53,7 @@ def test_private_pool_and_tritonclient_coexist() -> None:
 
 
 def test_every_rpc_has_a_handler() -> None:
-    endpoints = GrpcEndpoints(None, Rpcs(access_log=False), None)  # type: ignore[arg-type]
+    endpoints = GrpcEndpoints(None, None, Rpcs(access_log=False))  # type: ignore[arg-type]
     handlers = endpoints.handlers()
     served = {h.service_name(): h for h in handlers}  # type: ignore[attr-defined]
     assert set(served) == {SERVICE, HEALTH_SERVICE}

@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 
 from benchmarks.e2e.probes import read_until_closed
-from service.cli import uvicorn_config
 from service.rest.app import create_app
+from service.rest.server import uvicorn_config
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.backends import ModuleModel
 from service.batcher import Batcher
 from service.config import ModelConfig
 from service.errors import InvalidInput
@@ -258,7 +259,7 @@ def test_the_pipeline_times_its_three_phases_once_per_batch() -> None:
         def eval(self) -> None:
             pass
 
-    pipe = Pipeline("m", cfg, Artifacts({}, Double()), "cpu", warmup=False)
+    pipe = Pipeline("m", cfg, Artifacts({}, ModuleModel(Double())), "cpu", warmup=False)
     pipe.stats = stats = ModelStats("m", "1")
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     bound = [Bound((WireInput(x[i : i + 1], False),), (0,), 1) for i in range(2)]
@@ -296,7 +297,7 @@ def test_the_pipeline_times_its_phases_with_cuda_events() -> None:
                 x = torch.sin(x) + 1
             return x
 
-    pipe = Pipeline("m", cfg, Artifacts({}, Heavy()), "cuda:0", warmup=True)
+    pipe = Pipeline("m", cfg, Artifacts({}, ModuleModel(Heavy())), "cuda:0", warmup=True)
     pipe.stats = stats = ModelStats("m", "1")
     x = np.random.default_rng(0).random((2, 1 << 20), dtype=np.float32)
     out = pipe.run([Bound((WireInput(x, False),), (0,), 2)])

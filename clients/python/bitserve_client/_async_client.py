@@ -24,7 +24,7 @@ from ._bulk import Job, Options, infer_many_async, iter_async
 from ._client import BulkData, BulkOut, Headers
 from ._exceptions import ServerError
 from ._retry import Retry
-from ._spec import ModelSpec
+from ._spec import Bitorder, ModelSpec
 from ._types import BulkResult, InferResult, Inputs
 
 
@@ -244,12 +244,13 @@ class AsyncClient(BaseClient):
         binary: bool = True,
         headers: Headers = None,
         timeout: TimeoutTypes = None,
+        bitorder: Bitorder | None = None,
     ) -> InferResult:
         """Run one inference; the arguments, result and errors of ``Client.infer``."""
         spec = await self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
             spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
-            deadline=deadline, binary=binary, headers=headers, timeout=timeout,
+            deadline=deadline, binary=binary, headers=headers, timeout=timeout, bitorder=bitorder,
         )  # fmt: skip
         try:
             response = await self._send(request)

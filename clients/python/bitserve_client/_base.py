@@ -37,7 +37,7 @@ from ._exceptions import (
 )
 from ._framing import HEADER_LENGTH, EncodedBody, decode_response, encode_request, error_message
 from ._retry import Retry
-from ._spec import ModelSpec, parse_model_spec, prepare_inputs
+from ._spec import Bitorder, ModelSpec, parse_model_spec, prepare_inputs
 from ._types import InferResult, Inputs
 from ._version import __version__
 
@@ -328,6 +328,7 @@ class BaseClient:
         binary: bool,
         headers: Mapping[str, str] | None,
         timeout: TimeoutTypes,
+        bitorder: Bitorder | None = None,
     ) -> _Request:
         """Check, pack and frame one inference call (the arguments of ``Client.infer``)."""
         if not isinstance(inputs, Mapping):
@@ -347,7 +348,9 @@ class BaseClient:
                 )
         if deadline is not None and not deadline > 0:
             raise InvalidInputError(f"deadline must be > 0 seconds, got {deadline}")
-        prepared = prepare_inputs(spec, inputs)
+        if bitorder not in (None, "big", "little"):
+            raise InvalidInputError(f"bitorder must be 'big' or 'little', got {bitorder!r}")
+        prepared = prepare_inputs(spec, inputs, bitorder)
         body = encode_request(
             prepared.tensors,
             outputs,

@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     h = sub.add_parser("health", help="is the server (or a model) live and ready")
-    h.add_argument("--model", help="also check this model's readiness")
+    h.add_argument(
+        "--model", help="check this model's readiness: exit 0 when it is ready (and live)"
+    )
 
     m = sub.add_parser("metadata", help="print a model's V2 metadata as JSON")
     m.add_argument("model")
@@ -187,11 +189,15 @@ def _infer_many(client: Client, parser: argparse.ArgumentParser, args: argparse.
 
 def _run(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "health":
+        # With --model the answer is that model's own readiness (the server's is shown: one
+        # other model that failed to load keeps a strict server not ready).
         checks = {"live": client.is_live(), "ready": client.is_ready()}
         if args.model:
             checks[f"model {args.model} ready"] = client.is_ready(args.model)
         for what, ok in checks.items():
             print(f"{what}: {'yes' if ok else 'no'}")
+        if args.model:
+            return 0 if checks["live"] and checks[f"model {args.model} ready"] else 1
         return 0 if all(checks.values()) else 1
     if args.command == "metadata":
         doc: dict[str, Any] = {"metadata": client.model_metadata(args.model)}

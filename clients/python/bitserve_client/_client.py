@@ -25,7 +25,7 @@ from ._base import (
 from ._bulk import Job, Options, infer_many_sync, iter_sync
 from ._exceptions import ServerError
 from ._retry import Retry
-from ._spec import ModelSpec
+from ._spec import Bitorder, ModelSpec
 from ._types import ArrayLike, BulkResult, InferResult, Inputs
 
 Headers = Mapping[str, str] | None
@@ -308,6 +308,7 @@ class Client(BaseClient):
         binary: bool = True,
         headers: Headers = None,
         timeout: TimeoutTypes = None,
+        bitorder: Bitorder | None = None,
     ) -> InferResult:
         """Run one inference.
 
@@ -328,6 +329,10 @@ class Client(BaseClient):
             binary: binary tensors both ways (default) or JSON.
             headers: extra headers for this call.
             timeout: this call's HTTP timeout (None: the client's).
+            bitorder: the bit order of this call's bit-packed inputs, sent as each one's
+                ``parameters.bitorder`` (the server unpacks them in it): uint8 arrays are
+                taken as packed in it (RDKit's ``BitVectToBinaryText`` bytes: ``"little"``),
+                bool arrays are packed in it. None: the model's (its metadata says which).
 
         Returns:
             Every output by name (read-only NumPy arrays), with model name, version, id and
@@ -341,7 +346,7 @@ class Client(BaseClient):
         spec = self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
             spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
-            deadline=deadline, binary=binary, headers=headers, timeout=timeout,
+            deadline=deadline, binary=binary, headers=headers, timeout=timeout, bitorder=bitorder,
         )  # fmt: skip
         try:
             response = self._send(request)

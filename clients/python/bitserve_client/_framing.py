@@ -112,6 +112,8 @@ def encode_request(
             entry["data"] = [b.decode("utf-8", "replace") for b in _bytes_elements(t.array)]
         else:
             entry["data"] = t.array.ravel().tolist()
+        if t.parameters:
+            entry["parameters"] = {**entry.get("parameters", {}), **t.parameters}
         entries.append(entry)
     header["inputs"] = entries
     if outputs is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -101,6 +101,8 @@ class WireTensor:
     name: str
     datatype: str
     array: np.ndarray[Any, Any]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """The tensor's own ``parameters`` (``bitorder`` when the call gave one)."""
 
 
 @dataclass(frozen=True)
@@ -267,9 +269,14 @@ def _bits_to_packed(arr: np.ndarray[Any, Any], name: str, info: PackInfo) -> np.
 
 
 def _prepare_one(
-    name: str, arr: np.ndarray[Any, Any], spec: TensorSpec | None, batched: bool
+    name: str,
+    arr: np.ndarray[Any, Any],
+    spec: TensorSpec | None,
+    batched: bool,
+    bitorder: Bitorder | None = None,
 ) -> tuple[np.ndarray[Any, Any], str, bool]:
-    """(wire array, datatype, had batch dim) for one input."""
+    """(wire array, datatype, had batch dim) for one input; bits are packed in ``bitorder``
+    (default: the model's)."""
     if spec is None:  # nothing known: send as given
         return arr, datatype_of(arr.dtype, name), True
     item = spec.shape
@@ -282,7 +289,10 @@ def _prepare_one(
             for has_batch in (True, False) if batched else (False,):
                 trailing = arr.shape[1:] if has_batch else arr.shape
                 if _matches(trailing, candidate):
-                    wire = arr if packed else _bits_to_packed(arr, name, spec.packing)
+                    info = spec.packing
+                    if bitorder is not None:
+                        info = PackInfo(bitorder, info.logical_shape)
+                    wire = arr if packed else _bits_to_packed(arr, name, info)
                     return wire, "UINT8", has_batch or not batched
         raise InvalidInputError(
             f"input {name!r} expects bits of shape {_fmt(logical, batched)} (bool or 0/1) "
@@ -317,13 +327,18 @@ def _prepare_one(
     return arr, datatype, has_batch
 
 
-def prepare_inputs(spec: ModelSpec | None, inputs: Mapping[str, Any]) -> PreparedInputs:
+def prepare_inputs(
+    spec: ModelSpec | None, inputs: Mapping[str, Any], bitorder: Bitorder | None = None
+) -> PreparedInputs:
     """Check, convert and pack a request's inputs.
 
     Args:
         spec: the model's spec, or None to send every array as given.
         inputs: input name -> array (bool/0-1 bits or packed uint8 for packed inputs;
             torch tensors accepted), each with or without the batch dimension (all alike).
+        bitorder: the bit order of this request's packed inputs (sent as each one's
+            ``parameters.bitorder``; bool arrays are packed in it; uint8 ones are taken to
+            be packed in it); None: the model's.
 
     Returns:
         The wire tensors, with the batch dimension added to a single item.
@@ -347,13 +362,15 @@ def prepare_inputs(spec: ModelSpec | None, inputs: Mapping[str, Any]) -> Prepare
     for name, value in inputs.items():
         arr = to_numpy(value, name)
         tspec = spec.inputs.get(name) if spec is not None else None
-        wire, datatype, has_batch = _prepare_one(name, arr, tspec, batched)
+        wire, datatype, has_batch = _prepare_one(name, arr, tspec, batched, bitorder)
         with_batch.add(has_batch)
         if not has_batch:
             wire = wire[np.newaxis]
         if wire.dtype.byteorder == ">":
             wire = wire.astype(wire.dtype.newbyteorder("<"))
-        tensors.append(WireTensor(name, datatype, np.ascontiguousarray(wire)))
+        packed = tspec is not None and tspec.packing is not None
+        params = {"bitorder": bitorder} if bitorder is not None and packed else {}
+        tensors.append(WireTensor(name, datatype, np.ascontiguousarray(wire), params))
     if len(with_batch) > 1:
         raise InvalidInputError(
             "inputs mix single items and batches: give every input the batch dimension, or none"

@@ -1,0 +1,125 @@
+"""AOTInductor packages (``.pt2`` from ``torch._inductor.aoti_compile_and_package``).
+
+A package holds a shared library compiled for one kind of device (its ``AOTI_DEVICE_KEY``):
+it is read and checked on the host, and loaded with ``torch._inductor.aoti_load_package``
+onto the device (a CPU package runs only on the CPU, a CUDA one only on CUDA devices).
+
+Its signature is read from the package itself. AOTInductor generates, for every input, a
+check of its dtype and of each dimension (static sizes, the bounds of dynamic ones) into the
+package's C++ wrapper; the compiled library runs those checks only under
+``AOTI_RUNTIME_CHECK_INPUTS=1`` (its bound checks also refuse a batch of 1 that the program
+serves). Without the checks a tensor of the wrong dtype or shape reads out of bounds, so
+bitserve reads the same checks from the wrapper's source at load and holds the config to
+them there: a package whose wrapper it cannot read is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from service.backends.base import Dim, ModelFile, Signature, TensorSpec
+
+_MARK = "/data/aotinductor/"
+_CHECK = re.compile(r"static void check_input_(\d+)\(")
+_DTYPE = re.compile(r"_expected_dtype = aoti_torch_dtype_(\w+)\(\)")
+_STATIC = re.compile(r"if \((\d+) != \w+_size\[(\d+)\]\)")
+_LOW = re.compile(r"if \(\w+_size\[(\d+)\] < (\d+)\)")
+_HIGH = re.compile(r"if \(\w+_size\[(\d+)\] > (\d+)\)")
+_INDEX = re.compile(r"\w+_(?:size|stride)\[(\d+)\]")
+_INPUTS = re.compile(r"inputs_info_\[(\d+)\]\.name")
+
+
+def is_package(path: Path) -> bool:
+    """Whether ``path`` is an AOTInductor package (a zip with ``data/aotinductor/``)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(_MARK in n for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+class AOTIPackage(ModelFile):
+    """An AOTInductor package, checked on the host and loaded on its device."""
+
+    format = "aoti"
+    # a .pt2 that holds data/aotinductor/ (see service.backends.format_of)
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    dtype_from_file = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            wrappers = [n for n in names if _MARK in n and n.endswith(".wrapper.cpp")]
+            metas = [n for n in names if _MARK in n and n.endswith("wrapper_metadata.json")]
+            if len(wrappers) != 1:
+                raise ValueError(
+                    f"holds {len(wrappers)} compiled models' wrappers; bitserve serves a "
+                    "package of exactly one (aoti_compile_and_package of one program)"
+                )
+            source = z.read(wrappers[0]).decode("utf-8", "replace")
+            meta = json.loads(z.read(metas[0])) if metas else {}
+        self.device_key = str(meta.get("AOTI_DEVICE_KEY", "cpu"))
+        self._inputs = _read_checks(source)
+
+    def signature(self) -> Signature:
+        return Signature(self._inputs, None)
+
+    def to(self, device: torch.device) -> Callable[..., Any]:
+        if device.type != self.device_key:
+            raise ValueError(
+                f"the package is compiled for {self.device_key}, not {device.type}; compile "
+                f"it with the program and example inputs on {device.type} to serve it there"
+            )
+        from torch._inductor import aoti_load_package
+
+        index = device.index if device.index is not None else -1
+        return aoti_load_package(str(self.path), device_index=index)
+
+
+def _read_checks(source: str) -> tuple[TensorSpec, ...]:
+    """Each input's dtype and dims from the wrapper's ``check_input_<i>`` functions.
+
+    Raises:
+        ValueError: the wrapper has no readable check for some input.
+    """
+    count = len(set(_INPUTS.findall(source)))
+    starts = [(int(m.group(1)), m.end()) for m in _CHECK.finditer(source)]
+    bodies: dict[int, str] = {}
+    for k, (i, start) in enumerate(starts):
+        end = starts[k + 1][1] if k + 1 < len(starts) else source.find("static bool", start)
+        bodies[i] = source[start : end if end > 0 else None]
+    if count == 0 or sorted(bodies) != list(range(count)):
+        raise ValueError(
+            "its wrapper has no input checks bitserve can read (a package of another torch "
+            f"version?); found checks for {len(bodies)} of {count} inputs"
+        )
+    specs = []
+    for i in range(count):
+        body = bodies[i]
+        m = _DTYPE.search(body)
+        dtype = getattr(torch, m.group(1), None) if m else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"its wrapper states no dtype bitserve knows for input {i}")
+        indices = [int(x) for x in _INDEX.findall(body)]
+        rank = max(indices) + 1 if indices else 0
+        static = {int(d): int(n) for n, d in _STATIC.findall(body)}
+        low = {int(d): int(n) for d, n in _LOW.findall(body)}
+        high = {int(d): int(n) for d, n in _HIGH.findall(body)}
+        dims = tuple(
+            Dim(static[d])
+            if d in static
+            # torch.export specialises sizes 0 and 1, so a dynamic dim declared from 1 is
+            # checked from 2; the program serves a size of 1 all the same.
+            else Dim(None, 1 if low.get(d, 0) == 2 else low.get(d, 0), high.get(d))
+            for d in range(rank)
+        )
+        specs.append(TensorSpec(f"input {i}", dtype, dims))
+    return tuple(specs)

@@ -1,0 +1,119 @@
+"""ONNX models (``.onnx``) through ONNX Runtime (the ``onnx`` extra: ``onnxruntime``).
+
+The signature is the graph's: each input's element type and dims (a named or unnamed dim is
+dynamic, without bounds). On the CPU the model runs on ONNX Runtime's CPU provider; on a
+CUDA device on its CUDA provider (``onnxruntime-gpu``), on torch's current stream of that
+device. Either way inputs and outputs stay where they are: each call binds the pipeline's
+tensors to the session through DLPack (``OrtValue.from_dlpack``, no copy), lets ONNX Runtime
+allocate the outputs on the device, and hands them back to torch through DLPack again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from service.backends.base import Dim, ModelFile, Signature, TensorSpec
+
+# ONNX Runtime's element type names -> torch dtypes.
+_DTYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(double)": torch.float64,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(bool)": torch.bool,
+    "tensor(uint8)": torch.uint8,
+    "tensor(int8)": torch.int8,
+    "tensor(int16)": torch.int16,
+    "tensor(int32)": torch.int32,
+    "tensor(int64)": torch.int64,
+}
+
+
+def _runtime() -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ValueError(
+            "serving .onnx models needs onnxruntime: pip install 'bitserve[onnx]'"
+        ) from None
+    return onnxruntime
+
+
+class OnnxFile(ModelFile):
+    """An ONNX model, opened in an ONNX Runtime session (CPU provider on the host)."""
+
+    format = "onnx"
+    suffixes = (".onnx",)
+    dtype_from_file = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        ort = _runtime()
+        self._ort = ort
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def signature(self) -> Signature:
+        return Signature(
+            tuple(_spec(a) for a in self.session.get_inputs()),
+            tuple(_spec(a) for a in self.session.get_outputs()),
+        )
+
+    def to(self, device: torch.device) -> Callable[..., Any]:
+        if device.type == "cpu":
+            return OrtRunner(self._ort, self.session, "cpu", 0)
+        if device.type != "cuda":
+            raise ValueError(f"ONNX Runtime here serves cpu and cuda devices, not {device.type}")
+        if "CUDAExecutionProvider" not in self._ort.get_available_providers():
+            raise ValueError(
+                "this onnxruntime has no CUDA provider: install onnxruntime-gpu to serve an "
+                "ONNX model on a GPU"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(index).cuda_stream
+        options = {"device_id": index, "user_compute_stream": str(stream)}
+        session = self._ort.InferenceSession(
+            str(self.path), providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+        )
+        return OrtRunner(self._ort, session, "cuda", index)
+
+
+class OrtRunner:
+    """Calls an ONNX Runtime session on torch tensors of one device, with no copies.
+
+    Args:
+        ort: the ``onnxruntime`` module.
+        session: the session (its provider runs on the tensors' device).
+        device_type: ``"cpu"`` or ``"cuda"``, as ONNX Runtime names them.
+        device_id: the device's index.
+    """
+
+    def __init__(self, ort: Any, session: Any, device_type: str, device_id: int) -> None:
+        self._ort = ort
+        self.session = session
+        self._inputs = [a.name for a in session.get_inputs()]
+        self._outputs = [a.name for a in session.get_outputs()]
+        self._device = (device_type, device_id)
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One tensor per graph input, in the graph's order; its outputs in theirs."""
+        binding = self.session.io_binding()
+        for name, t in zip(self._inputs, tensors, strict=True):
+            binding.bind_ortvalue_input(name, self._ort.OrtValue.from_dlpack(t.contiguous()))
+        for name in self._outputs:
+            binding.bind_output(name, *self._device)
+        self.session.run_with_iobinding(binding)
+        # The OrtValue's own DLPack export (the wrapper class does not re-export it).
+        return tuple(from_dlpack(v._ortvalue) for v in binding.get_outputs())
+
+
+def _spec(arg: Any) -> TensorSpec:
+    shape = arg.shape if isinstance(arg.shape, list) else []
+    dims = tuple(
+        Dim(d) if isinstance(d, int) and d >= 0 else Dim(None, name=str(d or "")) for d in shape
+    )
+    return TensorSpec(arg.name, _DTYPES.get(arg.type), dims)

@@ -1,0 +1,266 @@
+"""What a model is handed, checked against what its file says, and the dry run at load.
+
+One set of rules for every format (``service.backends``):
+
+- **The dtype rule.** Each input reaches the model in the dtype its file's signature asks
+  for (torch.export, AOTInductor, ONNX), else in ``[[inputs]] dtype``, else in its own
+  datatype's (``bool`` for BOOL). Bits unpack straight into it. The operator's input
+  reaches the model as the operator's output, in ``[operator] dtype``.
+- **The signature check** (:func:`check_signature`, on the host): the config's inputs
+  against the file's, by position: their number, each dtype, each rank and every dim
+  (static sizes, the batch dimension's range against ``1..max_batch_size``).
+- **The dry run** (:func:`dry_run`, on the device): a zero batch (or the ``warmup_file``
+  sample) through the whole pipeline at batch 1 and at ``max_batch_size``, each output
+  checked against ``[[outputs]]``. ``bitserve serve`` runs it before a version is READY and
+  ``bitserve check-repo`` runs the same (on the CPU unless ``--device``), so the two agree.
+
+Messages say what the model expects against what the config gives, e.g.
+``model.pt2: input 'x' (inputs[0]) expects float32 [batch <= 64, 2048]; the config gives
+BOOL [batch <= 16, 1024] (bit-packed)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from service.backends import Dim, ModelFile, TensorSpec
+from service.config import ConfigError, ModelConfig, VersionSource, library_error
+from service.protocol.types import DATATYPES, REGISTRY
+from service.signature import Bound, WireInput
+from service.text import safe_text
+
+if TYPE_CHECKING:
+    from service.pipeline import Artifacts, Pipeline
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _datatype_dtype(datatype: str) -> torch.dtype:
+    name = REGISTRY[datatype].torch
+    assert name is not None  # every model input datatype has one
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def _file_inputs(model: ModelFile | None) -> tuple[TensorSpec, ...] | None:
+    return None if model is None else model.signature().inputs
+
+
+def handed_dtypes(cfg: ModelConfig, model: ModelFile | None) -> list[torch.dtype]:
+    """The dtype each input is handed to the model in (the dtype rule, module docstring);
+    the operator's input: the operator's dtype."""
+    specs = _file_inputs(model)
+    out = []
+    for i, spec in enumerate(cfg.inputs):
+        if cfg.operator is not None and i == cfg.operator_input:
+            out.append(getattr(torch, cfg.operator.dtype))
+            continue
+        file_dtype = specs[i].dtype if specs is not None and i < len(specs) else None
+        if file_dtype is not None and file_dtype in _allowed(spec.handed_dtypes):
+            out.append(file_dtype)
+        elif spec.dtype is not None:
+            out.append(getattr(torch, spec.dtype))
+        else:
+            out.append(_datatype_dtype(spec.datatype))
+    return out
+
+
+def _allowed(names: Sequence[str]) -> set[torch.dtype]:
+    return {getattr(torch, n) for n in names}
+
+
+def _given(cfg: ModelConfig, i: int, operator_shape: Sequence[int] | None) -> str:
+    """How the config gives input ``i`` to the model, e.g. ``BOOL [batch <= 16, 1024]``."""
+    spec = cfg.inputs[i]
+    # The model is called batch first; without batching (max_batch_size 0), with 1 item.
+    batch = [f"batch <= {cfg.max_batch_size}" if cfg.max_batch_size > 0 else "1"]
+    if cfg.operator is not None and i == cfg.operator_input and operator_shape is not None:
+        dims = ", ".join([*batch, *map(str, operator_shape)])
+        return f"the operator's output, {cfg.operator.dtype} [{dims}]"
+    dims = ", ".join([*batch, *map(str, spec.shape)])
+    how = " (bit-packed)" if spec.packing == "bits" else ""
+    dtype = f" as {spec.dtype}" if spec.dtype is not None else ""
+    return f"{spec.datatype} [{dims}]{how}{dtype}"
+
+
+def _expects(spec: TensorSpec) -> str:
+    dtype = _name(spec.dtype) if spec.dtype is not None else "any dtype"
+    if spec.dims is None:
+        return dtype
+    shown = [d.shown("batch" if k == 0 else "") for k, d in enumerate(spec.dims)]
+    return f"{dtype} [{', '.join(shown)}]"
+
+
+def check_signature(
+    cfg: ModelConfig, model: ModelFile, where: str, operator_shape: Sequence[int] | None
+) -> None:
+    """The config's inputs against what the model file says (see the module docstring).
+
+    Args:
+        cfg: the version's config.
+        model: its model file.
+        where: ``<config>: model.file`` for messages.
+        operator_shape: the operator's output shape of one item ``[N, A]``, when it has one.
+
+    Raises:
+        ConfigError: one problem per input that does not fit, expected against given.
+    """
+    file = safe_text(model.path.name)
+    specs = model.signature().inputs
+    if specs is None:
+        return
+    n = len(cfg.inputs)
+    if len(specs) != n:
+        names = ", ".join(safe_text(s.name) for s in specs)
+        given = ", ".join(safe_text(s.name) for s in cfg.inputs)
+        raise ConfigError([f"{where}: {file} takes {len(specs)} input(s) ({names}); the config "
+                           f"gives {n} ({given})"])  # fmt: skip
+    problems = []
+    handed = handed_dtypes(cfg, model)
+    for i, (spec, dtype) in enumerate(zip(specs, handed, strict=True)):
+        inp = cfg.inputs[i]
+        is_op = cfg.operator is not None and i == cfg.operator_input
+        dims = list(operator_shape) if is_op and operator_shape is not None else inp.shape
+        why = _misfit(spec, dtype, dims, cfg.max_batch_size)
+        if why == "" and spec.dtype is not None and spec.dtype != dtype:
+            if is_op:
+                why = f'set [operator] dtype = "{_name(spec.dtype)}"'
+            elif spec.dtype not in _allowed(inp.handed_dtypes):
+                why = f"{_given(cfg, i, None).split(' [')[0]} is handed in " + ", ".join(
+                    inp.handed_dtypes
+                )
+        wrong_key = inp.dtype is not None and getattr(torch, inp.dtype) != spec.dtype
+        if why is None and spec.dtype is not None and not is_op and wrong_key:
+            why = f"[[inputs]] dtype is {inp.dtype}"
+        if why is not None:
+            problems.append(
+                f"{where}: {file}: input '{safe_text(spec.name)}' (inputs[{i}] "
+                f"'{safe_text(inp.name)}') expects {_expects(spec)}; the config "
+                f"gives {_given(cfg, i, operator_shape)}{why and f' ({why})'}"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _misfit(spec: TensorSpec, dtype: torch.dtype, dims: Sequence[int], mbs: int) -> str | None:
+    """Why a file's input spec does not take what the config hands it ('' when the reason
+    is plain from the two shapes), or None when it does."""
+    if spec.dtype is not None and spec.dtype != dtype:
+        return ""
+    if spec.dims is None:
+        return None
+    want: list[Dim] = list(spec.dims)
+    if not want:
+        return "the model is called with a batch dimension first"
+    batch, most = want.pop(0), max(mbs, 1)
+    if batch.size is not None and not batch.size == 1 == most:
+        return (
+            f"a static batch of {batch.size}: export with a dynamic batch dimension, "
+            f"e.g. torch.export.Dim('batch', max={most})"
+        )
+    if not batch.fits_range(1, most):
+        return f"max_batch_size {mbs} does not fit the batch dimension"
+    if len(want) != len(dims) or not all(d.fits(n) for d, n in zip(want, dims, strict=True)):
+        return ""
+    return None
+
+
+# --- the dry run ------------------------------------------------------------------------------
+
+
+def read_warmup(src: VersionSource, cfg: ModelConfig) -> dict[str, np.ndarray[Any, Any]] | None:
+    """The ``warmup_file`` sample, checked against the inputs (names, wire forms, items).
+
+    Raises:
+        ConfigError: naming ``warmup_file`` and what does not fit.
+    """
+    if cfg.warmup_file is None:
+        return None
+    from safetensors.numpy import load_file
+
+    where = f"{src.source}: warmup_file"
+    path = src.resolve(cfg.warmup_file, "warmup_file")
+    try:
+        sample = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for a corrupt file
+        raise library_error(where, "not a readable safetensors file", exc, src.folder) from exc
+    problems = []
+    for spec in cfg.inputs:
+        t = sample.get(spec.name)
+        forms = {spec.datatype: spec.shape}
+        if spec.packing == "bits":
+            forms = {"UINT8": spec.packed_shape, "BOOL": spec.shape}
+        fits = t is not None and t.ndim >= 1 and t.shape[0] >= 1 and any(
+            t.dtype == DATATYPES[d] and list(t.shape[1:]) == s for d, s in forms.items()
+        )  # fmt: skip
+        if not fits:
+            got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
+            want = " or ".join(f"{d} [items, {', '.join(map(str, s))}]" for d, s in forms.items())
+            problems.append(f"{where}: input '{safe_text(spec.name)}' needs {want}; has {got}")
+    if problems:
+        raise ConfigError(problems)
+    return {spec.name: sample[spec.name] for spec in cfg.inputs}
+
+
+def _requests(pipe: Pipeline, m: int, sample: Mapping[str, np.ndarray[Any, Any]] | None) -> Bound:
+    """One request of ``m`` items: the sample's items cycled, or zeros in the packed form."""
+    wires = []
+    for spec in pipe.inputs:
+        if sample is not None:
+            items = sample[spec.name]
+            data = np.ascontiguousarray(np.resize(items, (m, *items.shape[1:])))
+            packed = spec.packing == "bits" and items.dtype == np.uint8
+        elif spec.packing == "bits":
+            data, packed = np.zeros((m, *spec.packed_shape), np.uint8), True
+        else:
+            data, packed = np.zeros((m, *spec.shape), DATATYPES[spec.datatype]), False
+        wires.append(WireInput(data, packed))
+    return Bound(tuple(wires), tuple(range(len(pipe.cfg.outputs))), m)
+
+
+def dry_run(pipe: Pipeline, artifacts: Artifacts, *, again: bool = False) -> list[list[int]]:
+    """Run a batch of 1 and one of ``max_batch_size`` through ``pipe`` and check its outputs.
+
+    Args:
+        pipe: the pipeline, built on its device.
+        artifacts: its files (the model's, for messages; the sample).
+        again: run the full batch a second time (``--warmup``: kernels compiled, pools
+            grown before the first request).
+
+    Returns:
+        Each output's shape of one item.
+
+    Raises:
+        ConfigError: what failed: the model's own message (cleaned, see
+            :func:`service.config.library_error`), or an output that does not match.
+    """
+    sizes = [1, pipe.capacity] + ([pipe.capacity] if again else [])
+    shapes: list[list[int]] | None = None
+    for m in sizes if pipe.capacity > 1 else sizes[:1]:
+        try:
+            out = pipe.run([_requests(pipe, m, artifacts.warmup)], check=True)[0]
+        except ConfigError:
+            raise
+        except Exception as exc:  # the model's own error, for the client and check-repo
+            file = artifacts.model.path.name if artifacts.model is not None else "the operator"
+            folder, shown = artifacts.folder or (None, "")
+            raise library_error(
+                f"{pipe.source}: model.file",
+                f"{safe_text(file)}: the dry run at batch {m} failed",
+                exc,
+                folder,
+                shown,
+            ) from exc
+        got = [list(a.shape[1:]) if pipe.batched else list(a.shape) for a in out]
+        if shapes is not None and got != shapes:
+            raise ConfigError([f"{pipe.source}: outputs: the model gives item shapes {shapes} at "
+                               f"batch 1 but {got} at batch {m}"])  # fmt: skip
+        shapes = got
+    assert shapes is not None
+    return shapes
