@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,16 +45,19 @@ SMOKE_SELECTION = (["tests/deploy/test_nginx.py"],)
 COMMON = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider"]
 
 
-def burn() -> None:
-    """Spin until killed: one core's worth of CPU contention."""
-    while True:
-        pass
+def burn(parent: int) -> None:
+    """Spin until killed, or until ``parent`` is gone: one core's worth of CPU contention."""
+    while os.getppid() == parent:
+        for _ in range(1_000_000):
+            pass
 
 
 @contextmanager
 def burners(n: int) -> Iterator[None]:
     """``n`` busy-looping processes for the duration of the block."""
-    procs = [multiprocessing.Process(target=burn, daemon=True) for _ in range(n)]
+    procs = [
+        multiprocessing.Process(target=burn, args=(os.getpid(),), daemon=True) for _ in range(n)
+    ]
     for p in procs:
         p.start()
     try:
@@ -179,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     t.add_argument("after")
     args = p.parse_args(argv)
     if args.command == "_one":
+        # Stopped (SIGTERM): the burners and the test run end with it.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
         selections = SMOKE_SELECTION if args.smoke else ((args.only,) if args.only else SELECTIONS)
         print(json.dumps(one_run(selections, args.burners)))
     elif args.command == "run":

@@ -109,27 +109,6 @@ def check_demo(url: str, seed: int) -> None:
     np.testing.assert_allclose(result["resampled"], demo_reference(bits), rtol=1e-4, atol=1e-3)
 
 
-def test_image_runs_as_its_user_turns_ready_and_healthy_and_serves_the_demo(
-    images: Images, tmp_path: Path
-) -> None:
-    models = demo_repository(tmp_path / "models")
-    run = ["-p", f"127.0.0.1::{PORT}", "-v", f"{models}:/models:ro"]
-    with container(images.bitserve, run) as box:
-        url = box.url(PORT)
-        wait_ready(box, url)
-        # Every process of the container (the supervisor and its workers) is the image's
-        # user, not root.
-        uid = dockerfile_user_id()
-        assert box.inspect()["Config"]["User"] == "bitserve"
-        assert box.exec("id", "-u").strip() == str(uid)
-        status = box.exec("sh", "-c", "grep -h '^Uid:' /proc/[0-9]*/status")
-        uids = {line.split()[1] for line in status.splitlines()}
-        assert uids == {str(uid)}, status
-        check_demo(url, seed=8)
-        wait_healthy(box)
-        assert "worker 0 started" in box.logs()
-
-
 def slow_answer(url: str, x: int) -> tuple[int, Any]:
     """One request to the slow model (y = float(x)); (status, y or the error)."""
     with Client(url, retries=0, timeout=300) as client:
@@ -142,9 +121,11 @@ def slow_answer(url: str, x: int) -> tuple[int, Any]:
     return 200, result["y"]
 
 
-def test_sigterm_under_load_answers_every_begun_request_and_exits_0(
+def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
     images: Images, tmp_path: Path
 ) -> None:
+    # One container's life, as README's Deployment section runs it (one start: each costs
+    # seconds of loading): a repository from `bitserve demo-repo`, plus a slow model.
     models = write_slow_model(demo_repository(tmp_path / "models"), rounds=400)
     # A drain deadline far beyond the slow requests' few seconds, on a loaded machine too.
     run = ["-p", f"127.0.0.1::{PORT}", "-v", f"{models}:/models:ro",
@@ -152,6 +133,19 @@ def test_sigterm_under_load_answers_every_begun_request_and_exits_0(
     with container(images.bitserve, run) as box:
         url = box.url(PORT)
         wait_ready(box, url)
+        # 1. Every process of the container (the supervisor and its workers) is the image's
+        # user, not root.
+        uid = dockerfile_user_id()
+        assert box.inspect()["Config"]["User"] == "bitserve"
+        assert box.exec("id", "-u").strip() == str(uid)
+        status = box.exec("sh", "-c", "grep -h '^Uid:' /proc/[0-9]*/status")
+        uids = {line.split()[1] for line in status.splitlines()}
+        assert uids == {str(uid)}, status
+        # 2. The demo, through the Python client, against the float64 reference.
+        check_demo(url, seed=8)
+        # 3. Healthy by the image's own HEALTHCHECK (its first run is one interval in).
+        wait_healthy(box)
+
         bits = np.random.default_rng(3).random((1, 20, 50000)) < 0.01
         want = demo_reference(bits)
 
@@ -160,15 +154,15 @@ def test_sigterm_under_load_answers_every_begun_request_and_exits_0(
             done = metric(text, "bitserve_requests_total", 0.0, model="slow")
             return metric(text, "bitserve_in_flight_requests") + done
 
-        # 1. Three slow requests, each seconds of compute: the server has begun all three
-        # (in flight, or answered) before anything else is sent.
+        # 4. SIGTERM under load. Three slow requests, each seconds of compute: the server
+        # has begun all three (in flight, or answered) before anything else is sent.
         slow = ThreadPoolExecutor(3)
         answers = [slow.submit(slow_answer, url, x) for x in range(3)]
         deadline = time.monotonic() + 120
         while begun() < 3:
             assert time.monotonic() < deadline, "the slow requests never arrived"
             time.sleep(0.05)
-        # 2. Load: four clients without retries, each sending the demo back to back.
+        # Load: four clients without retries, each sending the demo back to back.
         stop = threading.Event()
         log: list[tuple[float, float, str]] = []  # (start, end, outcome)
 
@@ -192,7 +186,7 @@ def test_sigterm_under_load_answers_every_begun_request_and_exits_0(
             while sum(o == "200" for *_, o in log) < 8:
                 assert time.monotonic() < deadline, log
                 time.sleep(0.05)
-            # 3. SIGTERM to PID 1 (bitserve, exec form), as `docker stop` sends it.
+            # SIGTERM to PID 1 (bitserve, exec form), as `docker stop` sends it.
             t_term = time.monotonic()
             docker("kill", "--signal", "TERM", box.name)
             code = box.wait_exit(timeout=300)
