@@ -1,7 +1,7 @@
 """How often does each end-to-end test fail when the suite runs again and again under load?
 
 ``python -m benchmarks.flakes run --label before --runs 20 [--burners 2] [--only PATH] [--smoke]``
-``python -m benchmarks.flakes table before after``  (writes ``benchmarks/results/flakes.md``)
+``python -m benchmarks.flakes table before after [before2 after2 ...]``  (writes ``flakes.md``)
 
 ``run`` runs the end-to-end tests (``-m e2e``) and the deployment tests (``tests/deploy``)
 ``--runs`` times, each run in its own pytest process, in the test order pytest collects.
@@ -180,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     one.add_argument("--full", action="store_true")
     one.add_argument("--only", action="append", default=[])
     t = sub.add_parser("table", help="write benchmarks/results/flakes.md")
-    t.add_argument("before")
-    t.add_argument("after")
+    t.add_argument("labels", nargs="+", help="pairs of labels: before after [before after ...]")
     args = p.parse_args(argv)
     if args.command == "_one":
         # Stopped (SIGTERM): the burners and the test run end with it.
@@ -191,16 +190,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "run":
         run(args.label, args.runs, args.burners, args.smoke, args.only)
     else:
-        text = table(args.before, args.after)
+        if len(args.labels) % 2:
+            p.error("table takes labels in pairs: before after")
+        pairs = list(zip(args.labels[::2], args.labels[1::2], strict=True))
+        text = "\n".join(f"## {b} / {a}\n\n{table(b, a)}\n" for b, a in pairs)
         print(text)
-        (RESULTS / "flakes.md").write_text(FLAKES_HEADER + text + "\n")
+        (RESULTS / "flakes.md").write_text(FLAKES_HEADER + text)
 
 
 FLAKES_HEADER = """# Flaky tests: failures per test over repeated runs under CPU load
 
-`python -m benchmarks.flakes run --label L --runs N`, then `python -m benchmarks.flakes table
-before after`. Each run: every end-to-end test (`-m e2e`) and every deployment test, in
-pytest's order, with two busy-looping processes beside them on the 2-core machine. Only
+`python -m benchmarks.flakes run --label L --runs N [--only PATH ...]`, then `python -m
+benchmarks.flakes table before after ...`. Each run: the selected tests (by default every
+end-to-end test, `-m e2e`, and every deployment test), in pytest's order, beside
+`--burners` busy-looping processes on the 2-core machine, holding the shared CPU lock. Only
 tests that failed at least once are listed.
 
 """

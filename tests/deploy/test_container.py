@@ -126,7 +126,7 @@ def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
 ) -> None:
     # One container's life, as README's Deployment section runs it (one start: each costs
     # seconds of loading): a repository from `bitserve demo-repo`, plus a slow model.
-    models = write_slow_model(demo_repository(tmp_path / "models"), rounds=400)
+    models = write_slow_model(demo_repository(tmp_path / "models"), rounds=None)
     # A drain deadline far beyond the slow requests' few seconds, on a loaded machine too.
     run = ["-p", f"127.0.0.1::{PORT}", "-v", f"{models}:/models:ro",
            "-e", "BITSERVE_GRACEFUL_SHUTDOWN_S=120"]  # fmt: skip
@@ -157,7 +157,7 @@ def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
         # 4. SIGTERM under load. Three slow requests, each seconds of compute: the server
         # has begun all three (in flight, or answered) before anything else is sent.
         slow = ThreadPoolExecutor(3)
-        answers = [slow.submit(slow_answer, url, x) for x in range(3)]
+        answers = [slow.submit(slow_answer, url, 300 + x) for x in range(3)]
         deadline = time.monotonic() + 120
         while begun() < 3:
             assert time.monotonic() < deadline, "the slow requests never arrived"
@@ -200,7 +200,7 @@ def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
     # Every request the server had begun was answered, right.
     assert [status for status, _ in results] == [200, 200, 200], results
     for x, (_, y) in enumerate(results):
-        np.testing.assert_array_equal(y, [[float(x)]])
+        np.testing.assert_array_equal(y, [[300.0 + x]])
     # Load answered before the signal: all right; around and after it: an answer, a 503
     # (draining) or a refused or closed connection, never a wrong answer.
     assert {o for _, t1, o in log if t1 < t_term} == {"200"}, log
