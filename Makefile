@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: system-deps venv serve test test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
+.PHONY: system-deps standin-images venv serve test test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ system-deps:
 		{ command -v debootstrap || [ -x /usr/sbin/debootstrap ]; } >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			--no-install-recommends nginx prometheus docker.io debootstrap >/dev/null; }
+
+# The container tests' stand-in base images (tests/deploy/_standin.py): built once per machine
+# and set of pins; the tests build them too when missing. CI starts this early, in the
+# background, so that the build overlaps the other tests.
+standin-images: $(STAMP) system-deps
+	$(BIN)/python -m tests.deploy._standin
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q

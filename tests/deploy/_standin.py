@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,3 +149,23 @@ def _build(tags: StandIns, constraints: list[str]) -> None:
         python = ["ENV PIP_NO_INDEX=1", "ENV PIP_FIND_LINKS=/wheels", 'CMD ["python3"]']
         _import(rootfs, tags.python, python)
     docker("image", "inspect", tags.python)
+
+
+def main() -> int:
+    """``python -m tests.deploy._standin``: start an engine if needed and build the stand-ins
+    (CI runs this in the background while the other tests run; the container tests then
+    find the images, or wait for the build through its lock)."""
+    from ._engine import engine
+
+    problem = engine()
+    if problem is not None:
+        print(f"no Docker engine can run here: {problem}")
+        return 0  # nothing to build for: the container tests will skip and say why
+    t0 = time.monotonic()
+    tags = stand_ins()
+    print(f"stand-in images {tags.python} and {tags.nginx} ready in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
