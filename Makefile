@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: system-deps standin-images venv serve test test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
+.PHONY: system-deps standin-images venv serve test test-uvicorn-floor test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[server,triton,data,onnx,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -45,6 +45,18 @@ standin-images: $(STAMP) system-deps
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
+
+# The HTTP protocol at the oldest uvicorn of the range pyproject.toml pins (the venv holds the
+# newest): installed beside the venv, first on the path, for the HTTP tests and a real server.
+UVICORN_FLOOR ?= 0.29.0
+test-uvicorn-floor: $(STAMP)
+	rm -rf .uvicorn-floor
+	$(BIN)/pip install -q --no-deps --target .uvicorn-floor "uvicorn==$(UVICORN_FLOOR)"
+	PYTHONPATH=$(CURDIR)/.uvicorn-floor $(BIN)/python -c \
+		"import uvicorn; assert uvicorn.__version__ == '$(UVICORN_FLOOR)', uvicorn.__version__"
+	PYTHONPATH=$(CURDIR)/.uvicorn-floor $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/service/test_http_protocol.py tests/service/test_http_limits.py \
+		tests/service/test_app_http.py tests/e2e/test_server.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
@@ -82,4 +94,4 @@ client-isolated:
 	.venv-client/bin/python -m pytest -q -p no:cacheprovider tests/clients -m "not e2e"
 
 clean:
-	rm -rf $(VENV) .venv-client .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-client .uvicorn-floor .pytest_cache .mypy_cache .ruff_cache .hypothesis

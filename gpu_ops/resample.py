@@ -14,6 +14,9 @@ Two modules compute it:
 - :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
   weights inside the kernels; gradients also flow to c and the parameter.
 
+Both also take bit-packed inputs, ``forward_bits(packed)`` (:mod:`gpu_ops._bits_resample`):
+the band, an event scatter or prefix sums, whichever costs least for each input's density.
+
 Both call torch operators (``torch.ops.bitserve.*``, :mod:`gpu_ops._resample_ops`): Triton
 kernels on CUDA, compiled C on the CPU, chunked torch elsewhere, each compared in the tests
 with the plain references of :mod:`gpu_ops._reference`. Being torch operators, they run
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_ops import _resample_ops, _resampler_base, responses
+from gpu_ops import _bits_resample, _events_ops, _resample_ops, _resampler_base, responses
 from gpu_ops._on_the_fly import OnTheFlyResampler
 from gpu_ops.responses import Response
 
@@ -309,6 +312,27 @@ class BandedResampler(_resampler_base.Resampler):
 
     def _resample(self, f: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = _resample_ops.banded_forward(f, self.starts, self.weights, True)
+        if self.inverse_order is not None:
+            out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+        return out
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        _, A, W = self.weights.shape
+        if torch.is_grad_enabled() and self.weights.requires_grad:  # gradients to the weights
+            M = packed3.shape[0]
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        B = self.num_fine
+        return _bits_resample.plan(packed3, B, A, W, on_the_fly=False, pieces=None)
+
+    def _check_bits_path(self, path: str) -> torch.dtype:
+        if path == "prefix":
+            raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
+        return self.weights.dtype
+
+    def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
+        out: torch.Tensor = _events_ops.events_band_forward(
+            items, self.starts, self.weights, self.num_fine, big
+        )
         if self.inverse_order is not None:
             out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
         return out

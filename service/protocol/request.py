@@ -30,14 +30,12 @@ from service.errors import InvalidInput
 from service.protocol.tensors import (
     check_datatype,
     check_shape,
-    element_count,
     from_binary,
     from_json,
 )
 from service.protocol.types import (
     BYTES,
     DATATYPES,
-    WIRE_DTYPES,
     InferRequest,
     RequestInput,
     RequestOutput,
@@ -75,13 +73,18 @@ class RawInputSpec:
     shape: tuple[int, ...]
 
 
-class SharedMemoryViews(Protocol):
+class SharedMemoryRegions(Protocol):
     """What the decoder asks of the registered shared memory regions
     (``service.shared_memory.SystemSharedMemory``)."""
 
-    def view(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
-        """``byte_size`` bytes at ``offset`` of ``region``, bounds checked; InvalidInput
-        naming the region otherwise."""
+    def read(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
+        """A copy of ``byte_size`` bytes at ``offset`` of ``region``, bounds checked;
+        InvalidInput naming the region otherwise."""
+        ...
+
+    def output(self, region: object, offset: object, byte_size: object, what: str) -> SharedOutput:
+        """Where an output of ``byte_size`` bytes at ``offset`` of ``region`` goes, bounds
+        checked; InvalidInput naming the region otherwise."""
         ...
 
 
@@ -123,7 +126,7 @@ def decode_infer_request(
     body: bytes | bytearray | memoryview,
     header_length: int | None,
     model: InputChecker | None = None,
-    shm: SharedMemoryViews | None = None,
+    shm: SharedMemoryRegions | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -317,7 +320,7 @@ def check_input_head(
 
 
 def check_requested_output(
-    index: int, name: object, params: object, seen: set[str], shm: SharedMemoryViews | None
+    index: int, name: object, params: object, seen: set[str], shm: SharedMemoryRegions | None
 ) -> RequestOutput:
     """Check one requested output (every transport's decoder calls this, in request order).
 
@@ -338,12 +341,12 @@ def check_requested_output(
     if checked_params.get("classification"):
         raise InvalidInput(f"{what}: the classification extension is not supported")
     binary = _bool_param(checked_params, "binary_data", what)
-    view = _shared_view(checked_params, what, shm)
     shared = None
-    if view is not None:
+    if _shared_region(checked_params, what, shm) is not None:
+        assert shm is not None
         if binary:
             raise InvalidInput(f"{what}: can't set both 'shared_memory_region' and 'binary_data'")
-        shared = SharedOutput(str(checked_params["shared_memory_region"]), view)
+        shared = shm.output(*_shared_place(checked_params), what)
     return RequestOutput(checked, binary, checked_params, shared)
 
 
@@ -352,28 +355,23 @@ def shared_input(
     datatype: str,
     shape: tuple[int, ...],
     what: str,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> np.ndarray[Any, Any] | None:
-    """An input's data from the shared memory region its parameters name (a read-only view,
-    its size checked against the shape), or None when they name none (every transport's
-    decoder asks this before it looks for the data elsewhere).
+    """An input's data from the shared memory region its parameters name (a copy, its size
+    checked against the shape before it is read), or None when they name none (every
+    transport's decoder asks this before it looks for the data elsewhere).
 
     Raises:
         InvalidInput: an unknown region, a range outside it, client shared memory disabled,
-            or a size that does not fit the shape.
+            a size that does not fit the shape, or an object that shrank.
     """
-    view = _shared_view(params, what, shm)
-    if view is None:
+    region = _shared_region(params, what, shm)
+    if region is None:
         return None
-    if datatype != BYTES:
-        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
-        if expected != view.nbytes:
-            raise InvalidInput(
-                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-                f"shared_memory_byte_size of region '{params['shared_memory_region']}' "
-                f"is {view.nbytes}"
-            )
-    return from_binary(view, datatype, shape, what)
+    assert shm is not None
+    data = shm.read(*_shared_place(params), what)  # at most the region's registered size
+    size_of = f"shared_memory_byte_size of region '{region}'"
+    return from_binary(data, datatype, shape, what, size_of)
 
 
 def _decode_header(
@@ -382,7 +380,7 @@ def _decode_header(
     *,
     binary: bool,
     model: InputChecker | None,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> InferRequest:
     rid, params, timeout = check_request_fields(header.get("id"), header.get("parameters"))
     binary_out = _bool_param(params, "binary_data_output", "request") or False
@@ -421,7 +419,7 @@ def _decode_input(
     *,
     binary: bool,
     model: InputChecker | None,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -458,22 +456,16 @@ def _decode_input(
             f"{what}: binary_data_size {size} runs past the end of the body "
             f"({rest.nbytes - offset} bytes left)"
         )
-    if datatype != BYTES:
-        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
-        if expected != size:
-            raise InvalidInput(
-                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-                f"binary_data_size is {size}"
-            )
-    data = from_binary(rest[offset : offset + size], datatype, shape, what)
+    data = from_binary(rest[offset : offset + size], datatype, shape, what, "binary_data_size")
     return RequestInput(name, datatype, shape, data, params), size
 
 
-def _shared_view(
-    params: Mapping[str, Any], what: str, shm: SharedMemoryViews | None
-) -> memoryview | None:
-    """The shared memory a tensor names in its parameters, or None when it names none."""
-    region = params.get("shared_memory_region")
+def _shared_region(
+    params: Mapping[str, Any], what: str, shm: SharedMemoryRegions | None
+) -> object | None:
+    """The shared memory region a tensor names in its parameters, or None when it names
+    none."""
+    region: object = params.get("shared_memory_region")
     if region is None:
         for key in ("shared_memory_byte_size", "shared_memory_offset"):
             if key in params:
@@ -484,12 +476,19 @@ def _shared_view(
             f"{what}: names shared memory region {str(region)[:64]!r}, but client shared "
             "memory is disabled on this server (bitserve serve --allow-client-shm)"
         )
-    return shm.view(
-        region, params.get("shared_memory_offset"), params.get("shared_memory_byte_size"), what
+    return region
+
+
+def _shared_place(params: Mapping[str, Any]) -> tuple[object, object, object]:
+    """A tensor's region, offset and byte size, as its parameters give them."""
+    return (
+        params.get("shared_memory_region"),
+        params.get("shared_memory_offset"),
+        params.get("shared_memory_byte_size"),
     )
 
 
-def _decode_outputs(raw: object, shm: SharedMemoryViews | None) -> list[RequestOutput] | None:
+def _decode_outputs(raw: object, shm: SharedMemoryRegions | None) -> list[RequestOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):

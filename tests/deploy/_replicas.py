@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from tests.e2e.conftest import STARTUP_S, bitserve_command, free_port, worker_pids_in
+from harness.server import STARTUP_S, bitserve_command, free_port, worker_pids_in
 
 from ._manifests import ROOT
 

@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 from bitserve_client import Client, ServerError, TransportError
 
-from benchmarks.e2e.probes import metric
-from tests.e2e.conftest import bitserve_command
+from harness.probes import metric
+from harness.repo_utils import demo_reference
+from harness.server import bitserve_command
 from tests.e2e.slow_model import write_slow_model
-from tests.repo_utils import demo_reference
 
 from ._compose_run import run_args
 from ._engine import Container, container, docker, engine, network, unique

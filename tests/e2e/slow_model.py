@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import torch
 
-from tests.repo_utils import model_toml, tensor, torchscript, write_model_folder
+from harness.repo_utils import model_toml, tensor, torchscript, write_model_folder
 
 SLOW_CONFIG = model_toml(
     max_batch_size=8,

@@ -28,9 +28,8 @@ from bitserve_client import (
     Unavailable,
 )
 
-from tests.repo_utils import bits_input, demo_reference, model_toml, tensor, write_model_folder
-
-from .conftest import BitserveServer, start_server
+from harness.repo_utils import bits_input, demo_reference, model_toml, tensor, write_model_folder
+from harness.server import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
 

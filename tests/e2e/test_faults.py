@@ -22,9 +22,9 @@ import psutil
 import pytest
 import torch
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.loadgen import run_level, tree_rss_bytes
-from benchmarks.e2e.probes import (
+from harness import wire
+from harness.loadgen import run_level, tree_rss_bytes
+from harness.probes import (
     http_status,
     infer_ok,
     raw_request,
@@ -32,9 +32,9 @@ from benchmarks.e2e.probes import (
     wait_idle,
     write_repository,
 )
-from benchmarks.e2e.workload import N_FINE, N_FUNCTIONS, Pool, check
+from harness.server import BitserveServer, terminate_under_load, wait_begun
+from harness.workload import N_FINE, N_FUNCTIONS, Pool, check
 from service.demo import write_demo_repository
-from tests.e2e.conftest import BitserveServer, terminate_under_load, wait_begun
 from tests.e2e.slow_model import slow_request, write_slow_model
 
 pytestmark = pytest.mark.e2e

@@ -20,8 +20,8 @@ import tritonclient.http as tc
 import tritonclient.http.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.conftest import BitserveServer, wait_begun
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from harness.server import BitserveServer, wait_begun
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +76,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo: Path) -> Iterator[BitserveServer]:
-    from tests.e2e.conftest import start_server
+    from harness.server import start_server
 
     with start_server(repo) as s:
         yield s

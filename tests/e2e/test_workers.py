@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from benchmarks.e2e.probes import metric
-from tests.e2e.conftest import (
+from harness.probes import metric
+from harness.server import (
     STARTUP_S,
     BitserveServer,
     bitserve_command,

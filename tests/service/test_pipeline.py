@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 from service.backends import ModuleModel
 from service.config import ConfigError, ModelConfig, parse_config
-from service.model_files import load_version
-from service.pipeline import Artifacts, Pipeline
+from service.model_files import Artifacts, load_version
+from service.pipeline import Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
-from tests.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
 
@@ -104,7 +104,7 @@ def test_matches_float64_dense_reference(device: str, bitorder: str) -> None:
     assert all(o[0].dtype == np.float32 and o[0].flags.c_contiguous for o in out)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert pipe.output_shapes == [[N, A]]
-    assert pipe.device_memory_bytes >= 4 * N * B * 4  # at least the input buffer
+    assert pipe.device_memory_bytes >= 4 * N * ((B + 7) // 8)  # at least the packed input buffer
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -117,6 +117,27 @@ def test_packed_and_bool_inputs_give_identical_results(device: str) -> None:
     mixed = pipe.run([packed(bits[:1]), logical(bits[1:3]), packed(bits[3:])])
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.concatenate([m[0] for m in mixed]), a)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_each_request_unpacked_in_its_own_bit_order(device: str) -> None:
+    """A request's ``parameters.bitorder`` overrides the model's (big) for its bytes only:
+    requests of both orders merged into one batch give the dense reference."""
+    t = tensors()
+    pipe = Pipeline("m", config(bitorder="big"), Artifacts(t), device, warmup=False)
+    bits = random_bits(4, seed=11)
+    ref = dense_reference(t, bits, gaussian(2.5, 4))
+
+    def little(b: np.ndarray, order: str | None = "little") -> Bound:
+        data = np.packbits(b, axis=-1, bitorder="little")
+        return request(WireInput(data, packed=True, bitorder=order))
+
+    out = pipe.run([little(bits[:1]), packed(bits[1:3]), little(bits[3:])])
+    got = np.concatenate([o[0] for o in out])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # The same little-order bytes read in the model's order are other bits.
+    wrong = pipe.run([little(bits, order=None)])[0][0]
+    assert not np.allclose(wrong, ref, atol=1e-3)
 
 
 def test_bool_bytes_other_than_one_count_as_one() -> None:
@@ -157,6 +178,24 @@ def test_bfloat16_compute() -> None:
     assert got.dtype == np.float32  # the output datatype, whatever the compute dtype
     ref = dense_reference(t, bits, gaussian(2.5, 4))
     np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("on_the_fly", [False, True])
+def test_new_responses_and_options(on_the_fly: bool) -> None:
+    """[operator] laplacian by sigma, normalised and scaled, stored or on the fly."""
+    t = tensors()
+    keys = 'response = "laplacian"\nsigma = 2.0\nnormalize = true\nscale = 3.0'
+    keys += f"\non_the_fly = {str(on_the_fly).lower()}"
+    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
+    bits = random_bits(3, seed=12)
+    tau = 2.0 / np.sqrt(2.0)  # sigma = sqrt(2) tau
+
+    def laplacian(d: torch.Tensor) -> torch.Tensor:
+        return 3.0 * torch.exp(-d.abs() / tau) / (2 * tau) * (d.abs() <= 5 * 2.0)
+
+    ref = dense_reference(t, bits, laplacian)
+    got = pipe.run([packed(bits)])[0][0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_tabulated_asymmetric_response() -> None:
