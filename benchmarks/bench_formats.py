@@ -2,7 +2,7 @@
 
 The same 3-layer float32 MLP (2048 -> 256 -> 64 -> 1) over 2048-bit fingerprints (packed
 big-endian, 256 bytes per row) is written as a ``torch.export`` program, an AOTInductor
-package and an ONNX model (``tests.model_formats``), and served side by side by one
+package and an ONNX model (``harness.model_formats``), and served side by side by one
 ``bitserve serve`` process (``--workers 1``, CPU, dynamic batching up to 512 rows). A
 closed-loop load generator in this process keeps 8 requests of 64 rows in flight per
 format, rounds interleaved so a busy machine's drift hits all three alike; every answer is
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from benchmarks._common import markdown_table, median_time, parse_args, report
-from tests.e2e.conftest import start_server
-from tests.model_formats import FORMAT_FILES, fingerprint_mlp, reference, write_model
-from tests.repo_utils import model_toml, tensor
+from harness.model_formats import FORMAT_FILES, fingerprint_mlp, reference, write_model
+from harness.repo_utils import model_toml, tensor
+from harness.server import start_server
 
 FORMATS = ("torch_export", "aoti", "onnx")
 LABELS = {"torch_export": "torch.export", "aoti": "AOTInductor", "onnx": "ONNX Runtime (CPU)"}

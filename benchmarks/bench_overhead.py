@@ -41,6 +41,7 @@ import numpy as np
 from benchmarks._common import markdown_table, parse_args, report
 from benchmarks.overhead import perf, tiny
 from benchmarks.overhead.perf import Load, Running
+from harness.server import perf_analyzer
 
 CONCURRENCY = (8, 32)
 DEFAULTS = "bitserve (defaults)"
@@ -151,7 +152,7 @@ def main() -> None:
     pre.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
-    command = perf.perf_analyzer()
+    command = perf_analyzer()
     if command is None:
         if not args.smoke:
             raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")

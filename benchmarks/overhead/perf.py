@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,25 +25,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.e2e.loadgen import tree_cpu_seconds
-from benchmarks.e2e.servers import free_port
-from tests.e2e.conftest import bitserve_command
+from harness.loadgen import tree_cpu_seconds
+from harness.server import bitserve_command, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def perf_analyzer() -> list[str] | None:
-    """The command that runs perf_analyzer here, or None when there is none."""
-    env = os.environ.get("PERF_ANALYZER")
-    if env:
-        return [env]
-    found = shutil.which("perf_analyzer")
-    if found:
-        return [found]
-    script = ROOT.parent / "shared" / "tools" / "perf-analyzer.sh"
-    if script.is_file():
-        return ["bash", str(script)]
-    return None
 
 
 @dataclass

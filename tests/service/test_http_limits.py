@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from benchmarks.e2e.probes import read_until_closed
+from harness.probes import read_until_closed
 from service.rest.app import create_app
 from service.rest.server import uvicorn_config
 from service.settings import Settings
