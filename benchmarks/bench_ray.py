@@ -177,6 +177,60 @@ def rss_steps(repo: Path) -> list[list[Any]]:
     return steps
 
 
+def conversion_cost(rows: int = 65536) -> float:
+    """Seconds per row of turning a binary column (Ray's NumPy batch: an object array of
+    256-byte ``bytes``) into the packed matrix the pipeline stages: the host work a GPU actor
+    does per row besides the copy to the device."""
+    from service.config import InputConfig
+    from service.ray.scorer import ColumnForm
+
+    form = ColumnForm.of(InputConfig(name="fp", datatype="BOOL", shape=[2048], packing="bits"))
+    packed = np.random.default_rng(0).integers(0, 256, (rows, PACKED), dtype=np.uint8)
+    column = np.empty(rows, dtype=object)
+    column[:] = [r.tobytes() for r in packed]
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for lo in range(0, rows, MAX_BATCH):
+            form.array(column[lo : lo + MAX_BATCH])
+        best = min(best, time.perf_counter() - t0)
+    return best / rows
+
+
+def scale_model(one: float, compute: float, convert: float, cores: int = 2) -> str:
+    """A short model of rows/s against nodes and GPUs, from this run's per-row costs."""
+    per_row = cores / one  # CPU-seconds per row of the whole 1-node job (every core busy)
+    io = max(per_row - 1 / compute, 0.0)  # reading, converting, writing, Ray's own work
+    gpu_host = convert + PACKED / 20e9  # conversion + the copy to the device (~20 GB/s)
+    gpu_rate = 1 / gpu_host
+    cores_per_gpu = gpu_rate * io
+    return f"""## Rows/s against nodes and GPUs: a model from these per-row costs
+
+Measured here: the whole 1-node job costs {per_row * 1e6:.0f} µs of CPU a row ({cores} cores
+busy at {one:,.0f} rows/s); the model's compute, {1e6 / compute:.0f} µs a row on one CPU
+thread; so reading Parquet, handing batches between Ray's stages and writing the output cost
+about **{io * 1e6:.0f} µs of CPU a row**. Turning a batch's binary column into the packed
+matrix costs {convert * 1e9:.0f} ns a row.
+
+- **CPU cluster**, N nodes of C cores: every core is either scoring or moving rows, so
+  rows/s ≈ N·C / ({1e6 / compute:.0f} µs + {io * 1e6:.0f} µs) ≈ **{1 / (1 / compute + io):,.0f}
+  rows/s per core**, {16 / (1 / compute + io):,.0f} for a 16-core node, and a billion rows
+  take {1e9 / (16 / (1 / compute + io)) / 3600:.1f} node-hours. This assumes the work spreads
+  evenly (Ray Data runs read, score and write tasks on every node); the 2-node row above, on
+  the same 2 cores, measures what spreading costs.
+- **GPU cluster**: the MLP's 0.5 M multiply-adds a row take a GPU nanoseconds; a GPU actor
+  is bound by its host work, the column conversion ({convert * 1e9:.0f} ns) and the copy of
+  256 bytes (~13 ns at 20 GB/s), about **{gpu_rate / 1e6:.1f} M rows/s per GPU** at most. Each
+  GPU then needs about {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.0f} µs
+  a row to keep it fed, so rows/s ≈ min(G x {gpu_rate / 1e6:.1f} M, total cores /
+  {io * 1e6:.0f} µs): on nodes of 8 GPUs and 64 cores the cores bind first, at
+  {64 / io / 1e6:.2f} M rows/s a node ({1e9 / (64 / io) / 60:.0f} minutes a billion rows).
+  Bigger read tasks and blocks, fewer pass-through columns, and `--num-cpus` for the readers
+  move that bound; the GPU's share is measured by `python -m benchmarks.bench_ray
+  --scorer-only --device cuda` (benchmarks/gpu_check.sh), not yet on a GPU host.
+"""
+
+
 def two_nodes(repo: Path, src: Path, out: Path) -> tuple[float, float, dict[int, int]]:
     """``bitserve score --address`` on a Cluster of two 1-CPU nodes."""
     import ray
@@ -220,6 +274,7 @@ def main() -> None:
         packed = write_library(src, rows)
         compute, device_bytes = compute_only(repo, packed)
         steps = rss_steps(repo)
+        convert = conversion_cost()
         base = baseline(repo, packed)
         one, one_wall, one_mem = run_score(repo, src, root / "out1")
         results: list[tuple[str, float, float, dict[int, int]]] = [
@@ -229,6 +284,7 @@ def main() -> None:
             two, two_wall, two_mem = two_nodes(repo, src, root / "out2")
             results.append(("2 simulated nodes (1 CPU each)", two, two_wall, two_mem))
     body = table(rows, base, compute, device_bytes, results, steps)
+    body += "\n" + scale_model(results[0][1], compute, convert)
     report("ray", "bitserve score on Ray Data", body, smoke=args.smoke, devices=["cpu"])
 
 
