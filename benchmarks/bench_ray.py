@@ -43,8 +43,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 
 from benchmarks._common import markdown_table, parse_args, report
-from tests.e2e.conftest import bitserve_command, start_server
-from tests.fingerprints import MODEL, PACKED, write_fingerprint_repository
+from harness.fingerprints import MODEL, PACKED, write_fingerprint_repository
+from harness.server import bitserve_command, start_server
 
 MAX_BATCH = 1024
 CHUNK = 131072

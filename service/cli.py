@@ -199,7 +199,7 @@ def check_repo(
     if not root.is_dir():
         print(f"{root}: not a folder", file=sys.stderr)
         return 1
-    from service.model_files import check_repository
+    from service.builder import check_repository
 
     logging.basicConfig(level=logging.CRITICAL)  # the problems are printed; no log lines
     problems = check_repository(root, device=device, **limits)

@@ -2,7 +2,7 @@
 
 :class:`BatchScorer` is a Ray Data batch callable (``Dataset.map_batches``) and works as well on
 its own: it loads one model version as ``bitserve serve`` loads it
-(:func:`service.model_files.build_version`: the same files, checks, backend and dry run),
+(:func:`service.builder.build_version`: the same files, checks, backend and dry run),
 keeps it resident on its device, and computes each batch of rows as the server computes one
 request: the model's :class:`~service.signature.Signature` checks and lays out the inputs, and
 :meth:`service.pipeline.Pipeline.run` unpacks the bits on the device, applies the operator and
@@ -210,8 +210,8 @@ class BatchScorer:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         torch_threads: int | None = None,
     ) -> None:
+        from service.builder import build_version
         from service.devices import set_torch_threads
-        from service.model_files import build_version
 
         threads = torch_threads if torch_threads is not None else ray_cpus()
         if threads is not None:

@@ -13,6 +13,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
+from harness.fingerprints import MODEL, fingerprint_table, write_fingerprint_repository
 from service.ray.data import Actors, plan_actors
 from service.ray.job import (
     FILE_TAG,
@@ -28,7 +29,6 @@ from service.ray.job import (
     write_run,
 )
 from service.ray.scorer import ColumnForm, ScoringError, read_config
-from tests.fingerprints import MODEL, fingerprint_table, write_fingerprint_repository
 
 pytest.importorskip("ray")
 LOCAL = pafs.LocalFileSystem()

@@ -27,8 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.conftest import bitserve_command, free_port, start_server
-from tests.fingerprints import (
+from harness.fingerprints import (
     MODEL,
     PACKED,
     fingerprint_table,
@@ -38,6 +37,7 @@ from tests.fingerprints import (
     write_fingerprint_repository,
     write_slow_fingerprint_model,
 )
+from harness.server import bitserve_command, free_port, start_server
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.ray.scorer import BatchScorer, ColumnForm, ScoringError, find_version, read_config
-from tests.fingerprints import (
+from harness.fingerprints import (
     BITS,
     MODEL,
     PACKED,
@@ -23,7 +22,8 @@ from tests.fingerprints import (
     reference_scores,
     write_fingerprint_repository,
 )
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from service.ray.scorer import BatchScorer, ColumnForm, ScoringError, find_version, read_config
 
 pytest.importorskip("ray")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.repo_utils import model_toml, tensor
+from harness.repo_utils import model_toml, tensor
 
 BITS = 2048
 HIDDEN = 256
@@ -95,7 +95,6 @@ def write_slow_fingerprint_model(root: Path, rounds: int, name: str = "slow_fing
     the 2048 bits), after ``rounds`` 300x300 matrix products a batch (TorchScript); its config
     takes batches of 25 rows. Returns ``root``."""
     import torch
-
     from tests.repo_utils import torchscript
 
     class Slow(torch.nn.Module):
