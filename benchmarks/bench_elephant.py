@@ -38,10 +38,13 @@ rates at the 10 ms coarse points only, by the path its cost model picks per inpu
 each spike adds its kernel to the coarse points in reach; `band`: every fine point of every
 window; `prefix`: prefix sums, for the piecewise polynomial kernels). Elephant at a 0.1 ms
 sampling period is the same computation as ours (spikes at their fine points), so "matching
-accuracy" compares with it. Kernels cut at {CUTOFF:g} sigma (Elephant's default `cutoff`),
-centred on their median (Elephant's `center_kernel=True`). One thread each
-(`torch.set_num_threads(1)`; scipy's FFT is single-threaded); medians of repeated calls,
-wall time."""
+accuracy" compares with it. Kernels cut at {CUTOFF:g} sigma (Elephant's default `cutoff`;
+ours half a fine step further, so that a spike exactly {CUTOFF:g} sigma away counts on both
+sides as it does in Elephant's kernel array), centred on their median (Elephant's
+`center_kernel=True`). One thread each
+(`torch.set_num_threads(1)`; scipy's FFT is single-threaded); medians of repeated calls in
+CPU time of the process (one thread: what each side costs, whatever else the shared machine
+runs)."""
 
 
 def parity(w: Workload, sigmas: Sequence[float]) -> str:
@@ -60,17 +63,22 @@ def parity(w: Workload, sigmas: Sequence[float]) -> str:
 
 
 def _median(fn: Callable[[], object], repeat: int) -> float:
+    """Median CPU time of this process over ``repeat`` calls (after one untimed call): both
+    sides run on one thread, so CPU time is their cost, whatever else the machine runs."""
     fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times)
 
 
-def speed(ws: Sequence[Workload], sigmas: Sequence[float], repeat: int) -> tuple[str, bool]:
-    rows, met = [], True
+def speed(
+    ws: Sequence[Workload], sigmas: Sequence[float], repeat: int
+) -> tuple[str, dict[str, bool]]:
+    rows: list[list[object]] = []
+    met = {w.name: True for w in ws}
     for w in ws:
         for sigma in sigmas:
             op = operator(w, "gaussian", sigma)
@@ -81,7 +89,7 @@ def speed(ws: Sequence[Workload], sigmas: Sequence[float], repeat: int) -> tuple
             coarse = _median(lambda: elephant_rate(w, "gaussian", sigma, STEP), repeat)  # noqa: B023
             fine = _median(lambda: elephant_rate(w, "gaussian", sigma, 1 / FS), max(3, repeat // 3))  # noqa: B023
             ok = coarse / ours >= 5 and fine / ours >= 20
-            met &= ok
+            met[w.name] &= ok
             rows.append([
                 w.name, f"{sigma * 1e3:g}", f"{coarse * 1e3:.2f}", f"{fine * 1e3:.1f}",
                 f"{ours * 1e3:.3f}", path, f"{coarse / ours:.1f}", f"{fine / ours:.0f}",
@@ -115,8 +123,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(its solver starts from 0.5 s and stops there), so its median-centred alpha rates are "
         "off by about 0.5 s; ours centre on the true median, 1.678 tau.\n\n"
         f"{parity_table}\n\n### Speed (Gaussian kernel)\n\n{speed_table}\n\n"
-        f"Speed targets (>= 5x Elephant at 10 ms and >= 20x at 0.1 ms, every row): "
-        f"{'met' if met else 'NOT met'}."
+        "Speed targets (>= 5x Elephant at 10 ms and >= 20x at 0.1 ms at every sigma): "
+        + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in met.items())
+        + ". The exact sum costs events x coarse points per "
+        "window: the demo's 10% (100,000 ones in the 20 rows) has 36 times the spike trains' "
+        "events, and at sigma = 200 ms each reaches 200 coarse points (20 M kernel values per "
+        "call); Elephant at 10 ms bins the spikes to 10 ms first (inexact), at 0.1 ms it pays "
+        "a fine-grid FFT whatever the density."
     )
     report("elephant", "forward_bits against Elephant's instantaneous_rate", body,
            smoke=args.smoke, devices=["cpu"])  # fmt: skip

@@ -78,7 +78,10 @@ def operator(w: Workload, name: str, sigma: float) -> OnTheFlyResampler:
     A = round(w.duration / STEP)
     x = torch.arange(B, dtype=torch.float64) / FS
     c = (torch.arange(A, dtype=torch.float64) * STEP).expand(N, A).contiguous()
-    support = None if name in COMPACT else CUTOFF
+    # Elephant's kernel array includes its ends, +-cutoff sigma exactly: a spike exactly that
+    # far from a coarse point counts. Our cut is a window search on float offsets, where
+    # such a tie may fall either way; half a fine step more makes it count here too.
+    support = None if name in COMPACT else CUTOFF + 0.5 / (FS * sigma)
     center = "none" if name in UNCENTRED else "median"
     return OnTheFlyResampler(x, c, name, support, sigma=sigma, normalize=True, center=center)
 

@@ -152,7 +152,12 @@ async def run_level(
     res = LevelResult(fmt=fmt, concurrency=concurrency, request_bytes=len(bodies[0].content))
     statuses: Counter[str] = Counter()
     resp_bytes: list[int] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # An idle connection is dropped by the client before the server's keep-alive timeout (5 s
+    # by default) can close it: reusing one the server is closing at that moment fails with a
+    # reset (httpx's own expiry is 5 s too, which made the two race).
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(timeout_s)
     counter = 0
     deadline = float("inf")

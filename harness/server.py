@@ -31,7 +31,14 @@ from pathlib import Path
 
 import httpx
 
+from harness.probes import metric
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# How long a server may take to become ready: seconds on an idle machine, minutes on a
+# loaded 2-core one (a deadline, never a measure: a test waits for readiness, then asserts).
+STARTUP_S = 300.0
 
 
 def free_port() -> int:
@@ -85,7 +92,7 @@ class BitserveServer:
         """Everything the server has written so far."""
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 120.0, path: str = "/v2/health/ready") -> None:
+    def wait_ready(self, timeout: float = STARTUP_S, path: str = "/v2/health/ready") -> None:
         """Poll ``path`` until 200; fail with the log tail if it dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -118,7 +125,7 @@ def start_server(
     *,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    timeout: float = 120.0,
+    timeout: float = STARTUP_S,
     log_dir: Path | None = None,
     ready: bool = True,
 ) -> Iterator[BitserveServer]:
@@ -176,21 +183,57 @@ def start_server(
         return
 
 
+def wait_begun(
+    url: str,
+    count: int,
+    model: str,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+) -> None:
+    """Until the server has begun ``count`` requests of ``model``: in flight or answered.
+
+    What the server has begun is what a graceful stop promises to answer; a request merely
+    sent (its bytes in the socket, unread) is not, whatever the time since it was sent. Read
+    off ``/metrics`` (every worker's): the in-flight gauge (any model: call this while only
+    ``model``'s requests are in flight) plus ``model``'s answered requests.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+        begun = metric(text, "bitserve_in_flight_requests", 0.0)
+        begun += metric(text, "bitserve_requests_total", 0.0, model=model)
+        if begun >= count:
+            return
+        assert time.monotonic() < deadline, f"{count - begun:.0f} {model} requests never arrived"
+        time.sleep(0.05)
+
+
 def terminate_under_load(
     server: BitserveServer,
     client: Callable[[int], None],
     clients: int,
     stop: threading.Event,
     timeout: float,
+    until: Callable[[], bool] | None = None,
 ) -> tuple[int, float, float]:
-    """Run ``client(k)`` in ``clients`` threads, SIGTERM ``server`` 2 s in, then set ``stop``.
+    """Run ``client(k)`` in ``clients`` threads, SIGTERM ``server`` once ``until()`` holds (or
+    2 s in), then set ``stop``.
+
+    The wait only puts the signal under load: which of the clients' requests the server had
+    begun by then is timing, so a test asserts the drain on requests it saw begun
+    (:func:`wait_begun`) and, of the load, on those answered before the signal.
 
     Returns the exit code and the ``time.monotonic()`` of the signal and of the exit; the
     clients' exceptions are raised here.
     """
     with ThreadPoolExecutor(clients) as ex:
         futures = [ex.submit(client, k) for k in range(clients)]
-        time.sleep(2.0)
+        if until is None:
+            time.sleep(2.0)
+        deadline = time.monotonic() + 120
+        while until is not None and not until():
+            assert time.monotonic() < deadline, "the load never got going"
+            time.sleep(0.05)
         t_term = time.monotonic()
         code = server.terminate(timeout=timeout)
         t_exit = time.monotonic()

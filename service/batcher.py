@@ -269,7 +269,8 @@ class Batcher(Generic[P, R]):
             self._cancel_timer(p)
             _fail(p, ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
         self._queued_items = 0
-        self._depth_changed()
+        if self._depth_gauge is not None:
+            self._report_depth()  # now: the repository may forget the series next
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
@@ -312,9 +313,14 @@ class Batcher(Generic[P, R]):
             pending.timer = None
 
     def _depth_changed(self) -> None:
+        if self._depth_gauge is not None and self._metrics is not None:
+            self._metrics.defer(self._report_depth)  # written once per turn of the loop
+
+    def _report_depth(self) -> None:
+        assert self._depth_gauge is not None
         # Deltas, not the value: other versions of the model share the metric's label.
         depth = len(self._queue)
-        if self._depth_gauge is not None and depth != self._reported_depth:
+        if depth != self._reported_depth:
             self._depth_gauge.inc(depth - self._reported_depth)
             self._reported_depth = depth
 
@@ -365,8 +371,13 @@ class Batcher(Generic[P, R]):
             if timer is not None:
                 timer.cancel()
 
+    def _inline_next(self) -> bool:
+        """Whether the next batch runs on the event loop (see ``inline_below_s``)."""
+        return self._batch_cpu_s < self._inline_below_s
+
     async def _next_batch(self) -> list[_Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
+        gathered = False
         while True:
             if not self._queue:
                 if self._closing:
@@ -381,6 +392,15 @@ class Batcher(Generic[P, R]):
                 if loop.time() < close_at:
                     await self._sleep(close_at)
                     continue  # re-check: more items, a new head, or the delay has passed
+            elif self._queued_items < self._capacity and self._inline_next() and not gathered:
+                # A batch run on the loop holds it: first the requests whose bytes have
+                # already arrived join it (one turn reads the sockets and starts their tasks,
+                # the next lets those tasks queue), which costs two turns, never a wait.
+                gathered = True
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                continue
+            gathered = False
             batch = self._take_batch(loop.time())
             if batch:
                 return batch
@@ -418,7 +438,7 @@ class Batcher(Generic[P, R]):
         self._running = batch
         payloads = [p.payload for p in batch]
         try:
-            if self._batch_cpu_s < self._inline_below_s:
+            if self._inline_next():
                 results, seconds, cpu = _timed(self._run_batch, payloads)
             else:
                 results, seconds, cpu = await loop.run_in_executor(

@@ -244,7 +244,7 @@ class DataPlane:
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
         handle: ModelHandle | None = None
-        self.metrics.in_flight.inc()
+        self.metrics.request_started()
         try:
             handle = self.repository.get(name, version)
             label = handle.name
@@ -271,7 +271,6 @@ class DataPlane:
             raise
         finally:
             ns = time.perf_counter_ns() - t0
-            self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, ns / 1e9)
+            self.metrics.request_finished(label, outcome, ns / 1e9)
             if handle is not None:  # Triton's statistics: every transport's requests
                 handle.stats.request_done(outcome == "success", ns)

@@ -14,6 +14,7 @@ import numpy as np
 from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
+from service.protocol.header_cache import HeaderCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats
 
@@ -44,6 +45,8 @@ class ModelHandle:
     stats: ModelStats
     signature: Signature = field(init=False)
     """What the wire accepts and what comes back, compiled once."""
+    headers: HeaderCache = field(init=False, default_factory=HeaderCache)
+    """Binary V2 request headers decoded before for this version (REST decodes here)."""
 
     def __post_init__(self) -> None:
         self.signature = Signature(self.name, self.cfg, self.pipeline.output_shapes)

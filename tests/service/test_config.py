@@ -104,6 +104,12 @@ def test_good_config_and_defaults() -> None:
             "operator: response = 'tabulated' takes no sigma",
         ),
         (('response = "gaussian"', 'response = "cauchy"'), "operator.response: Input should"),
+        (
+            ('response = "gaussian"\nsigma = 2.0', 'response = "tabulated"\non_the_fly = true'),
+            "operator: on_the_fly needs a named response",
+        ),
+        (("sigma = 2.0", 'sigma = 2.0\ncenter = "mean"'), "operator.center: Input should be"),
+        (("sigma = 2.0", 'sigma = 2.0\nborder = "reflect"'), "operator.border: Input should"),
         (('file = "op.safetensors"', 'file = "../op.safetensors"'), "operator.file: must be"),
         (('file = "op.safetensors"', 'file = "/etc/passwd"'), "operator.file: must be"),
         (('name = "out"', 'name = "spikes"'), "(top level): tensor names must be unique"),

@@ -180,6 +180,24 @@ def test_bfloat16_compute() -> None:
     np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("on_the_fly", [False, True])
+def test_new_responses_and_options(on_the_fly: bool) -> None:
+    """[operator] laplacian by sigma, normalised and scaled, stored or on the fly."""
+    t = tensors()
+    keys = 'response = "laplacian"\nsigma = 2.0\nnormalize = true\nscale = 3.0'
+    keys += f"\non_the_fly = {str(on_the_fly).lower()}"
+    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
+    bits = random_bits(3, seed=12)
+    tau = 2.0 / np.sqrt(2.0)  # sigma = sqrt(2) tau
+
+    def laplacian(d: torch.Tensor) -> torch.Tensor:
+        return 3.0 * torch.exp(-d.abs() / tau) / (2 * tau) * (d.abs() <= 5 * 2.0)
+
+    ref = dense_reference(t, bits, laplacian)
+    got = pipe.run([packed(bits)])[0][0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_tabulated_asymmetric_response() -> None:
     t = tensors()
     xs = np.array([-2.0, -0.5, 0.0, 1.0, 4.0])
