@@ -96,7 +96,7 @@ from py-spy and cProfile runs; the tables below are measured on every run)."""
 def histogram_quantile(before: str, after: str, name: str, q: float) -> float:
     """The ``q`` quantile of a Prometheus histogram's observations between two scrapes,
     interpolated linearly within its bucket (as PromQL's ``histogram_quantile``)."""
-    from benchmarks.e2e.probes import metric
+    from harness.probes import metric
 
     pattern = re.compile(rf'^{name}_bucket{{.*le="([^"]+)"')
     bounds = sorted(
@@ -129,8 +129,8 @@ def demo_tail(server: Running, concurrency: int, seconds: float) -> list[list[ob
     generator now, with the server's own quantiles over the Python run (the tail's witness)."""
     import asyncio
 
-    from benchmarks.e2e.loadgen import run_level
-    from benchmarks.e2e.workload import Pool
+    from harness.loadgen import run_level
+    from harness.workload import Pool
 
     url = f"{server.url}/v2/models/demo/infer"
     before = httpx.get(server.url + "/metrics", timeout=30).text

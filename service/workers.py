@@ -60,17 +60,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CPU_WORKERS_CAP = 8
-"""``auto`` on a host without a GPU: one worker per two cores, at most this many (each worker
-holds its own copy of every model; past a few, more processes add memory, not throughput)."""
-CORES_PER_WORKER = 2
-"""``auto`` gives each worker two cores: one for its event loop (parsing, framing, shedding
-load) and at least one for its torch threads (the batches). With fewer, the workers' loops and
-batches take turns on the same cores: on 2 cores, two workers served a 2048-bit MLP through
-``infer_many`` at 0.7x the rows/s of one (``benchmarks/results/mlp.md``)."""
+"""``auto`` on a host without a GPU: one worker per core, at most this many (each worker holds
+its own copy of every model; past a few, more processes add memory, not throughput)."""
 WORKERS_PER_GPU = 2
-"""``auto`` on a GPU host: this many workers per GPU (cores allowing), so one's Python work
-(parsing, encoding) overlaps another's kernels (with CUDA MPS their kernels can also run side
-by side). ``benchmarks/gpu_check.sh`` measures 1, 2 and 4 per GPU on a GPU host."""
+"""``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
+overlaps another's kernels (with CUDA MPS their kernels can also run side by side).
+``benchmarks/gpu_check.sh`` measures 1, 2 and 4 per GPU on a GPU host (``bench_mlp``)."""
 _STARTUP_FAILED = 1  # a worker's exit status when its server never started (as cli.serve's)
 _RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubled while a worker keeps crashing
 _STABLE_S = 30.0  # a worker that ran this long crashed afresh: restart it at once
@@ -104,15 +99,13 @@ def plan_workers(
 ) -> WorkerPlan:
     """The worker count for ``--workers`` and the torch threads of each worker.
 
-    ``auto`` is one worker per two cores (``cores // 2``, at least 1, at most 8) on a host
-    without a GPU, and ``2 x GPUs`` on a GPU host, bounded the same way by the cores but never
-    fewer than one worker per GPU. Each worker gets its share of the cores less one, for its
-    event loop (``cores // workers - 1`` intra-op threads, at least 1), so workers x (threads
-    + loop) stays within the cores; and one inter-op thread (a worker runs one batch at a time
-    per device). Measured on 2 cores: with a torch thread per core, the event loop that sheds
-    load under a 3x overload is starved and goodput collapses
-    (``benchmarks/results/hardening.md``); and two workers, each a loop and a torch thread,
-    served a light MLP at 0.7x one worker's rate (``benchmarks/results/mlp.md``).
+    ``auto`` is ``min(cores, 8)`` on a host without a GPU, and ``2 x GPUs`` on a GPU host,
+    bounded by the cores but never fewer than one worker per GPU. Each worker gets its share of
+    the cores less one, for its event loop (``cores // workers - 1`` intra-op threads, at least
+    1), so workers x (threads + loop) stays within the cores; and one inter-op thread (a
+    worker runs one batch at a time per device). Measured on 2 cores: with a torch thread per
+    core, the event loop that sheds load under a 3x overload is starved and goodput collapses
+    (``benchmarks/results/hardening.md``).
 
     Args:
         requested: the ``workers`` setting.
@@ -133,13 +126,12 @@ def plan_workers(
         workers = requested
         why = "as set"
     elif gpus:
-        fit = max(1, cores // CORES_PER_WORKER)
-        workers = max(gpus, min(WORKERS_PER_GPU * gpus, fit))
-        why = f"auto: {WORKERS_PER_GPU} per GPU for {gpus} GPU(s), at most one per 2 cores"
-        why += " but at least one per GPU" if workers > fit else ""
+        workers = max(gpus, min(WORKERS_PER_GPU * gpus, cores))
+        why = f"auto: {WORKERS_PER_GPU} per GPU for {gpus} GPU(s), at most one per core"
+        why += " but at least one per GPU" if workers > cores else ""
     else:
-        workers = max(1, min(cores // CORES_PER_WORKER, CPU_WORKERS_CAP))
-        why = f"auto: one per 2 cores, at most {CPU_WORKERS_CAP}, no GPU"
+        workers = min(cores, CPU_WORKERS_CAP)
+        why = f"auto: one per core, at most {CPU_WORKERS_CAP}, no GPU"
     threads: int | None = max(1, cores // workers - 1)
     if omp_threads:
         threads = None

@@ -1,6 +1,5 @@
-"""The control plane against a real ``bitserve serve`` with two workers, where changes are
-forwarded from worker to worker (what ``auto`` gives a 4-core host; on a 2-core CI machine
-``auto`` is one worker since the rule gives each worker two cores).
+"""The control plane against a real ``bitserve serve`` at its default worker count (``auto``:
+one worker per core, two on a 2-core CI machine).
 
 - Hostile names on every control route (load, unload, shared memory, logging), over HTTP and
   gRPC: never a 5xx, never gRPC INTERNAL, and every worker still serves afterwards. (Changes
@@ -46,7 +45,7 @@ SERVICE = "/inference.GRPCInferenceService/"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]:
-    env = {"BITSERVE_WORKERS": "2", "BITSERVE_LOG_LEVEL": "info"}
+    env = {"BITSERVE_WORKERS": "auto", "BITSERVE_LOG_LEVEL": "info"}
     log_dir = tmp_path_factory.mktemp("control")
     with start_server(args=["--allow-client-shm"], env=env, log_dir=log_dir) as server:
         yield server
@@ -54,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]
 
 def workers_of(server: BitserveServer) -> dict[int, int]:
     pids = worker_pids_in(server.log())
-    assert pids, "a supervisor log with its workers"
+    assert pids, "a supervisor log with its workers (auto is more than one worker here)"
     return pids
 
 

@@ -46,15 +46,13 @@ def test_bad_workers_flag_or_env_exits_2_naming_the_setting(
     ("cores", "gpus", "workers", "threads"),
     [
         (1, 0, 1, 1),  # a single core: serve in one process
-        (2, 0, 1, 1),  # one per two cores: a loop and a torch thread each
-        (3, 0, 1, 2),
-        (4, 0, 2, 1),
-        (6, 0, 3, 1),
+        (2, 0, 2, 1),
+        (6, 0, 6, 1),
         (64, 0, 8, 7),  # capped: each worker holds its own models; a core for each loop
         (16, 1, 2, 7),  # two per GPU...
-        (16, 8, 8, 1),  # ...bounded by the cores (two each)...
+        (16, 8, 16, 1),
         (64, 8, 16, 3),
-        (12, 8, 8, 1),
+        (12, 8, 12, 1),  # ...bounded by the cores...
         (4, 8, 8, 1),  # ...but every GPU gets a worker
         (1, 1, 1, 1),
     ],
@@ -64,10 +62,8 @@ def test_auto_sizing(cores: int, gpus: int, workers: int, threads: int) -> None:
     assert (plan.workers, plan.torch_threads, plan.interop_threads) == (workers, threads, 1)
     assert f"{workers} worker(s) (auto" in plan.reason
     assert f"{cores} core(s), {gpus} GPU(s)" in plan.reason
-    # workers x (threads + loop) never oversubscribes, unless the GPUs ask for more workers
-    assert plan.torch_threads is not None
-    if plan.workers > gpus:
-        assert plan.workers * (plan.torch_threads + 1) <= max(cores, 2)
+    # workers x threads never oversubscribes, unless there are more GPUs than cores
+    assert plan.workers * plan.torch_threads <= max(cores, gpus)
 
 
 def test_explicit_count_and_threads() -> None:
