@@ -27,14 +27,9 @@ import numpy as np
 import torch
 
 from service.backends import ModelFile, load_model_file
-from service.config import (
-    DEFAULT_MAX_BATCH_BYTES,
-    ConfigError,
-    ModelConfig,
-    VersionSource,
-    load_config,
-)
+from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig, load_config
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
+from service.layout import VersionSource
 from service.model_check import check_signature, handed_dtypes, read_warmup
 from service.text import safe_text
 
@@ -83,7 +78,7 @@ def load_version(
     """Read and check one version's config and files, on the host (never with pickle).
 
     Args:
-        src: where the version lives (from :func:`service.config.model_versions`).
+        src: where the version lives (from :func:`service.layout.model_versions`).
         max_operator_bytes: the most bytes its response operator may take once built.
         max_batch_bytes: the most bytes each of its input buffers may take (see
             :func:`check_buffers`).

@@ -17,7 +17,8 @@ import torch
 from gpu_ops.resample import BandedResampler
 from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
 from service.builder import check_repository
-from service.config import ConfigError, model_versions, parse_config
+from service.config import ConfigError, parse_config
+from service.layout import model_versions
 from service.model_files import buffer_bytes, check_operator, load_version, operator_bytes
 from service.pipeline import build_operator
 

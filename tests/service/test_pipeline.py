@@ -284,7 +284,7 @@ def save_torchscript(path: Path) -> None:
     ("file", "save"), [("head.pt2", save_export), ("head.pt", save_torchscript)]
 )
 def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
-    from service.config import model_versions
+    from service.layout import model_versions
 
     t = tensors()
     write_version(tmp_path / "m", model_config_text(file), t)
@@ -305,7 +305,7 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
 
 
 def test_model_output_count_must_match(tmp_path: Path) -> None:
-    from service.config import model_versions
+    from service.layout import model_versions
 
     text = model_config_text("head.pt2", outputs=TWO_OUTPUTS[:1])  # no "total"
     write_version(tmp_path / "m", text, tensors())
@@ -316,7 +316,7 @@ def test_model_output_count_must_match(tmp_path: Path) -> None:
 
 
 def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
-    from service.config import model_versions
+    from service.layout import model_versions
 
     write_version(tmp_path / "m", model_config_text("head.pt2"), tensors())
     (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")
