@@ -222,17 +222,18 @@ class OperatorConfig(_Strict):
     """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
     normalize: bool = False
     """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
-    center: Literal["median", "peak", "none"] = "median"
-    """Where a causal response (exponential, alpha) is centred: on its median (Elephant's
-    default), its peak, or not at all (strictly causal)."""
+    center: Literal["median", "peak", "none"] | None = None
+    """Where a causal response (exponential, alpha) or a table is centred: on its median
+    (Elephant's default), its peak, or not at all (strictly causal; a table as given).
+    Default: a named response on its median, a table as given."""
     border: Literal["none", "correct"] = "none"
     """``"correct"``: divide by the response's mass inside the recording (Elephant's
     border_correction)."""
     scale: float = Field(default=1.0, allow_inf_nan=False)
     """A constant factor on the output."""
     on_the_fly: bool = False
-    """Evaluate a named response inside the kernels instead of storing the band: O(N A)
-    memory whatever the width (wide kernels), at some compute per call."""
+    """Evaluate the response (named or tabulated) inside the kernels instead of storing the
+    band: O(N A) memory whatever the width (wide kernels), at some compute per call."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -248,10 +249,6 @@ class OperatorConfig(_Strict):
             raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
-            if self.on_the_fly:
-                raise ValueError("on_the_fly needs a named response (a table is stored)")
-            if self.center != "median":
-                raise ValueError("center applies to named responses; a table is used as given")
         else:
             param, has_support, has_sigma = named_responses()[self.response]
             widths = {param, "sigma"} if has_sigma else {param}
