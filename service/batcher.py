@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _MAX_TIMEOUT_US = 86_400 * 10**6  # a day
 P = TypeVar("P")
 R = TypeVar("R")
+R_contra = TypeVar("R_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,20 @@ class BatchInfo:
     """Requests merged into it."""
 
 
+class Answer(Protocol[R_contra]):
+    """Where a queued request's result goes: an ``asyncio.Future``, or any object with the
+    three methods the batcher calls."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: tuple[R_contra, BatchInfo], /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 @dataclass(eq=False)
 class _Pending(Generic[P, R]):
     payload: P
     size: int
-    future: asyncio.Future[tuple[R, BatchInfo]]
+    future: Answer[R]
     enqueued: float
     deadline: float | None
     timer: asyncio.TimerHandle | None = field(default=None)
@@ -214,6 +224,34 @@ class Batcher(Generic[P, R]):
             DeadlineExceeded: the timeout expired first.
             ServiceError: the batch's computation failed.
         """
+        future: asyncio.Future[tuple[R, BatchInfo]] = asyncio.get_running_loop().create_future()
+        pending = self.enqueue(payload, size, future, timeout_us=timeout_us)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._remove(pending)  # the client went away: it must not stay queued
+            raise
+
+    def enqueue(
+        self,
+        payload: P,
+        size: int,
+        answer: Answer[R],
+        *,
+        timeout_us: int | None = None,
+        request_id: str | None = None,
+    ) -> _Pending[P, R]:
+        """Queue one request without waiting: ``answer`` gets its result or its error (an
+        ``asyncio.Future``, or an object with the same three methods that calls back:
+        ``service.rest.express``). :meth:`submit` without the await; ``request_id`` names the
+        request in the log (default: the current one's).
+
+        Returns:
+            the queued request, for :meth:`cancel`.
+
+        Raises:
+            see :meth:`submit` (the errors raised before the request is queued).
+        """
         if self._closing or self._task is None or self._task.done():
             raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
         if not 1 <= size <= self._capacity:
@@ -230,10 +268,10 @@ class Batcher(Generic[P, R]):
         pending: _Pending[P, R] = _Pending(
             payload,
             size,
-            loop.create_future(),
+            answer,
             now,
             None if wait is None else now + wait,
-            request_id=request_id_var.get(),
+            request_id=request_id_var.get() if request_id is None else request_id,
             queue_policy=by_policy,
         )
         if pending.deadline is not None:
@@ -242,11 +280,12 @@ class Batcher(Generic[P, R]):
         self._queued_items += size
         self._depth_changed()
         self._wake()
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            self._remove(pending)  # the client went away: it must not stay queued
-            raise
+        return pending
+
+    def cancel(self, pending: _Pending[P, R]) -> None:
+        """Take a request that :meth:`enqueue` queued out of the queue (its client went
+        away); one already in a batch is computed, its answer dropped by the caller."""
+        self._remove(pending)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish the queued and running ones, then stop.
