@@ -321,6 +321,18 @@ class OutputConfig(_Strict):
     """Shape of one item without the batch dimension; checked by the dry run at load."""
 
 
+class LevelPolicy(_Strict):
+    """One priority level's queue (a ``[priority_queue_policy.N]`` table, Triton's
+    ``dynamic_batching.priority_queue_policy``)."""
+
+    max_queue_size: int = Field(default=0, ge=0)
+    """Requests of this level allowed to wait (within ``max_queue_size`` for all levels);
+    beyond it the answer is 503 with Retry-After. 0 = no bound of its own."""
+
+
+MAX_PRIORITY_LEVELS = 100
+
+
 class ModelConfig(_Strict):
     """A model's ``config.toml``."""
 
@@ -336,6 +348,15 @@ class ModelConfig(_Strict):
     the batches ahead of it would take longer (at the pace of recent batches). Triton's
     ``dynamic_batching.default_queue_policy.default_timeout_microseconds`` with
     ``timeout_action: REJECT``. 0 = no bound (requests wait their turn, however long)."""
+    priority_levels: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """Priority levels, 1 the highest (Triton's ``dynamic_batching.priority_levels``): a
+    request's ``parameters.priority`` picks its level; requests of a higher level are batched
+    first, FIFO within a level. 0 = no levels (every request FIFO)."""
+    default_priority_level: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """The level of a request whose priority is 0, absent or above ``priority_levels`` (as in
+    Triton); must be 1 .. ``priority_levels`` when there are levels, else 0."""
+    priority_queue_policy: dict[int, LevelPolicy] = Field(default_factory=dict)
+    """Per level (``[priority_queue_policy.1]``, ...): its own queue bound."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     inputs: list[InputConfig] = Field(min_length=1, max_length=64)
@@ -362,6 +383,7 @@ class ModelConfig(_Strict):
     def _consistent(self) -> ModelConfig:
         if self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model] or both")
+        self._check_priorities()
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -381,6 +403,26 @@ class ModelConfig(_Strict):
                     f"inputs[{i}].shape is {self.inputs[i].shape}"
                 )
         return self
+
+    def _check_priorities(self) -> None:
+        levels = self.priority_levels
+        if not levels:
+            if self.default_priority_level or self.priority_queue_policy:
+                raise ValueError(
+                    "default_priority_level and priority_queue_policy need priority_levels > 0"
+                )
+            return
+        if not 1 <= self.default_priority_level <= levels:
+            raise ValueError(
+                f"default_priority_level must be in [1, {levels}] (priority_levels), got "
+                f"{self.default_priority_level}"
+            )
+        outside = sorted(k for k in self.priority_queue_policy if not 1 <= k <= levels)
+        if outside:
+            raise ValueError(
+                f"priority_queue_policy levels must be in [1, {levels}] (priority_levels), got "
+                f"{outside}"
+            )
 
     @property
     def operator_input(self) -> int | None:

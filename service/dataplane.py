@@ -114,7 +114,8 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
             DeadlineExceeded, ModelNotReady, ServiceError: see ``Batcher.submit``.
     """
     bound = handle.signature.bind(request)
-    arrays, info = await handle.submit(bound, request.timeout_us)
+    priority = request.parameters.get("priority")  # checked by check_request_fields
+    arrays, info = await handle.submit(bound, request.timeout_us, priority)
     outputs = handle.signature.outputs
     rid = request.id
     if rid is None:
@@ -270,6 +271,7 @@ class DataPlane:
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
         handle: ModelHandle | None = None
+        submitted = False
         self.metrics.in_flight.inc()
         try:
             handle = self.repository.get(name, version)
@@ -284,13 +286,16 @@ class DataPlane:
                 if not current.signature.same_as(handle.signature):
                     request = await decode(current)
                 handle = current
+            submitted = True  # from here on the batcher counts what it drops
             response = await infer(handle, request)
             return await encode(handle, request, response)
         except ServiceError as e:
             outcome = type(e).__name__
             raise
-        except asyncio.CancelledError:  # the client went away (or its deadline passed)
+        except asyncio.CancelledError:  # the client went away (or its gRPC deadline passed)
             outcome = "Cancelled"
+            if handle is not None and not submitted:  # dropped before its queue
+                self.metrics.cancelled(handle.name, handle.version).inc()
             raise
         except Exception:
             outcome = "InternalError"
@@ -299,7 +304,9 @@ class DataPlane:
             ns = time.perf_counter_ns() - t0
             self.metrics.in_flight.dec()
             self.metrics.observe_request(label, outcome, ns / 1e9)
-            if handle is not None:  # Triton's statistics: every transport's requests
+            # Triton's statistics: every transport's requests, except those whose client
+            # went away (neither a success nor a failure of the server's).
+            if handle is not None and outcome != "Cancelled":
                 handle.stats.request_done(outcome == "success", ns)
 
     async def infer_rest(

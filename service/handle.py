@@ -52,14 +52,37 @@ class ModelHandle:
         self.signature = Signature(name, cfg, pipeline.output_shapes)
         self.stats = stats if stats is not None else ModelStats(name, version)
 
-    async def submit(self, bound: Bound, timeout_us: int | None = None) -> tuple[Result, BatchInfo]:
+    async def submit(
+        self,
+        bound: Bound,
+        timeout_us: int | None = None,
+        priority: int | None = None,
+        trace: Any = None,
+    ) -> tuple[Result, BatchInfo]:
         """Queue a checked request and wait for its outputs (all of them, in config order).
 
+        Args:
+            bound: the request, checked by the signature.
+            timeout_us: its ``parameters.timeout``.
+            priority: its ``parameters.priority`` (see :meth:`level_of`).
+            trace: its :class:`service.tracing.RequestTrace` when it is traced.
+
         Raises:
-            Overloaded: the queue is full. DeadlineExceeded: the timeout expired first.
-            ModelNotReady: the model is unloading. ServiceError: the batch failed.
+            Overloaded: the queue (or its level's) is full. DeadlineExceeded: the timeout
+            expired first. ModelNotReady: the model is unloading. ServiceError: the batch
+            failed.
         """
-        return await self.batcher.submit(bound, bound.size, timeout_us=timeout_us)
+        return await self.batcher.submit(
+            bound, bound.size, timeout_us=timeout_us, level=self.level_of(priority), trace=trace
+        )
+
+    def level_of(self, priority: int | None) -> int:
+        """The priority level (1 the highest) of a request that asked for ``priority``: as
+        in Triton, 0, none or a priority past ``priority_levels`` is the default level; 1
+        for a model without levels."""
+        if priority and priority <= self.cfg.priority_levels:
+            return priority
+        return self.cfg.default_priority_level or 1
 
     def metadata(self) -> dict[str, Any]:
         """V2 model metadata; a packed input is advertised in its wire form (UINT8)."""
@@ -90,7 +113,7 @@ class ModelHandle:
             ],
         }  # fmt: skip
         if self.cfg.max_batch_size > 0:
-            cfg["dynamic_batching"] = {
+            cfg["dynamic_batching"] = batching = {
                 "max_queue_delay_microseconds": self.cfg.max_queue_delay_us,
                 "preferred_batch_size": [self.cfg.max_batch_size],
                 "default_queue_policy": {
@@ -101,4 +124,11 @@ class ModelHandle:
                     "allow_timeout_override": True,
                 },
             }
+            if self.cfg.priority_levels:
+                batching["priority_levels"] = self.cfg.priority_levels
+                batching["default_priority_level"] = self.cfg.default_priority_level
+                batching["priority_queue_policy"] = {
+                    str(k): {"max_queue_size": p.max_queue_size}
+                    for k, p in sorted(self.cfg.priority_queue_policy.items())
+                }
         return cfg

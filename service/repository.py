@@ -311,6 +311,8 @@ class ModelRepository:
                     metrics=self.metrics,
                     stats=stats,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
+                    level_limits=level_limits(cfg),
+                    version=v,
                 )
                 batcher.start()
                 handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
@@ -452,6 +454,14 @@ def _check_override_io(
     if override is not None and (override.inputs is not None or override.outputs is not None):
         sig = Signature(name, cfg, pipe.output_shapes)
         override.check_io(source, sig.input_config(), sig.output_config())
+
+
+def level_limits(cfg: ModelConfig) -> list[int]:
+    """Each priority level's own queue bound, level 1 first (0: none); one entry for a
+    model without levels."""
+    policy = cfg.priority_queue_policy
+    levels = range(1, max(cfg.priority_levels, 1) + 1)
+    return [policy[k].max_queue_size if k in policy else 0 for k in levels]
 
 
 def _shown(name: str) -> str:

@@ -10,6 +10,10 @@ encoder.
 ModelStreamInfer computes the requests of a stream concurrently (so they batch with each
 other and with everyone else's) and answers them in the order they came; an error is
 answered in-band (``error_message``) and the stream goes on.
+
+A call cancelled by its client, or past its own gRPC deadline, is cancelled here by grpcio:
+a request still queued for its batch is dropped and never computed (as an HTTP request
+whose client closed its connection), and counted in ``bitserve_requests_cancelled_total``.
 """
 
 from __future__ import annotations
@@ -43,15 +47,6 @@ _Serving = health_pb2.HealthCheckResponse.ServingStatus
 
 class _UnknownService(ServiceError):
     status_code = 404
-
-
-def _deadline_us(context: Context, timeout_us: int | None) -> int | None:
-    """The request's ``timeout`` parameter, shortened to the call's gRPC deadline (if any)."""
-    remaining = context.time_remaining()
-    if remaining is None:
-        return timeout_us
-    left = max(1, int(remaining * 1e6))  # 0 would mean "no timeout" to the batcher
-    return left if not timeout_us else min(timeout_us, left)  # timeout 0: none of its own
 
 
 def _stream_frame(infer_response: bytes) -> bytes:
@@ -262,11 +257,7 @@ class GrpcEndpoints:
 
         async def decode(handle: ModelHandle) -> InferRequest:
             signature, shm = handle.signature, self.dataplane.shared_memory
-            request = await decode_sized(
-                size, lambda: codec.decode_infer_request(msg, signature, shm)
-            )
-            request.timeout_us = _deadline_us(context, request.timeout_us)
-            return request
+            return await decode_sized(size, lambda: codec.decode_infer_request(msg, signature, shm))
 
         async def encode(
             handle: ModelHandle, request: InferRequest, response: InferResponse

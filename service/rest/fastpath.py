@@ -20,10 +20,15 @@ Before a byte of the body is read, a request is refused when:
 The budget counts a body from before it is read until its answer is ready: the declared
 ``Content-Length`` at once, a chunked body as it arrives, and the inflated copy of a
 compressed body as it inflates (a refusal then comes mid-way, also 503).
+
+A client that closes its connection before its answer cancels the request
+(:mod:`service.rest.disconnect`): still queued, it is dropped and never computed; the
+access log shows 499 (nginx's "client closed request"), and nothing is answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -41,6 +46,7 @@ from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
 from service.protocol.response import error_body
 from service.rest.bodies import Message, Receive, read_body
+from service.rest.disconnect import is_gone, on_disconnect
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -50,6 +56,8 @@ log = logging.getLogger(__name__)
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 _JSON = b"application/json"
+CLIENT_GONE = 499
+"""The status logged for a request whose client went away before its answer (nginx's)."""
 
 
 def match_infer(method: str, path: str) -> tuple[str, str | None] | None:
@@ -139,6 +147,7 @@ class InferRoute:
     ) -> int:
         """Answer one infer request; returns the status sent (for the access log)."""
         held = _Held(self)
+        task = asyncio.current_task()
         try:
             declared, encoding, header_length, accept = self._headers(scope["headers"])
 
@@ -153,15 +162,20 @@ class InferRoute:
                     held=held,
                 )
 
-            enc = await self.dataplane.infer_rest(
-                route[0],
-                route[1],
-                body,
-                content_encoding=encoding,
-                header_length=header_length,
-                accept_encoding=accept,
-                reserve=held.inflated,
-            )
+            if task is not None:  # only while the data plane has the request
+                on_disconnect(scope, task.cancel)
+            try:
+                enc = await self.dataplane.infer_rest(
+                    route[0],
+                    route[1],
+                    body,
+                    content_encoding=encoding,
+                    header_length=header_length,
+                    accept_encoding=accept,
+                    reserve=held.inflated,
+                )
+            finally:
+                on_disconnect(scope, None)
         except ServiceError as e:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
@@ -173,6 +187,12 @@ class InferRoute:
                 log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
             await send_json_error(send, e, request_id)
             return e.status_code
+        except asyncio.CancelledError:
+            if task is None or not is_gone(scope):
+                raise  # the server is stopping
+            task.uncancel()  # the client went away: this task ends here, unanswered
+            log.debug("POST %s: the client went away", printable_path(scope["path"]))
+            return CLIENT_GONE
         finally:
             held.release()
         headers = [

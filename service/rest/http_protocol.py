@@ -21,6 +21,9 @@ than h11. On top of it, :class:`BitserveHttpProtocol` adds what uvicorn leaves o
   with a request is the new one answered 503 and closed.
 - **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason
   (uvicorn writes a fixed plain-text line).
+- **Requests dropped when their client goes away.** A connection lost before its request's
+  response is complete tells the request's handler (:func:`service.rest.disconnect.client_gone`):
+  a request still queued for its batch is dropped, never computed.
 - **One write per response.** uvicorn writes a response's head and its body separately: two
   system calls (and on loopback two wake-ups of the client) where one does. The head is held
   until the body's first write, or the end of the response (:class:`_HeldHead`).
@@ -37,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.observability import Tally
 from service.protocol.response import error_body
+from service.rest.disconnect import client_gone
 from service.text import safe_text
 
 log = logging.getLogger(__name__)
@@ -239,6 +243,9 @@ class BitserveHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
         super().connection_lost(exc)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            client_gone(cast("dict[str, Any]", cycle.scope))  # uvicorn types it a TypedDict
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's data_received, answering malformed HTTP in JSON with the parser's reason.
