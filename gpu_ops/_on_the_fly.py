@@ -6,19 +6,58 @@ Re-exported as :class:`gpu_ops.OnTheFlyResampler` (and from :mod:`gpu_ops.resamp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpu_ops import _resample_ops, _resample_torch, _resampler_base, responses
+from gpu_ops import (
+    _bits_resample,
+    _events_ops,
+    _events_torch,
+    _resample_ops,
+    _resample_torch,
+    _resampler_base,
+    responses,
+)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What the bit-input paths need of the current c and parameter (cached between calls).
+
+    Attributes:
+        key: the versions and storages of c, the parameter and x it was found for.
+        value: the parameter's value then.
+        c: (N, A) float64, the kernels' coarse points sorted along each row.
+        first, last: (N, A) int64, each window ``[first, last)``.
+        inverse: (N, A) int64, sorted position of each caller's column; None: c was sorted.
+        bounds, coef: the polynomial pieces' fine bounds (P + 1, N, A) and coefficients
+            (P, 3) for the prefix path; None for other responses.
+        gain: the output's constant factor (scale, normalisation).
+        inverse_mass: (N, A) in the caller's order: 1 / the mass inside (``border``); None.
+    """
+
+    key: tuple[int, ...]
+    value: float
+    c: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+    inverse: torch.Tensor | None
+    bounds: torch.Tensor | None
+    coef: torch.Tensor | None
+    gain: float
+    inverse_mass: torch.Tensor | None
 
 
 class OnTheFlyResampler(_resampler_base.Resampler):
     """``out[..., n, a] = sum_b r(c[n, a] - x[b]) * f[..., n, b]`` with no stored weights.
 
-    Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` and the response's parameter as
+    Keeps only ``x (B,)`` (a float64 buffer), ``c (N, A)`` (float64: the offsets ``c - x``
+    of a long recording and a narrow response need its precision) and the response's
+    parameter as
     ``nn.Parameter``s (named after it: ``.sigma``, ``.gamma``, ``.half_width`` or ``.tau``,
     whichever is the response's own, also when built from ``sigma=``); the
     kernels evaluate the weights of each window as they use it, in the forward and in the
@@ -36,7 +75,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         support: the cut in units of the parameter given (gaussian default 4 sigma,
             lorentzian 10 gamma, laplacian, exponential and alpha 5 sigma); None for the
             compact ``boxcar``, ``triangle`` and ``epanechnikov``.
-        dtype: float32 (default) computes in float32; float64 keeps c and the parameter in
+        dtype: float32 (default) computes in float32; float64 keeps the parameter in
             float64 and computes in float64 (for gradcheck).
         device: where the module lives (default: x's device).
         normalize, center, border, scale, recording: see :class:`gpu_ops.responses.Options`
@@ -78,9 +117,10 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         self.num_fine = x64.numel()
         geometry = torch.float64 if dtype == torch.float64 else torch.float32
         self.register_buffer("x", x64)
-        self.c = nn.Parameter(c64.to(geometry))
+        self.c = nn.Parameter(c64)  # float64 always: c - x is formed in float64
         param = nn.Parameter(torch.tensor(value, dtype=geometry, device=dev))
         self.register_parameter(self.spec.param, param)
+        self._geo: _Geometry | None = None
 
     @classmethod
     def from_response(cls, *args: Any, **kwargs: Any) -> OnTheFlyResampler:
@@ -110,6 +150,129 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         )
         return self._finish(out)
 
+    def _needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.c.requires_grad or self.param.requires_grad)
+
+    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
+        """The path :meth:`forward_bits` takes for ``packed``."""
+        packed3, _ = _bits_resample.check_packed(
+            packed, self.c.shape[0], self.num_fine, self.x.device, bitorder, "auto"
+        )
+        return self._plan(packed3)
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        M = packed3.shape[0]
+        if self._needs_grad():  # gradients to c and the parameter: the band path
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        A, B = self.c.shape[1], self.num_fine
+        lo, hi = self.shape.window(float(self.param.detach()))
+        span = float(self.x[-1] - self.x[0])
+        width = (hi - lo) / span * (B - 1) if span > 0 else float(B)
+        pieces = _bits_resample.pieces_of(self.shape)
+        return _bits_resample.plan(packed3, B, A, min(width, B), on_the_fly=True, pieces=pieces)
+
+    def forward_bits(
+        self,
+        packed: torch.Tensor,
+        bitorder: str = "big",
+        *,
+        path: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The module on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
+
+        Args:
+            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
+            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"``, ``"event"`` or
+                ``"prefix"`` (boxcar, triangle and epanechnikov only).
+            dtype: the output dtype (default: the parameter's, float32 or float64).
+
+        Returns:
+            ``[..., N, A]``. When c or the parameter require gradients (and grad mode is
+            on), the band path is taken and gradients reach them as in :meth:`forward`; the
+            event and prefix paths have no backward (run them under ``torch.no_grad()`` or
+            ``torch.inference_mode()``, or with frozen parameters).
+
+        Raises:
+            ValueError: a shape, device, bit order or path that does not fit.
+        """
+        N = self.c.shape[0]
+        B = self.num_fine
+        packed3, lead = _bits_resample.check_packed(packed, N, B, self.x.device, bitorder, path)
+        out_dtype = dtype or self.param.dtype
+        if path != "auto" and path != "band" and self._needs_grad():
+            raise ValueError(
+                f"path={path!r} has no backward: c or the parameter require gradients "
+                "(use path='band', torch.no_grad() or frozen parameters)"
+            )
+        if path == "prefix" and _bits_resample.pieces_of(self.shape) is None:
+            raise ValueError(f"{self.spec.name!r} is not piecewise polynomial: no prefix path")
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            return self._sparse(name, items, bitorder == "big")
+
+        out = _bits_resample.run(plan, packed3, run)
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
+
+    def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
+        """The event or prefix path on ``items (M, N, nbytes)``: (M, N, A)."""
+        geo = self._geometry()
+        out: torch.Tensor
+        if name == "event":
+            out = _events_ops.events_otf_forward(
+                items, self.x, geo.c, geo.first, geo.last, self.param.detach(),
+                self.spec.name, big,
+            )  # fmt: skip
+        else:
+            assert geo.bounds is not None
+            assert geo.coef is not None
+            out = _events_ops.prefix_forward(items, self.x, geo.c, geo.bounds, geo.coef, big)
+        if geo.inverse is not None:
+            out = out.gather(-1, geo.inverse.expand(out.shape[0], -1, -1))
+        if geo.gain != 1.0:
+            out = out * geo.gain
+        if geo.inverse_mass is not None:
+            out = out * geo.inverse_mass.to(out.dtype)
+        return out
+
+    def _geometry(self) -> _Geometry:
+        """The sorted coarse points, windows and pieces of the current c and parameter.
+
+        Found once and kept until c, the parameter or x change (in place or replaced).
+        """
+        c_, p_, x_ = self.c, self.param, self.x
+        key = (c_._version, p_._version, c_.data_ptr(), p_.data_ptr(), x_.data_ptr())
+        if self._geo is not None and self._geo.key == key:
+            return self._geo
+        with torch.no_grad():
+            value = float(p_)
+            c_sorted, order = torch.sort(self._kernel_c(), dim=1, stable=True)
+            c_sorted = c_sorted.contiguous()
+            identity = bool((order == torch.arange(order.shape[1], device=order.device)).all())
+            lo, hi = self.shape.window(value)
+            first, last, _ = responses.windows(self.x, c_sorted, lo, hi)
+            bounds = coef = None
+            got = responses.pieces(self.spec.name, value)
+            if got is not None:
+                t, coef = got
+                bounds = _events_torch.piece_bounds(self.x, c_sorted, t.to(self.x.device))
+                coef = coef.to(device=self.x.device, dtype=p_.dtype)
+            inverse_mass = None
+            if self.shape.options.border == "correct":
+                inverse_mass = self.shape.inverse_mass(self.x, self.c, p_)
+            self._geo = _Geometry(
+                key, value, c_sorted, first.contiguous(), last.contiguous(),
+                None if identity else torch.argsort(order, dim=1), bounds, coef,
+                float(self.shape.gain(p_)), inverse_mass,
+            )  # fmt: skip
+        return self._geo
+
     def _windows(self) -> _resample_torch.Windows:
         """The windows of the current c and parameter (as the kernels find them)."""
         c = self._kernel_c().detach()
@@ -125,7 +288,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         )
         with torch.no_grad():
             w = self._finish(w.movedim(-1, 0)).movedim(0, -1)
-        return win.starts.to(torch.int32), w.to(self.c.dtype)
+        return win.starts.to(torch.int32), w.to(self.param.dtype)
 
     @property
     def band_width(self) -> int:
@@ -181,7 +344,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             rec = meta.get("recording", "")
             recording = tuple(float(v) for v in rec.strip("[]").split(",")) if rec else None
             return cls(
-                t["x"], t["c"], spec.name, support, dtype=t["c"].dtype, device=device,
+                t["x"], t["c"], spec.name, support, dtype=t["param"].dtype, device=device,
                 normalize=meta.get("normalize", "false") == "true",
                 center=meta.get("center", "median"), border=meta.get("border", "none"),
                 scale=float(meta.get("scale", "1.0")),

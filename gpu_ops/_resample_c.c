@@ -398,11 +398,9 @@ INLINE void offsets(const double *xs, double c, int64_t len, float *d) {
     for (int64_t j = 0; j < len; j++) d[j] = (float)(c - xs[j]);
 }
 
-/* w[j] = r(c - xs[j]) for j < len. */
-INLINE void response(const int code, const double *xs, double c, int64_t len, float p,
-                     float *w) {
+/* w[j] = r(w[j]): the response at the offsets held in w, in place, j < len. */
+INLINE void shape(const int code, int64_t len, float p, float *w) {
     const float ip = 1.0f / p;
-    offsets(xs, c, len, w);
 #pragma omp simd
     for (int64_t j = 0; j < len; j++) {
         const float d = w[j];
@@ -424,6 +422,13 @@ INLINE void response(const int code, const double *xs, double c, int64_t len, fl
         }
         w[j] = r;
     }
+}
+
+/* w[j] = r(c - xs[j]) for j < len. */
+INLINE void response(const int code, const double *xs, double c, int64_t len, float p,
+                     float *w) {
+    offsets(xs, c, len, w);
+    shape(code, len, p, w);
 }
 
 /* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere). */
@@ -599,5 +604,230 @@ void bs_otf_backward_cp(const float *f, const float *g, const double *x, const d
         }
         free(dd);
         free(sc);
+    }
+}
+
+/* --- from packed bits: event scatter and prefix sums -------------------------------------- *
+ * Inputs are bit-packed rows, packed (M, N, nbytes) uint8, bit b of a row at byte b / 8, from
+ * the top bit down ("big") or the bottom bit up ("little"); bits at b >= B are ignored. Each
+ * row is one task (its outputs are written by one thread, in a fixed order). Coarse points
+ * are sorted along each row, so the windows holding a fine point b are one contiguous range
+ * of coarse points, [lo, hi), and both ends only move forward as b grows. */
+
+/* The set bits of byte v in increasing bit index, one at a time: j, then v without it. */
+INLINE int next_bit(unsigned v, const int big) {
+    return big ? __builtin_clz(v) - 24 : __builtin_ctz(v);
+}
+INLINE unsigned drop_bit(unsigned v, int j, const int big) {
+    return big ? v & ~(0x80u >> j) : v & (v - 1);
+}
+
+/* The events (set bits at b < B) of one row, in increasing order, into ev; their number. */
+static int64_t row_events(const uint8_t *row, int64_t nbytes, int big, int64_t B, int32_t *ev) {
+    int64_t n = 0, k = 0;
+    for (; k < nbytes; k++) {
+        if (k + 8 <= nbytes && (k & 7) == 0) { /* skip empty 8-byte words at once */
+            uint64_t word;
+            memcpy(&word, row + k, 8);
+            if (word == 0) {
+                k += 7;
+                continue;
+            }
+        }
+        unsigned v = row[k];
+        while (v) {
+            const int j = next_bit(v, big);
+            const int64_t b = k * 8 + j;
+            if (b >= B) return n;
+            ev[n++] = (int32_t)b;
+            v = drop_bit(v, j, big);
+        }
+    }
+    return n;
+}
+
+/* Set bits over all rows: counts[r] for r < R (the dispatcher's density). */
+void bs_bit_counts(const uint8_t *packed, int64_t R, int64_t nbytes, int64_t *counts,
+                   int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *row = packed + r * nbytes;
+        int64_t n = 0, k = 0;
+        for (; k + 8 <= nbytes; k += 8) {
+            uint64_t word;
+            memcpy(&word, row + k, 8);
+            n += __builtin_popcountll(word);
+        }
+        for (; k < nbytes; k++) n += __builtin_popcount(row[k]);
+        counts[r] = n;
+    }
+}
+
+/* Stored band: out[a] += w[a, b - starts[a]] for every event b and window a holding it. */
+INLINE void events_band_row(const int wdt, const int32_t *ev, int64_t E, const void *w,
+                            const int32_t *s, float *o, int64_t A, int64_t W) {
+    int64_t lo = 0, hi = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t b = ev[e];
+        while (hi < A && s[hi] <= b) hi++;
+        while (lo < hi && s[lo] + W <= b) lo++;
+        for (int64_t a = lo; a < hi; a++) o[a] += wload(w, wdt, a * W + b - s[a]);
+    }
+}
+
+typedef void (*events_band_fn)(const int32_t *, int64_t, const void *, const int32_t *, float *,
+                               int64_t, int64_t);
+#define EVENTS_BAND(WDT)                                                                      \
+    static void events_band_##WDT(const int32_t *ev, int64_t E, const void *w,               \
+                                  const int32_t *s, float *o, int64_t A, int64_t W) {         \
+        events_band_row(WDT, ev, E, w, s, o, A, W);                                           \
+    }
+EVENTS_BAND(0)
+EVENTS_BAND(1)
+EVENTS_BAND(2)
+static const events_band_fn EVENTS_BANDS[3] = {events_band_0, events_band_1, events_band_2};
+
+void bs_events_band(const uint8_t *packed, int64_t nbytes, int big, const void *w, int wdt,
+                    const int32_t *starts, float *out, int64_t M, int64_t N, int64_t A,
+                    int64_t B, int64_t W, int nthreads) {
+    const events_band_fn run = EVENTS_BANDS[wdt];
+    const int64_t es = wdt == 0 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B > 0 ? B : 1));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * N; r++) {
+            const int64_t n = r % N;
+            float *o = out + r * A;
+            memset(o, 0, sizeof(float) * (size_t)A);
+            const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
+            run(ev, E, (const char *)w + n * A * W * es, starts + n * A, o, A, W);
+        }
+        free(ev);
+    }
+}
+
+/* On the fly: out[a] += r(c[a] - x[b]) over the windows [first[a], last[a]) holding b; the
+ * responses of one event over its contiguous coarse range are evaluated as one vector. */
+INLINE void events_otf_row(const int code, const int32_t *ev, int64_t E, const double *x,
+                           const double *c, const int64_t *first, const int64_t *last,
+                           float p, float *o, int64_t A, float *buf) {
+    int64_t lo = 0, hi = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t b = ev[e];
+        while (hi < A && first[hi] <= b) hi++;
+        while (lo < hi && last[lo] <= b) lo++;
+        const int64_t len = hi - lo;
+        if (len <= 0) continue;
+        const double xb = x[b];
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) buf[j] = (float)(c[lo + j] - xb);
+        shape(code, len, p, buf);
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) o[lo + j] += buf[j];
+    }
+}
+
+typedef void (*events_otf_fn)(const int32_t *, int64_t, const double *, const double *,
+                              const int64_t *, const int64_t *, float, float *, int64_t,
+                              float *);
+#define EVENTS_OTF(CODE)                                                                      \
+    static void events_otf_##CODE(const int32_t *ev, int64_t E, const double *x,             \
+                                  const double *c, const int64_t *fi, const int64_t *la,      \
+                                  float p, float *o, int64_t A, float *buf) {                 \
+        events_otf_row(CODE, ev, E, x, c, fi, la, p, o, A, buf);                              \
+    }
+EVENTS_OTF(0)
+EVENTS_OTF(1)
+EVENTS_OTF(2)
+EVENTS_OTF(3)
+EVENTS_OTF(4)
+EVENTS_OTF(5)
+EVENTS_OTF(6)
+EVENTS_OTF(7)
+static const events_otf_fn EVENTS_OTFS[8] = {events_otf_0, events_otf_1, events_otf_2,
+                                             events_otf_3, events_otf_4, events_otf_5,
+                                             events_otf_6, events_otf_7};
+
+void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double *x,
+                   const double *c, const int64_t *first, const int64_t *last, float p, int code,
+                   float *out, int64_t M, int64_t N, int64_t A, int64_t B, int nthreads) {
+    const events_otf_fn run = EVENTS_OTFS[code];
+#pragma omp parallel num_threads(nthreads)
+    {
+        int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B > 0 ? B : 1));
+        float *buf = thread_buffer(A);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * N; r++) {
+            const int64_t n = r % N;
+            float *o = out + r * A;
+            memset(o, 0, sizeof(float) * (size_t)A);
+            const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
+            run(ev, E, x, c + n * A, first + n * A, last + n * A, p, o, A, buf);
+        }
+        free(ev);
+        free(buf);
+    }
+}
+
+/* Prefix sums of a piecewise polynomial response, r(d) = sum_j coef[k][j] d^j on piece k.
+ * Piece k of coarse point a covers the fine points [bound[k + 1][a], bound[k][a]) (P + 1
+ * bounds per coarse point, each non-decreasing in a). Per piece, a sliding window over the
+ * row's events keeps T_j = sum (c[a] - x[b])^j over the events inside, j <= 2: moving to the
+ * next coarse point re-centres the sums on it (T2 += 2 delta T1 + delta^2 T0, T1 += delta T0),
+ * then adds the events entering and removes those leaving, so every number stays of the
+ * window's size (no prefix sums over the whole row to cancel) and an empty window restarts
+ * from exact zeros. Cost per row: the events times P, plus A times P. */
+#define PREFIX_MAX_PIECES 8
+void bs_prefix(const uint8_t *packed, int64_t nbytes, int big, const double *x, const double *c,
+               const int64_t *bounds, const double *coef, int64_t P, float *out, int64_t M,
+               int64_t N, int64_t A, int64_t B, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B > 0 ? B : 1));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * N; r++) {
+            const int64_t n = r % N;
+            const double *cn = c + n * A;
+            float *o = out + r * A;
+            const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
+            int64_t in_lo[PREFIX_MAX_PIECES] = {0}, in_hi[PREFIX_MAX_PIECES] = {0};
+            double T[PREFIX_MAX_PIECES][3] = {{0}};
+            double prev = A > 0 ? cn[0] : 0.0;
+            for (int64_t a = 0; a < A; a++) {
+                const double ca = cn[a], delta = ca - prev;
+                prev = ca;
+                double acc = 0.0;
+                for (int64_t k = 0; k < P; k++) {
+                    double *t = T[k];
+                    t[2] += 2.0 * delta * t[1] + delta * delta * t[0];
+                    t[1] += delta * t[0];
+                    /* piece k: fine points [bounds[(k + 1) A + a], bounds[k A + a]) */
+                    const int64_t b_lo = bounds[((k + 1) * N + n) * A + a];
+                    const int64_t b_hi = bounds[(k * N + n) * A + a];
+                    while (in_lo[k] < in_hi[k] && ev[in_lo[k]] < b_lo) {
+                        const double d = ca - x[ev[in_lo[k]++]];
+                        t[0] -= 1.0;
+                        t[1] -= d;
+                        t[2] -= d * d;
+                    }
+                    if (in_lo[k] == in_hi[k]) { /* empty: restart exactly, past b_lo */
+                        t[0] = t[1] = t[2] = 0.0;
+                        while (in_hi[k] < E && ev[in_hi[k]] < b_lo) in_hi[k]++;
+                        in_lo[k] = in_hi[k];
+                    }
+                    while (in_hi[k] < E && ev[in_hi[k]] < b_hi) {
+                        const double d = ca - x[ev[in_hi[k]++]];
+                        t[0] += 1.0;
+                        t[1] += d;
+                        t[2] += d * d;
+                    }
+                    const double *q = coef + k * 3;
+                    acc += q[0] * t[0] + q[1] * t[1] + q[2] * t[2];
+                }
+                o[a] = (float)acc;
+            }
+        }
+        free(ev);
     }
 }

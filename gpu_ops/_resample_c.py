@@ -37,9 +37,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bs_otf_backward_cp.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, ptr, *[i64] * 5, cint,
     ]  # fmt: skip
+    lib.bs_bit_counts.argtypes = [ptr, i64, i64, ptr, cint]
+    lib.bs_events_band.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
+    lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, f32, cint, ptr,
+                                  *[i64] * 4, cint]  # fmt: skip
+    lib.bs_prefix.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 4, cint]
     for fn in (
         lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w,
-        lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp,
+        lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp, lib.bs_bit_counts,
+        lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix,
     ):  # fmt: skip
         fn.restype = None
     return lib
@@ -137,6 +143,19 @@ class Windows:
         self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
         self.code, self.param = code, param
 
+    @classmethod
+    def given(
+        cls, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+        code: int, param: float,
+    ) -> Windows:  # fmt: skip
+        """Windows ``[first, last)`` (N, A) int64 found elsewhere, of float64 c."""
+        win = cls.__new__(cls)
+        win.x, win.c = x.contiguous(), c.contiguous()
+        win.first, win.last = first.contiguous(), last.contiguous()
+        win.wmax = max(1, int((last - first).max())) if first.numel() else 1
+        win.code, win.param = code, param
+        return win
+
     def args(self) -> tuple[int, int, int, int, int, float, int]:
         return (
             self.x.data_ptr(), self.c.data_ptr(), self.first.data_ptr(), self.last.data_ptr(),
@@ -184,3 +203,73 @@ def otf_backward_c_param(
             win.wmax, torch.get_num_threads(),
         )  # fmt: skip
     return gc, gp.sum(dtype=torch.float64).float()
+
+
+# --- from packed bits --------------------------------------------------------------------------
+
+
+def bit_counts(lib: ctypes.CDLL, packed: torch.Tensor) -> torch.Tensor:
+    """Set bits per row of contiguous uint8 ``packed (R, nbytes)``: int64 ``(R,)``."""
+    R, nbytes = packed.shape
+    out = torch.zeros(R, dtype=torch.int64)
+    if nbytes and R:
+        lib.bs_bit_counts(packed.data_ptr(), R, nbytes, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def events_band(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, starts: torch.Tensor,
+    weights: torch.Tensor, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32: the stored band applied to the events of ``packed (M, N, nbytes)``.
+
+    ``starts (N, A)`` int32 must be non-decreasing along each row; ``weights (N, A, W)``
+    contiguous float32, bfloat16 or float16.
+    """
+    M, N, nbytes = packed.shape
+    _, A, W = weights.shape
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_events_band(
+        packed.data_ptr(), nbytes, int(big), weights.data_ptr(), _WEIGHT_CODES[weights.dtype],
+        starts.data_ptr(), out.data_ptr(), M, N, A, B, W, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def events_otf(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, win: Windows, B: int
+) -> torch.Tensor:
+    """out (M, N, A) float32, the response evaluated per event; ``win.c`` sorted per row."""
+    M, N, nbytes = packed.shape
+    A = win.c.shape[1]
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_events_otf(
+        packed.data_ptr(), nbytes, int(big), *win.args(), out.data_ptr(), M, N, A, B,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def prefix(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor,
+    bounds: torch.Tensor, coef: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32 by prefix sums of a piecewise polynomial response.
+
+    Args:
+        packed: (M, N, nbytes) contiguous uint8.
+        big: the bit order.
+        x: (B,) float64; c: (N, A) float64, sorted per row.
+        bounds: (P + 1, N, A) int64, piece k of (n, a) covers fine points
+            ``[bounds[k + 1, n, a], bounds[k, n, a])``, each bound non-decreasing in a.
+        coef: (P, 3) float64, ``r(d) = coef[k, 0] + coef[k, 1] d + coef[k, 2] d²`` there.
+    """
+    M, N, nbytes = packed.shape
+    A = c.shape[1]
+    P = coef.shape[0]
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_prefix(
+        packed.data_ptr(), nbytes, int(big), x.data_ptr(), c.data_ptr(), bounds.data_ptr(),
+        coef.data_ptr(), P, out.data_ptr(), M, N, A, x.numel(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

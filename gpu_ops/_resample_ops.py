@@ -26,7 +26,9 @@ any other    chunked torch (:mod:`gpu_ops._resample_torch`): also CUDA without T
 fake / meta  shapes and dtypes only, for compile and export
 ===========  ==============================================================================
 
-float64 operands (gradcheck) take the torch kernels on every device. The ops trust their
+float64 operands (gradcheck) take the torch kernels on every device; for the on-the-fly ops
+that is f or the parameter (c is float64 in every on-the-fly module: its offsets to x are
+formed in float64 by every kernel). The ops trust their
 arguments (shapes, dtypes, start ranges): :mod:`gpu_ops.resample` checks them.
 """
 
@@ -216,7 +218,7 @@ def _(
     f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
 ) -> Tensor:
     lib = _resample_c.kernels()
-    if lib is None or _wide(f, c):
+    if lib is None or _wide(f, param):
         return _torch_otf_forward(f, x, c, param, response, support)
     win = _c_windows(x, c, param, response, support)
     return _resample_c.otf_forward(lib, _f32(f), win).to(f.dtype)
@@ -252,7 +254,7 @@ def _(
     num_fine: int,
 ) -> Tensor:  # fmt: skip
     lib = _resample_c.kernels()
-    if lib is None or _wide(grad, c):
+    if lib is None or _wide(grad, param):
         args = (grad, x, c, param, response, support, num_fine)
         return _torch_otf_backward_f(*args)
     win = _c_windows(x, c, param, response, support)
@@ -290,7 +292,7 @@ def _(
     support: float | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     lib = _resample_c.kernels()
-    if lib is None or _wide(grad, f, c):
+    if lib is None or _wide(grad, f, param):
         args = (grad, f, x, c, param, response, support)
         return _torch_otf_backward_c_param(*args)
     win = _c_windows(x, c, param, response, support)
@@ -366,7 +368,7 @@ if _triton_otf is not None:
     def _(
         f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
     ) -> Tensor:
-        if _wide(f, c):
+        if _wide(f, param):
             return _torch_otf_forward(f, x, c, param, response, support)
         geo = _geometry(x, c, param, response, support)
         return _otf.forward(_f32(f), geo).to(f.dtype)
@@ -376,7 +378,7 @@ if _triton_otf is not None:
         grad: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
         support: float | None, num_fine: int,
     ) -> Tensor:  # fmt: skip
-        if _wide(grad, c):
+        if _wide(grad, param):
             args = (grad, x, c, param, response, support, num_fine)
             return _torch_otf_backward_f(*args)
         geo = _geometry(x, c, param, response, support)
@@ -387,7 +389,7 @@ if _triton_otf is not None:
         grad: Tensor, f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
         support: float | None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        if _wide(grad, f, c):
+        if _wide(grad, f, param):
             args = (grad, f, x, c, param, response, support)
             return _torch_otf_backward_c_param(*args)
         geo = _geometry(x, c, param, response, support)

@@ -101,9 +101,21 @@ class Windows:
         param: torch.Tensor, support: float | None,
     ) -> None:  # fmt: skip
         lo, hi = spec.window(float(param), support)
-        self.first, self.last, self.W = responses.windows(x, c, lo, hi)
-        self.starts = responses.clipped_starts(self.first, self.W, x.numel())
-        self.step = max(1, _OTF_CHUNK_ITEMS // max(1, c.shape[0] * self.W))
+        first, last, W = responses.windows(x, c, lo, hi)
+        self._set(first, last, W, x.numel())
+
+    def _set(self, first: torch.Tensor, last: torch.Tensor, W: int, B: int) -> None:
+        self.first, self.last, self.W = first, last, W
+        self.starts = responses.clipped_starts(first, W, B)
+        self.step = max(1, _OTF_CHUNK_ITEMS // max(1, first.shape[0] * W))
+
+    @classmethod
+    def given(cls, first: torch.Tensor, last: torch.Tensor, B: int) -> Windows:
+        """The windows ``[first, last)`` (N, A) int64 found elsewhere."""
+        win = cls.__new__(cls)
+        W = int((last - first).max()) if first.numel() else 1
+        win._set(first, last, min(max(W, 1), B), B)
+        return win
 
     def chunks(self, A: int) -> list[slice]:
         return [slice(a0, a0 + self.step) for a0 in range(0, A, self.step)]
@@ -125,7 +137,7 @@ def _masked(values: torch.Tensor, inside: torch.Tensor, dtype: torch.dtype) -> t
 
 def otf_forward(
     f: torch.Tensor, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
-    param: torch.Tensor, support: float | None,
+    param: torch.Tensor, support: float | None, win: Windows | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """out (M, N, A), float32 (float64 for float64 f or c), for f (M, N, B).
 
@@ -136,9 +148,10 @@ def otf_forward(
         spec: the named response.
         param: 0-d, its parameter.
         support: the cut, in units of the parameter (None: the response's default).
+        win: the windows, when already found (then ``support`` is not read).
     """
     ct = _compute_dtype(f, c)
-    win = Windows(x, c, spec, param, support)
+    win = win or Windows(x, c, spec, param, support)
     M, N, _ = f.shape
     A = c.shape[1]
     out = torch.empty(M, N, A, dtype=ct, device=f.device)

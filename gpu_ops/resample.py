@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_ops import _resample_ops, _resampler_base, responses
+from gpu_ops import _bits_resample, _events_ops, _resample_ops, _resampler_base, responses
 from gpu_ops._on_the_fly import OnTheFlyResampler
 from gpu_ops.responses import Response
 
@@ -312,6 +312,71 @@ class BandedResampler(_resampler_base.Resampler):
         if self.inverse_order is not None:
             out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
         return out
+
+    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
+        """The path :meth:`forward_bits` takes for ``packed`` (``band`` or ``event``)."""
+        N, _ = self.starts.shape
+        packed3, _ = _bits_resample.check_packed(
+            packed, N, self.num_fine, self.starts.device, bitorder, "auto"
+        )
+        return self._plan(packed3)
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        _, A, W = self.weights.shape
+        if torch.is_grad_enabled() and self.weights.requires_grad:  # gradients to the weights
+            M = packed3.shape[0]
+            return _bits_resample.Plan(("band",) * M, (-1,) * M)
+        B = self.num_fine
+        return _bits_resample.plan(packed3, B, A, W, on_the_fly=False, pieces=None)
+
+    def forward_bits(
+        self,
+        packed: torch.Tensor,
+        bitorder: str = "big",
+        *,
+        path: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The operator on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
+
+        Args:
+            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
+            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"`` or ``"event"``.
+            dtype: the output dtype (default: the weights').
+
+        Returns:
+            ``[..., N, A]``. Gradients reach the weights when they require them (the band
+            path is then taken).
+
+        Raises:
+            ValueError: a shape, device, bit order or path that does not fit (``"prefix"``:
+                a stored band has none; see :class:`OnTheFlyResampler`).
+        """
+        N, _ = self.starts.shape
+        B = self.num_fine
+        packed3, lead = _bits_resample.check_packed(
+            packed, N, B, self.starts.device, bitorder, path
+        )
+        out_dtype = dtype or self.weights.dtype
+        if path == "prefix":
+            raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            out: torch.Tensor = _events_ops.events_band_forward(
+                items, self.starts, self.weights, B, bitorder == "big"
+            )
+            if self.inverse_order is not None:
+                out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+            return out
+
+        out = _bits_resample.run(plan, packed3, run)
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""

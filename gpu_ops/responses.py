@@ -243,6 +243,27 @@ NAMED: dict[str, NamedResponse] = {
 }  # fmt: skip
 
 
+# Piecewise polynomial responses (the prefix-sum path): breakpoints in u = d / p and, per
+# piece, the coefficients of 1, u, u².
+PIECES: dict[str, tuple[tuple[float, ...], tuple[tuple[float, float, float], ...]]] = {
+    "boxcar": ((-1.0, 1.0), ((1.0, 0.0, 0.0),)),
+    "triangle": ((-1.0, 0.0, 1.0), ((1.0, 1.0, 0.0), (1.0, -1.0, 0.0))),
+    "epanechnikov": ((-1.0, 1.0), ((1.0, 0.0, -1.0),)),
+}
+
+
+def pieces(name: str, p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A piecewise polynomial response's pieces at parameter p: breakpoints ``t (P + 1,)`` in
+    offsets d, increasing, and ``coef (P, 3)``, ``r(d) = coef[k] . (1, d, d²)`` for d in
+    ``[t[k], t[k + 1]]`` (float64); None for other responses."""
+    if name not in PIECES:
+        return None
+    breaks, coefs = PIECES[name]
+    t = torch.tensor(breaks, dtype=torch.float64) * p
+    scale = torch.tensor([1.0, 1.0 / p, 1.0 / (p * p)], dtype=torch.float64)
+    return t, torch.tensor(coefs, dtype=torch.float64) * scale
+
+
 def named(name: str) -> NamedResponse:
     """The named response ``name``; a ValueError lists the known names otherwise."""
     try:

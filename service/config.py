@@ -55,24 +55,28 @@ def library_error(
     return ConfigError([f"{where}: {what}: {clean_reason(exc, folder, shown)}"])
 
 
+_SCRIPT_HEADER = "The following operation failed in the TorchScript interpreter"
 _TRACE_MARKS = ("Traceback", "The above exception", "Exception raised from", "While executing")
 _ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s'\"`:,;()\[\]<>]+/?)+")
 
 
 def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = "") -> str:
     """``ExceptionClass: message`` of ``exc`` for a client (see :func:`library_error`)."""
+    raw = [line for line in str(exc).splitlines() if line.strip()]
+    if raw and raw[0].startswith(_SCRIPT_HEADER):
+        raw = raw[-1:]  # TorchScript's interpreter: its source trace, then the error itself
     lines = []
-    for line in str(exc).splitlines():
+    for line in raw:
         if line.lstrip().startswith(_TRACE_MARKS):
             break
-        if line.strip():
-            lines.append(" ".join(line.split()))
+        lines.append(" ".join(line.split()))
     text = " ".join(lines)
     if folder is not None:
         for root in {str(folder), str(folder.resolve())}:
             text = text.replace(root, shown or folder.name)
     text = _ABS_PATH.sub("<server path>", text)
     kind = type(exc).__name__
+    text = text.removeprefix(f"{kind}: ")  # TorchScript repeats the class in its last line
     return f"{kind}: {safe_text(text, 300)}" if text else kind
 
 
@@ -245,6 +249,9 @@ class OperatorConfig(_Strict):
     border_correction)."""
     scale: float = Field(default=1.0, allow_inf_nan=False)
     """A constant factor on the output."""
+    on_the_fly: bool = False
+    """Evaluate a named response inside the kernels instead of storing the band: O(N A)
+    memory whatever the width (wide kernels), at some compute per call."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -260,6 +267,8 @@ class OperatorConfig(_Strict):
             raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
+            if self.on_the_fly:
+                raise ValueError("on_the_fly needs a named response (a table is stored)")
             if self.center != "median":
                 raise ValueError("center applies to named responses; a table is used as given")
         else:

@@ -211,10 +211,12 @@ def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted
     """Bytes the built operator keeps on its device (:attr:`BandedResampler.nbytes`).
 
     Weights ``(N, A, W)`` in the compute dtype, int32 starts ``(N, A)``, and an int64 inverse
-    permutation ``(N, A)`` when some row of ``c`` is not sorted.
+    permutation ``(N, A)`` when some row of ``c`` is not sorted; on the fly, float64 x and c.
     """
     assert cfg.operator is not None
-    _, (n, _) = _operator_input(cfg)
+    _, (n, B) = _operator_input(cfg)
+    if cfg.operator.on_the_fly:  # float64 x (B,) and c (N, A), the parameter
+        return 8 * (B + n * num_coarse + 1)
     itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
     per_point = band_width * itemsize + _STARTS_ITEMSIZE + (0 if sorted_rows else _ORDER_ITEMSIZE)
     return n * num_coarse * per_point

@@ -1,11 +1,14 @@
-"""A model's device-resident pipeline: unpack bits -> banded response operator -> optional model.
+"""A model's device-resident pipeline: bits -> banded response operator -> optional model.
 
 Everything a batch needs stays on the device between requests: the operator's weights, the
 model, and a preallocated input buffer of ``max_batch_size`` items in the compute dtype. One
 batch costs one gather of the request payloads into a (pinned) staging buffer, one
-``non_blocking`` host-to-device copy, one unpack per run of same-form requests straight into
-the compute dtype, the operator, the model, and one device-to-host copy per output into pinned
-memory; the results are split per request as NumPy views.
+``non_blocking`` host-to-device copy, the operator, the model, and one device-to-host copy
+per output into pinned memory; the results are split per request as NumPy views. The
+operator's input, when every request of the batch sends it bit-packed, goes to the operator
+packed (``forward_bits``: the band, an event scatter or prefix sums, by the batch's density);
+other inputs, and an operator input sent unpacked by some request, are unpacked once per run
+of same-form requests straight into the compute dtype.
 
 :meth:`Pipeline.run` is called from the device's single worker thread only (see
 ``service.batcher``); it is not re-entrant. It times its three phases once per batch for
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
+from gpu_ops import BandedResampler, OnTheFlyResampler
 from service import devices
 from service.backends import ModelFile
 from service.config import (
@@ -91,11 +95,15 @@ def resolve_device(device: str, default: str = "auto", *, source: str = "config.
 
 def build_operator(
     op: OperatorConfig, tensors: dict[str, torch.Tensor], device: torch.device
-) -> torch.nn.Module:
-    """The banded response operator of ``op``, built once on ``device``."""
-    from gpu_ops.resample import BandedResampler
-
+) -> BandedResampler | OnTheFlyResampler:
+    """The banded response operator of ``op``, built once on ``device``: a stored band, or
+    with ``on_the_fly`` the response evaluated in the kernels (nothing stored)."""
     dtype = COMPUTE_DTYPES[op.dtype]
+    if op.on_the_fly:
+        kw: dict[str, Any] = {**op.options, **op.parameters}
+        return OnTheFlyResampler(
+            tensors["x"], tensors["c"], op.response, op.support, device=device, **kw
+        )
     # Windows and weights are found in float64 (from_response converts), then stored in dtype.
     x, c = tensors["x"], tensors["c"]
     if op.response == "tabulated":
@@ -168,15 +176,24 @@ class Pipeline:
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
         self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
+        # The operator input's packed bytes of the batch being run (forward_bits).
+        self._packed: torch.Tensor | None = None
+        self._bit_reversal: torch.Tensor | None = None
         with torch.inference_mode(), self._device_context():
             self.operator = (
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
             )
             self.model = None if artifacts.model is None else self._on_device(artifacts.model)
             # Each batch is unpacked into (a prefix of) these buffers: no allocation per batch.
+            # A bit-packed operator input stays packed: its buffer holds bytes (the probe's
+            # and warm-up's zeros; a batch's own bytes are read where they arrived).
             self._buffers = [
-                torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
-                for spec, dtype in zip(self.inputs, self._dtypes, strict=True)
+                torch.zeros(
+                    (self.capacity, *spec.packed_shape), dtype=torch.uint8, device=self.device
+                )
+                if self._packs(i)
+                else torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
+                for i, (spec, dtype) in enumerate(zip(self.inputs, self._dtypes, strict=True))
             ]
         self.output_shapes: list[list[int]] = dry_run(self, artifacts, again=warmup)
         """Each output's shape of one item, as the dry run found it."""
@@ -236,8 +253,15 @@ class Pipeline:
         """Operator then model on the first ``m`` items of the buffers; outputs batch-first,
         in config order, as the model gives them."""
         us = [b[:m] for b in self._buffers]
-        if self.operator is not None and self.operator_input is not None:
-            us[self.operator_input] = self.operator(us[self.operator_input])
+        i = self.operator_input
+        if self.operator is not None and i is not None:
+            if self._packs(i):
+                packed = us[i] if self._packed is None else self._packed[:m]
+                us[i] = self.operator.forward_bits(
+                    packed, self.inputs[i].bitorder, dtype=self.compute_dtype
+                )
+            else:
+                us[i] = self.operator(us[i])
         outs: Any = us[0] if self.model is None else self.model(*us)
         if isinstance(outs, torch.Tensor):
             outs = [outs]
@@ -299,9 +323,14 @@ class Pipeline:
 
         raw, starts = self._gather(requests)
         m = 0
+        self._packed = None
         for i, (spec, buffer) in enumerate(zip(self.inputs, self._buffers, strict=True)):
             wires = [r.inputs[i] for r in requests]
             offset = starts[i]
+            if self._packs(i):
+                self._packed = self._packed_input(spec, requests, wires, raw[offset:])
+                m = self._packed.shape[0]
+                continue
             row = 0
             k = 0
             # Consecutive requests of the same wire form are contiguous in ``raw``: one call
@@ -337,6 +366,49 @@ class Pipeline:
             m = row
         return m
 
+    def _packs(self, i: int) -> bool:
+        """Whether input i reaches the operator packed (``forward_bits``)."""
+        return i == self.operator_input and self.inputs[i].packing == "bits"
+
+    def _reversed_bits(self) -> torch.Tensor:
+        """(256,) uint8 on the device: each byte with its bit order reversed (made once)."""
+        if self._bit_reversal is None:
+            bits = torch.arange(256, dtype=torch.uint8).unsqueeze(-1)
+            unpacked = torch.ops.bitserve.unpackbits(bits, 1, 8, "big", torch.uint8)
+            reversed_ = torch.ops.bitserve.packbits(unpacked, 1, "little")
+            self._bit_reversal = reversed_.reshape(256).to(self.device)
+        return self._bit_reversal
+
+    def _packed_input(
+        self, spec: InputConfig, requests: Sequence[Bound], wires: list[Any], raw: torch.Tensor
+    ) -> torch.Tensor:
+        """The operator's input of the batch as packed bytes (n, *packed_shape) for
+        ``forward_bits``: the request bytes themselves when every request sent them packed,
+        else a buffer where BOOL requests are packed on the device (so that a request gives
+        the same bits in either form, whatever it is batched with)."""
+        n = sum(r.size for r in requests)
+        if all(w.packed and (w.bitorder or spec.bitorder) == spec.bitorder for w in wires):
+            return raw[: sum(w.data.nbytes for w in wires)].view(n, *spec.packed_shape)
+        out = torch.empty((n, *spec.packed_shape), dtype=torch.uint8, device=self.device)
+        row = offset = 0
+        for r, w in zip(requests, wires, strict=True):
+            part = raw[offset : offset + w.data.nbytes]
+            if w.packed:
+                packed = part.view(r.size, *spec.packed_shape)
+                if (w.bitorder or spec.bitorder) != spec.bitorder:
+                    # A request's own bit order (parameters.bitorder): each byte's bits
+                    # reversed is the same bits in the model's order (padding included).
+                    packed = self._reversed_bits()[packed.long()]
+                out[row : row + r.size] = packed
+            else:  # BOOL bytes: nonzero is 1, as NumPy's packbits counts them
+                logical = part.view(r.size, *spec.shape)
+                out[row : row + r.size] = torch.ops.bitserve.packbits(
+                    logical, logical.dim() - 1, spec.bitorder
+                )
+            row += r.size
+            offset += w.data.nbytes
+        return out
+
     def run(
         self, requests: Sequence[Bound], *, check: bool = False
     ) -> list[list[np.ndarray[Any, Any]]]:
@@ -367,6 +439,7 @@ class Pipeline:
             if events:
                 events[1].record()
             outs = self._forward(m)
+            self._packed = None  # the batch's bytes: not held until the next batch
             if check:
                 self.check_outputs(outs, m)
             outs = [t.to(d) for t, d in zip(outs, self._out_dtypes, strict=True)]

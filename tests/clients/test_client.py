@@ -114,6 +114,31 @@ def test_compressed_request_bodies(make: Callable[..., Harness], compression: st
     assert int(req.headers["Content-Length"]) == len(req.content)
 
 
+@pytest.mark.parametrize("compression", ["gzip", "deflate"])
+def test_compression_level_is_1_by_default_and_settable(
+    make: Callable[..., Harness], compression: str
+) -> None:
+    bits = np.random.default_rng(5).random((8, 3, 13)) < 0.1
+    sizes = {}
+    for level in (None, 1, 9, 0):
+        h = (
+            make(compression=compression)
+            if level is None
+            else make(compression=compression, compression_level=level)
+        )
+        h("infer", "bits", bits)
+        body = h.fake.requests[-1].content
+        sizes[level] = len(body)
+        # The body is what zlib makes at that level (gzip: the same deflate stream inside).
+        raw = gzip.decompress(body) if compression == "gzip" else zlib.decompress(body)
+        if compression == "deflate":
+            assert body == zlib.compress(raw, 1 if level is None else level)
+    assert sizes[None] == sizes[1]
+    assert sizes[9] <= sizes[1] < sizes[0]
+    with pytest.raises(ValueError, match=r"compression_level must be an int 0\.\.9"):
+        make(compression=compression, compression_level=10)
+
+
 @pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
 def test_responses_are_asked_uncompressed_unless_compression_is_set(
     make: Callable[..., Harness], compression: str | None

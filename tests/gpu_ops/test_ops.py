@@ -25,9 +25,12 @@ from gpu_ops import (
     OnTheFlyResampler,
     _bits_c,
     _bits_ops,
+    _events_ops,
     _resample_c,
     _resample_ops,
+    responses,
 )
+from gpu_ops._events_torch import piece_bounds
 from gpu_ops._reference import banded_resample_reference, unpackbits_reference
 from tests.common_utils import HAS_TRITON, cpu_and_cuda
 from tests.gpu_ops.resample_cases import PARAMS, assert_close, coarse, grid
@@ -42,6 +45,10 @@ OPS = {
     "on_the_fly_forward": _resample_ops.on_the_fly_forward,
     "on_the_fly_backward_f": _resample_ops.on_the_fly_backward_f,
     "on_the_fly_backward_c_param": _resample_ops.on_the_fly_backward_c_param,
+    "bit_counts": _events_ops.bit_counts,
+    "events_band_forward": _events_ops.events_band_forward,
+    "events_otf_forward": _events_ops.events_otf_forward,
+    "prefix_forward": _events_ops.prefix_forward,
 }
 Case = tuple[str, tuple[Any, ...]]
 
@@ -85,6 +92,28 @@ def _cases(device: str) -> Iterator[Case]:
             yield "on_the_fly_forward", (f, x, cd, p, name, None)
             yield "on_the_fly_backward_f", (g, *common, B)
             yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # The bit-input paths: no autograd (the input is bits), every bit order and dtype.
+    bits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
+    bits = bits.to(device)
+    yield "bit_counts", (bits.reshape(2 * N, -1),)
+    for dtype in (torch.float32, torch.float64):
+        w = torch.randn(N, A, W, generator=gen, dtype=dtype).to(device)
+        yield "events_band_forward", (bits, starts, w, B, True)
+        yield "events_band_forward", (bits, starts, w, B, False)
+        c_sorted = c.sort(dim=1).values.contiguous()
+        for name, params in PARAMS.items():
+            (value,) = params.values()
+            p = torch.tensor(value * 3, dtype=dtype, device=device)
+            first, last, _ = responses.windows(
+                x, c_sorted, *responses.named(name).window(value * 3, None)
+            )
+            big = dtype == torch.float32
+            yield "events_otf_forward", (bits, x, c_sorted, first, last, p, name, big)
+            got = responses.pieces(name, value * 3)
+            if got is not None:
+                bounds = piece_bounds(x, c_sorted, got[0].to(device))
+                coef = got[1].to(device=device, dtype=dtype)
+                yield "prefix_forward", (bits, x, c_sorted, bounds, coef, not big)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

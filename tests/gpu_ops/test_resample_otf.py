@@ -121,7 +121,7 @@ def test_geometry_stays_precise_under_dtype_casts(cast: str) -> None:
     before = op(f)
     cast_op = op.to(torch.bfloat16) if cast == "to" else op.half()
     assert cast_op.x.dtype == torch.float64
-    assert cast_op.c.dtype == torch.float32
+    assert cast_op.c.dtype == torch.float64  # c - x is formed in float64
     assert isinstance(cast_op.c, torch.nn.Parameter)
     torch.testing.assert_close(cast_op(f), before, rtol=0, atol=0)
     stored = BandedResampler.from_response(x, c, "gaussian", sigma=0.3).half()

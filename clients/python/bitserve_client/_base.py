@@ -172,6 +172,7 @@ class BaseClient:
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
+        compression_level: int = 1,
         headers: Mapping[str, str] | None = None,
         verify: VerifyTypes = True,
         cert: CertTypes | None = None,
@@ -181,6 +182,8 @@ class BaseClient:
     ) -> None:
         if compression not in (None, "gzip", "deflate"):
             raise ValueError(f"compression must be 'gzip', 'deflate' or None, not {compression!r}")
+        if isinstance(compression_level, bool) or compression_level not in range(10):
+            raise ValueError(f"compression_level must be an int 0..9, not {compression_level!r}")
         url = url or os.environ.get("BITSERVE_URL") or DEFAULT_URL
         if "://" not in url:
             url = "http://" + url
@@ -188,6 +191,7 @@ class BaseClient:
             token = os.environ.get("BITSERVE_TOKEN") or None
         self._url = url.rstrip("/")
         self._compression: Compression = compression
+        self._level = compression_level
         self._retry = retries if isinstance(retries, Retry) else Retry(retries=int(retries))
         # httpx asks for gzip/deflate responses by default, but bit-packed inputs give float
         # outputs that barely compress: the server's CPU and the latency are spent for ~10%.
@@ -363,7 +367,13 @@ class BaseClient:
         if self._compression is not None:
             raw = body.to_bytes()
             # gzip for "gzip"; RFC 9110's "deflate" is the zlib format (what zlib.compress makes).
-            content = gzip.compress(raw) if self._compression == "gzip" else zlib.compress(raw)
+            # Level 1 by default: packed bits compress about as well at 1 as at 9, in a
+            # fraction of the time (README "Compression").
+            content = (
+                gzip.compress(raw, compresslevel=self._level)
+                if self._compression == "gzip"
+                else zlib.compress(raw, self._level)
+            )
             all_headers["Content-Encoding"] = self._compression
             length = len(content)
         else:

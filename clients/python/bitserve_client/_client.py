@@ -59,6 +59,8 @@ class Client(BaseClient):
         compression: ``"gzip"`` or ``"deflate"`` to compress request bodies and accept
             responses compressed the same way; None (the default) sends bodies as they are
             and asks for uncompressed responses (``Accept-Encoding: identity``).
+        compression_level: zlib's level for request bodies, 0 (stored) to 9 (smallest);
+            default 1, the fastest, which packed bits barely lose by (README "Compression").
         headers: extra headers for every request.
         verify: verify the server's TLS certificate (True, the default: against certifi's CA
             bundle), not (False), against a CA bundle file or folder (a path), or with an
@@ -82,6 +84,7 @@ class Client(BaseClient):
         timeout: TimeoutTypes = DEFAULT_TIMEOUT,
         retries: int | Retry = 3,
         compression: Compression = None,
+        compression_level: int = 1,
         headers: Mapping[str, str] | None = None,
         verify: VerifyTypes = True,
         cert: CertTypes | None = None,
@@ -96,6 +99,7 @@ class Client(BaseClient):
             timeout=timeout,
             retries=retries,
             compression=compression,
+            compression_level=compression_level,
             headers=headers,
             verify=verify,
             cert=cert,
