@@ -26,7 +26,7 @@ import grpc
 
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, decode_sized
-from service.errors import ModelNotFound, ServiceError, Unimplemented
+from service.errors import ModelNotFound, ServiceError
 from service.grpc import codec
 from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
@@ -191,11 +191,16 @@ class GrpcEndpoints:
         stats = self.dataplane.statistics(request.name or None, request.version or None)
         return codec.message(stats, pb.ModelStatisticsResponse)
 
-    async def trace_setting(self, request: Any, context: Context) -> pb.TraceSettingResponse:
-        raise Unimplemented(
-            "bitserve does not support Triton's trace extension: TraceSetting is not available "
-            "(request timings are in the Prometheus metrics at /metrics)"
-        )
+    async def trace_setting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        """Triton's trace extension: the settings given are changed (on every worker; a
+        setting with no value is cleared), and the settings in force are answered."""
+        model = request.model_name or None
+        changes = codec.trace_changes(request.settings)
+        if changes:
+            return codec.trace_settings(await self.control.update_trace_settings(model, changes))
+        return codec.trace_settings(self.control.trace_settings(model))
 
     async def shm_status(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
@@ -267,8 +272,15 @@ class GrpcEndpoints:
                 response.parameters["triton_final_response"] = True
             return codec.encode_infer_response(response).SerializeToString()
 
+        trace = None
+        tracing = self.dataplane.tracing
+        if tracing is not None:  # tracing off: no metadata is looked at for it
+            method = "ModelStreamInfer" if streamed else "ModelInfer"
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method}
+            metadata = context.invocation_metadata() or ()
+            trace = tracing.begin(msg.model_name, metadata, f"{SERVICE}/{method}", attributes)
         return await self.dataplane.infer_with(
-            msg.model_name, msg.model_version or None, decode, encode
+            msg.model_name, msg.model_version or None, decode, encode, trace
         )
 
     async def model_infer(self, raw: bytes, context: Context) -> bytes:

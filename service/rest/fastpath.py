@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 _JSON = b"application/json"
+_SPAN = "POST /v2/models/{model}/infer"
+"""The server span's name of a traced request (OpenTelemetry's ``{method} {route}``)."""
 CLIENT_GONE = 499
 """The status logged for a request whose client went away before its answer (nginx's)."""
 
@@ -162,6 +164,14 @@ class InferRoute:
                     held=held,
                 )
 
+            tracing = self.dataplane.tracing
+            trace = None
+            if tracing is not None:  # tracing off: not a header is looked at for it
+                attributes = {
+                    "http.request.method": "POST",
+                    "url.path": printable_path(scope["path"]),
+                }
+                trace = tracing.begin(route[0], scope["headers"], _SPAN, attributes)
             if task is not None:  # only while the data plane has the request
                 on_disconnect(scope, task.cancel)
             try:
@@ -173,6 +183,7 @@ class InferRoute:
                     header_length=header_length,
                     accept_encoding=accept,
                     reserve=held.inflated,
+                    trace=trace,
                 )
             finally:
                 on_disconnect(scope, None)
