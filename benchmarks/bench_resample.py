@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks._common import markdown_table, parse_args, report, synchronize
-from gpu_ops import BandedResampler, OnTheFlyResampler
+from gpu_ops import BandedResampler, OnTheFlyResampler, packbits
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -254,12 +254,78 @@ def _targets(
     return markdown_table(["target", "measured", "met"], out)
 
 
+DEMO_INTRO = """\
+### The demo workload from packed bits (issue 20)
+
+The server's demo: bit-packed spike rows at 10% density, a stored Gaussian band of sigma =
+125 fine points cut at 4 sigma (W = 1000), 500 sorted random coarse points per row. Before:
+what the pipeline ran until issue 20, `unpackbits` into float32 then the band
+(`op(unpackbits(packed, count=B))`); after: `op.forward_bits(packed)`, whose cost model picks
+per input the band or the event scatter. Both in this run, interleaved rounds, wall time
+(CPU: also one thread in CPU time)."""
+
+
+def _demo(device: str, smoke: bool, threads: int | None) -> list[list[object]]:
+    N, A, B = (2, 50, 5000) if smoke else (20, 500, 50000)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.arange(B, dtype=torch.float64)
+    c = torch.sort(torch.rand(N, A, generator=gen, dtype=torch.float64) * B, dim=1).values
+    op = BandedResampler.from_response(x, c, "gaussian", 4.0, sigma=125.0, device=device)
+    rows: list[list[object]] = []
+    for M in (1, 16):
+        packed = packbits(torch.rand(M, N, B, generator=gen) < 0.1, dim=-1).to(device)
+
+        def before(p: torch.Tensor = packed) -> torch.Tensor:
+            f = torch.ops.bitserve.unpackbits(p, 2, B, "big", torch.float32)
+            out: torch.Tensor = op(f)
+            return out
+
+        def after(p: torch.Tensor = packed) -> torch.Tensor:
+            return op.forward_bits(p)
+
+        clock = time.process_time if threads == 1 else time.perf_counter
+        with torch.inference_mode():
+            torch.testing.assert_close(after(), before(), rtol=1e-4, atol=1e-3)
+            times: dict[str, list[float]] = {"before": [], "after": []}
+            for _ in range(3 if smoke else 15):
+                for name, fn in (("before", before), ("after", after)):
+                    synchronize(device)
+                    t0 = clock()
+                    fn()
+                    synchronize(device)
+                    times[name].append(clock() - t0)
+            path = op.plan_bits(packed).path
+        b, a = (statistics.median(times[k]) for k in ("before", "after"))
+        label = f"{device}, {'1 thread (CPU time)' if threads == 1 else 'all threads'}"
+        rows.append([label, M, f"{b * 1e3:.2f}", f"{a * 1e3:.2f}", path, f"{b / a:.2f}"])
+    return rows
+
+
+def demo_section(devices: Sequence[str], smoke: bool) -> str:
+    rows: list[list[object]] = []
+    for device in devices:
+        rows += _demo(device, smoke, None)
+        if device == "cpu":
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                rows += _demo(device, smoke, 1)
+            finally:
+                torch.set_num_threads(threads)
+    headers = ["device", "M", "before ms", "after ms", "path taken", "before / after"]
+    return DEMO_INTRO + "\n\n" + markdown_table(headers, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(__doc__ or "", argv)
     report(
         "resample",
         "Banded response operator (gpu_ops.resample) against the users' einsum",
-        INTRO + "\n\n" + "\n\n".join(_section(d, args.smoke) for d in args.device),
+        INTRO
+        + "\n\n"
+        + "\n\n".join(_section(d, args.smoke) for d in args.device)
+        + "\n\n"
+        + demo_section(args.device, args.smoke),
         smoke=args.smoke,
         devices=args.device,
     )

@@ -52,6 +52,11 @@ class _Geometry:
     inverse_mass: torch.Tensor | None
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's in-place version counter; -1 for an inference tensor (which has none)."""
+    return -1 if t.is_inference() else int(t._version)
+
+
 class OnTheFlyResampler(_resampler_base.Resampler):
     """``out[..., n, a] = sum_b r(c[n, a] - x[b]) * f[..., n, b]`` with no stored weights.
 
@@ -244,10 +249,11 @@ class OnTheFlyResampler(_resampler_base.Resampler):
     def _geometry(self) -> _Geometry:
         """The sorted coarse points, windows and pieces of the current c and parameter.
 
-        Found once and kept until c, the parameter or x change (in place or replaced).
+        Found once and kept until c, the parameter or x change: replaced, or modified in
+        place (tensors made under ``torch.inference_mode()`` count no versions: replace them).
         """
         c_, p_, x_ = self.c, self.param, self.x
-        key = (c_._version, p_._version, c_.data_ptr(), p_.data_ptr(), x_.data_ptr())
+        key = (_version(c_), _version(p_), c_.data_ptr(), p_.data_ptr(), x_.data_ptr())
         if self._geo is not None and self._geo.key == key:
             return self._geo
         with torch.no_grad():

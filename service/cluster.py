@@ -51,7 +51,7 @@ from typing import Any
 
 from service.changes import Change, LoadModel, UnloadModel
 from service.control import ControlState
-from service.errors import ChangeFailed, ServiceError
+from service.errors import ChangeFailed, Relayed, ServiceError, shown_message
 from service.observability import request_id_var
 from service.statistics import Snapshot, merge
 
@@ -95,12 +95,8 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class WorkerFailed(ServiceError):
+class WorkerFailed(Relayed):
     """A change failed on one or more peers: the first one's status, every one's message."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status
 
 
 @dataclass(frozen=True)
@@ -241,7 +237,7 @@ class Cluster:
             try:
                 await apply(recorded.change)
             except ServiceError as e:
-                outcome = f"{e.status_code}: {e.message}"
+                outcome = f"{e.status_code}: {shown_message(e)}"
             self._applied[subject] = recorded.seq
             level = logging.INFO if outcome == "applied" else logging.WARNING
             log.log(level, "caught up: %s %s: %s", recorded.change.kind, subject[:128], outcome)
@@ -410,7 +406,7 @@ class Cluster:
         try:
             await self._apply(change)
         except ServiceError as e:
-            return PeerAnswer(e.status_code, e.message)
+            return PeerAnswer(e.status_code, shown_message(e))
         except Exception:
             log.exception("a peer's change failed: %s %s", change.kind, change.subject[:128])
             return PeerAnswer(500, f"internal error (request id {request_id_var.get()})")

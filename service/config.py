@@ -35,7 +35,7 @@ from pydantic import (
 
 from service.devices import parse_device
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
-from service.text import safe_text
+from service.text import clean_reason, safe_text
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +53,6 @@ def library_error(
     the traceback.
     """
     return ConfigError([f"{where}: {what}: {clean_reason(exc, folder, shown)}"])
-
-
-_SCRIPT_HEADER = "The following operation failed in the TorchScript interpreter"
-_TRACE_MARKS = ("Traceback", "The above exception", "Exception raised from", "While executing")
-_ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s'\"`:,;()\[\]<>]+/?)+")
-
-
-def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = "") -> str:
-    """``ExceptionClass: message`` of ``exc`` for a client (see :func:`library_error`)."""
-    raw = [line for line in str(exc).splitlines() if line.strip()]
-    if raw and raw[0].startswith(_SCRIPT_HEADER):
-        raw = raw[-1:]  # TorchScript's interpreter: its source trace, then the error itself
-    lines = []
-    for line in raw:
-        if line.lstrip().startswith(_TRACE_MARKS):
-            break
-        lines.append(" ".join(line.split()))
-    text = " ".join(lines)
-    if folder is not None:
-        for root in {str(folder), str(folder.resolve())}:
-            text = text.replace(root, shown or folder.name)
-    text = _ABS_PATH.sub("<server path>", text)
-    kind = type(exc).__name__
-    text = text.removeprefix(f"{kind}: ")  # TorchScript repeats the class in its last line
-    return f"{kind}: {safe_text(text, 300)}" if text else kind
 
 
 CONFIG_FILE = "config.toml"

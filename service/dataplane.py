@@ -1,11 +1,13 @@
 """The data plane: everything about a request, decided once, for every transport.
 
-Transports (the REST fast path in ``service.rest.fastpath``, FastAPI's control routes, gRPC)
-are thin adapters: they take their envelope apart, call a method here, and write the answer
-back in their own envelope. The data plane decodes (the V2 REST framing), checks the request against
-the model once (``service.signature``), submits it to the model's batcher, builds the
-response, frames it for REST, and decides whether to compress it; it also counts requests in
-the metrics. Model state belongs to the repository alone (``service.repository``).
+Transports (REST in ``service.rest``, gRPC in ``service.grpc``) are thin adapters: they take
+their envelope apart, decode it with their own framing, call a method here, and write the
+answer back in their own envelope. The data plane looks the model up and checks its queue
+before a transport decodes anything, checks the request against the model once
+(``service.signature``), submits it to the model's batcher, builds the response, writes
+outputs into shared memory, and counts requests in the metrics and statistics. Model state
+belongs to the repository alone (``service.repository``); what changes it is the control
+plane's (``service.controlplane``).
 
 The model layout is after MLServer's ``handlers/dataplane.py`` ("used by both the gRPC and
 REST servers").
@@ -26,26 +28,16 @@ from service.config_override import ConfigOverride
 from service.errors import (
     InvalidInput,
     ModelNotReady,
-    PayloadTooLarge,
     ServiceError,
 )
 from service.handle import ModelHandle
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.protocol import (
-    CompressionMode,
-    EncodedResponse,
     InferRequest,
     InferResponse,
     ResponseOutput,
-    decode_infer_request,
-    decompress,
-    encode_infer_response,
-    parse_header_length,
-    worth_compressing,
 )
-from service.protocol.compression import MIN_BYTES
-from service.protocol.response import compress_response, wants_binary
 from service.protocol.types import SharedOutput
 from service.shared_memory import SystemSharedMemory
 
@@ -60,15 +52,9 @@ Decoder = Callable[[ModelHandle], Awaitable[InferRequest]]
 ``handle.signature.check_input`` (see :meth:`DataPlane.infer_with`)."""
 
 # Work above these sizes leaves the event loop for a worker thread; below them the thread hop
-# costs more than the work. Decoding is sized by the whole body, not the JSON part: the binary
-# part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
-_THREAD_BYTES = 64 << 10
-_THREAD_OUTPUT_BYTES = 64 << 10
-# Compressed bodies above this inflate in a worker thread: at ~1000:1 even a small gzip bomb
-# is megabytes of inflating.
-_THREAD_COMPRESSED_BYTES = 4 << 10
-# How many responses reuse one compression trial's verdict for a model's binary outputs.
-_VERDICT_REUSE = 32
+# costs more than the work. Decoding is sized by the whole request, not its JSON part: the
+# binary part can cost as much (BYTES elements are split in Python, BOOL bytes are scanned).
+THREAD_BYTES = 64 << 10
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -94,7 +80,8 @@ class Repository(Protocol):
     def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
 
 
-async def _off_loop(fn: Callable[[], T]) -> T:
+async def off_loop(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread (work that would hold the event loop)."""
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
@@ -102,8 +89,8 @@ async def decode_sized(nbytes: int, fn: Callable[[], T]) -> T:
     """Run a decoder over ``nbytes`` of request: in a worker thread above 64 KiB (the thread
     hop costs more than a smaller decode), on the event loop below. Every transport's decoding
     goes through here."""
-    if nbytes > _THREAD_BYTES:
-        return await _off_loop(fn)
+    if nbytes > THREAD_BYTES:
+        return await off_loop(fn)
     return fn()
 
 
@@ -198,11 +185,10 @@ async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]])
 
     def write() -> None:
         for target, arr in writes:
-            src = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            np.frombuffer(target.view, np.uint8, count=src.size)[:] = src
+            target.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
 
-    if sum(arr.nbytes for _, arr in writes) > _THREAD_OUTPUT_BYTES:
-        await _off_loop(write)
+    if sum(arr.nbytes for _, arr in writes) > THREAD_BYTES:
+        await off_loop(write)
     else:
         write()
 
@@ -213,10 +199,6 @@ class DataPlane:
     Args:
         repository: the model repository (the only owner of model state).
         metrics: where request outcomes and in-flight counts go.
-        max_body_bytes: the limit of a request body after decompression.
-        max_json_bytes: the limit of an inference request's JSON part.
-        response_compression: the response compression policy (``auto``, ``always``,
-            ``never``; see :func:`service.protocol.worth_compressing`).
         shared_memory: the client's system shared memory regions (the extension), or None
             when client shared memory is disabled (``service.controlplane`` registers them).
         tracing: the server's tracing (transports start a request's trace with it and pass
@@ -228,9 +210,6 @@ class DataPlane:
         repository: Repository,
         metrics: Metrics,
         *,
-        max_body_bytes: int = 64 << 20,
-        max_json_bytes: int = 16 << 20,
-        response_compression: CompressionMode = "auto",
         shared_memory: SystemSharedMemory | None = None,
         tracing: Tracing | None = None,
     ) -> None:
@@ -238,11 +217,6 @@ class DataPlane:
         self.tracing = tracing
         self.shared_memory = shared_memory
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.max_json_bytes = max_json_bytes
-        self.response_compression: CompressionMode = response_compression
-        # (model, version) -> (compress?, responses left that reuse this trial's verdict)
-        self._verdicts: dict[tuple[str, str], tuple[bool, int]] = {}
 
     # --- server and models ----------------------------------------------------------------
 
@@ -368,125 +342,3 @@ class DataPlane:
             # went away (neither a success nor a failure of the server's).
             if handle is not None and outcome != "Cancelled":
                 handle.stats.request_done(outcome == "success", ns)
-
-    async def infer_rest(
-        self,
-        name: str,
-        version: str | None,
-        read_body: Callable[[], Awaitable[bytes | bytearray]],
-        *,
-        content_encoding: str | None = None,
-        header_length: str | None = None,
-        accept_encoding: str | None = None,
-        reserve: Callable[[int], None] | None = None,
-        trace: RequestTrace | None = None,
-    ) -> EncodedResponse:
-        """One V2 REST inference: body in, framed (and maybe compressed) response out.
-
-        The model is looked up and its queue checked before ``read_body`` is awaited, so an
-        unknown model or a full queue is answered without reading the upload (see
-        :meth:`infer_with`).
-
-        Args:
-            name, version: the model (version None: the highest READY one).
-            read_body: reads the request body as received (the transport's part).
-            content_encoding: its ``Content-Encoding`` header, if any.
-            header_length: its ``Inference-Header-Content-Length`` header, if any.
-            accept_encoding: an encoding the client accepts (``gzip``/``deflate``; see
-                :func:`service.protocol.choose_encoding`), or None.
-            reserve: the transport's memory budget for a compressed body's inflated copy:
-                called with its size as it grows, possibly from a worker thread (see
-                :func:`service.protocol.decompress`); it raises to refuse.
-            trace: the request's trace, when it is traced (see :meth:`infer_with`).
-
-        Raises:
-            ServiceError: with the status the transport answers.
-        """
-        body: bytes | bytearray | None = None
-
-        async def decode(handle: ModelHandle) -> InferRequest:
-            nonlocal body
-            if body is None:
-                body = await read_body()
-                if trace is not None:
-                    trace.set("http.request.body.size", len(body))
-            return await self._decode(handle, body, content_encoding, header_length, reserve)
-
-        async def encode(
-            handle: ModelHandle, request: InferRequest, response: InferResponse
-        ) -> EncodedResponse:
-            enc = await self._encode(handle, request, response, accept_encoding)
-            if trace is not None:
-                trace.set("http.response.body.size", len(enc.body))
-            return enc
-
-        return await self.infer_with(name, version, decode, encode, trace)
-
-    async def _decode(
-        self,
-        handle: ModelHandle,
-        body: bytes | bytearray,
-        encoding: str | None,
-        header_length: str | None,
-        reserve: Callable[[int], None] | None = None,
-    ) -> InferRequest:
-        limit = self.max_body_bytes
-        if encoding and encoding.strip().lower() != "identity":
-            raw = body
-            if len(body) > _THREAD_COMPRESSED_BYTES:
-                body = await _off_loop(
-                    lambda: decompress(raw, encoding, limit=limit, reserve=reserve)
-                )
-            else:
-                body = decompress(raw, encoding, limit=limit, reserve=reserve)
-        n = parse_header_length(header_length, len(body))
-        json_bytes = len(body) if n is None else n
-        if json_bytes > self.max_json_bytes:
-            raise PayloadTooLarge(
-                f"the request's JSON part is {json_bytes} bytes, more than the limit of "
-                f"{self.max_json_bytes} bytes; send large tensors as binary data (the "
-                "binary_tensor_data extension: Inference-Header-Content-Length and "
-                "parameters.binary_data_size)"
-            )
-        data, signature, shm = body, handle.signature, self.shared_memory
-        return await decode_sized(len(body), lambda: decode_infer_request(data, n, signature, shm))
-
-    async def _encode(
-        self,
-        handle: ModelHandle,
-        request: InferRequest,
-        response: InferResponse,
-        accept: str | None,
-    ) -> EncodedResponse:
-        # Binary outputs are one memcpy; JSON lists cost CPU per element.
-        # (Outputs in shared memory are not in the body at all.)
-        outs = [o for o in response.outputs if not o.in_shared_memory]
-        all_binary = all(wants_binary(request, o.name) for o in outs)
-        if not all_binary and sum(o.data.nbytes for o in outs) > _THREAD_OUTPUT_BYTES:
-            enc = await _off_loop(lambda: encode_infer_response(response, request))
-        else:
-            enc = encode_infer_response(response, request)
-        mode = self.response_compression
-        if accept is None or mode == "never" or len(enc.body) < MIN_BYTES:
-            return enc
-        # A model's binary outputs compress about as well from one response to the next, so
-        # the trial's verdict is reused for a while: most responses then skip the thread hop.
-        key = (handle.name, handle.version)
-        verdict = self._verdicts.get(key) if mode == "auto" and enc.binary_from else None
-        if verdict is not None and verdict[1] > 0:
-            self._verdicts[key] = (verdict[0], verdict[1] - 1)
-            if not verdict[0]:
-                return enc
-            return await _off_loop(lambda: _compressed(enc, accept, "always"))
-        out = await _off_loop(lambda: _compressed(enc, accept, mode))
-        if mode == "auto" and enc.binary_from:
-            self._verdicts[key] = ("Content-Encoding" in out.headers, _VERDICT_REUSE)
-        return out
-
-
-def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> EncodedResponse:
-    # In a worker thread: even level 1 costs ~1 ms per 100 KB, which the event loop (serving
-    # every other connection) must not pay.
-    if not worth_compressing(enc.body, enc.binary_from, mode):
-        return enc
-    return compress_response(enc, encoding)

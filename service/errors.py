@@ -1,7 +1,11 @@
-"""Errors the service raises, each carrying its HTTP status.
+"""Errors the service raises, each carrying its HTTP status, and the one rule every transport
+answers and logs them by.
 
-Every non-200 answer has the body ``{"error": "<message>"}`` (what V2 clients parse); the
-handlers that turn these into responses are registered in ``service.rest.app.create_app``.
+Every transport writes an error the same way: the status it carries (gRPC maps it to a status
+code, ``service.grpc.rpc.grpc_code``), its message made safe to show (:func:`shown_message`:
+control characters escaped, at most ``MAX_MESSAGE_CHARS``), and one log line at the level
+:func:`log_level` gives (:func:`report`). REST's body is ``{"error": "<message>"}`` (what V2
+clients parse), written by ``service.rest.errors``; gRPC's is the status details.
 
     ServiceError (500)
      +-- InvalidInput (400)
@@ -16,9 +20,17 @@ handlers that turn these into responses are registered in ``service.rest.app.cre
      +-- ModelNotReady (503)
      +-- Unimplemented (501)
      +-- DeadlineExceeded (504)
+     +-- Relayed (the status another layer answered: a peer worker, FastAPI's router)
 """
 
 from __future__ import annotations
+
+import logging
+
+from service.text import safe_text
+
+MAX_MESSAGE_CHARS = 4096
+"""The longest message an answer carries (a longer one is cut, saying so)."""
 
 
 class ServiceError(Exception):
@@ -111,3 +123,39 @@ class DeadlineExceeded(ServiceError):
     """The request's ``parameters.timeout`` expired before it could be computed."""
 
     status_code = 504
+
+
+class Relayed(ServiceError):
+    """An error another layer answered, passed on with its status (a peer worker's answer to
+    a change, FastAPI's router's 404 and 405)."""
+
+    def __init__(
+        self, status_code: int, message: str, *, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message, headers=headers)
+        self.status_code = status_code
+
+
+class HeaderLimit(ServiceError):
+    """Too many request headers, or too many bytes of them (431; the body is never read)."""
+
+    status_code = 431
+
+
+def shown_message(error: ServiceError) -> str:
+    """The message of ``error`` as an answer shows it: control and unprintable characters
+    escaped, at most :data:`MAX_MESSAGE_CHARS` characters."""
+    return safe_text(error.message, MAX_MESSAGE_CHARS)
+
+
+def log_level(error: ServiceError) -> int:
+    """How an answered error is logged, the same for every transport: trouble on the server's
+    side (a 5xx, but 501: a part of the protocol not offered, which clients may ask about) is a
+    warning; a client's mistake or question is info."""
+    trouble = error.status_code >= 500 and error.status_code != Unimplemented.status_code
+    return logging.WARNING if trouble else logging.INFO
+
+
+def report(logger: logging.Logger, where: str, error: ServiceError) -> None:
+    """Log an answered error: ``<where> -> <status>: <message>`` at :func:`log_level`."""
+    logger.log(log_level(error), "%s -> %d: %s", where, error.status_code, shown_message(error))

@@ -5,9 +5,14 @@ A client creates a POSIX shared memory object (``shm_open("/name")``), registers
 it by name (``POST /v2/systemsharedmemory/region/{name}/register`` with ``{key, offset,
 byte_size}``), and then names the region in an input's or output's parameters
 (``shared_memory_region``, ``shared_memory_byte_size``, ``shared_memory_offset``). The server
-maps the region once; an input is an ``np.frombuffer`` view over the mapping (no copy before
-the staging copy every input has), an output is written into it (and its response entry
-carries no data, as Triton's).
+opens the object once; an input is read from it with ``pread`` (one copy, into the request's
+own buffer), an output is written into it with ``pwrite`` (and its response entry carries no
+data, as Triton's).
+
+Nothing is mapped: the client owns the object and may truncate it at any moment, and a read
+or write through a mapping past the new end is SIGBUS, which kills the process (every worker
+that had the region registered). ``pread`` past the end just reads less: a region that
+shrank is a 400 for the request that uses it, and nothing else notices.
 
 What is checked, each violation a 400 that names the region:
 
@@ -17,31 +22,32 @@ What is checked, each violation a 400 that names the region:
 - the region (``offset``, ``byte_size``) lies within the object, and a tensor (its offset and
   byte size) within its region: nothing outside a registered region is read or written;
 - at most ``max_regions`` regions at once;
-- an object that shrank after registration is refused when used (a read past its end would
-  kill the process with SIGBUS). A client that truncates its object *while* the server reads
-  it can still cause that; it must share the host (and the object) to do so.
+- an object that shrank after registration, before or while a tensor is read from it or
+  written into it, fails that request (a write never grows it back past a shrunken end
+  unchecked: its size is checked first).
 
-A region unregistered while requests use it is unmapped when the last of them is done (their
-views keep the mapping alive; Triton defers the same way). Triton's CUDA shared-memory routes
+A request's outputs keep their own descriptor of the object, so a region unregistered while
+requests use it still takes their outputs (Triton defers the unmapping the same way). Triton's
+CUDA shared-memory routes
 answer too: status and unregister (nothing is ever registered) and a register that says CUDA
 shared memory is not supported.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import mmap
 import os
 import re
 import stat
 import threading
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from service.errors import InvalidInput, NotFound
 from service.protocol.request import MAX_NAME_CHARS, check_text
+from service.protocol.types import SharedOutput
 
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared memory objects (``shm_open`` opens ``/dev/shm/<name>``)."""
@@ -56,9 +62,9 @@ class _Region:
     offset: int
     byte_size: int
     fd: int
-    mapping: mmap.mmap
-    start: int
-    """Where the region starts in ``mapping`` (mappings start on a page boundary)."""
+    """The object, open for reading and writing; -1 once unregistered."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while ``fd`` is used, so it is never closed (and its number reused) meanwhile."""
 
 
 def _count(value: object, what: str, *, least: int) -> int:
@@ -128,9 +134,9 @@ class SystemSharedMemory:
                     f"{what}: {len(self._regions)} regions are registered, the most this "
                     f"server takes (max_shm_regions {self.max_regions}); unregister some"
                 )
-            self._regions[name] = self._map(name, key_text, base, offset, byte_size)
+            self._regions[name] = self._open(name, key_text, base, offset, byte_size)
 
-    def _map(self, name: str, key: str, base: str, offset: int, byte_size: int) -> _Region:
+    def _open(self, name: str, key: str, base: str, offset: int, byte_size: int) -> _Region:
         what = f"failed to register shared memory region '{name}'"
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
         try:
@@ -149,16 +155,14 @@ class SystemSharedMemory:
                     f"{what}: offset {offset} + byte_size {byte_size} runs past the end of "
                     f"'{key}' ({st.st_size} bytes)"
                 )
-            start = offset % mmap.ALLOCATIONGRANULARITY
-            mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
         except BaseException:
             os.close(fd)
             raise
-        return _Region(name, key, offset, byte_size, fd, mapping, start)
+        return _Region(name, key, offset, byte_size, fd)
 
     def unregister(self, name: str | None = None) -> None:
         """Unregister region ``name`` (None: every region); an unknown name is no error (as
-        in Triton). A region still in use is unmapped when its last user is done."""
+        in Triton). Outputs of requests in flight keep their own descriptor."""
         with self._lock:
             if name is None:
                 regions = list(self._regions.values())
@@ -167,10 +171,9 @@ class SystemSharedMemory:
                 region = self._regions.pop(name, None)
                 regions = [] if region is None else [region]
         for r in regions:
-            os.close(r.fd)
-            # Views of in-flight requests keep it mapped until they are released.
-            with contextlib.suppress(BufferError):
-                r.mapping.close()
+            with r.lock:
+                os.close(r.fd)
+                r.fd = -1
 
     def close(self) -> None:
         """Unregister everything (at shutdown)."""
@@ -197,18 +200,11 @@ class SystemSharedMemory:
 
     # --- use ------------------------------------------------------------------------------
 
-    def view(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
-        """``byte_size`` bytes at ``offset`` of a registered region, writable, without a copy.
-
-        Args:
-            region, offset, byte_size: a tensor's ``shared_memory_region``,
-                ``shared_memory_offset`` (None: 0) and ``shared_memory_byte_size``.
-            what: names the tensor in messages (``input 'x'``).
-
-        Raises:
-            InvalidInput: an unknown region, a bad offset or size, bounds past the region, or
-                an object that shrank since it was registered.
-        """
+    def _locate(
+        self, region: object, offset: object, byte_size: object, what: str
+    ) -> tuple[_Region, int, int, str]:
+        """The region a tensor names, where its bytes start in the object, how many, and how
+        messages name it; bounds checked."""
         name = check_text(region, f"{what}: shared_memory_region", MAX_NAME_CHARS)
         where = f"{what}: shared memory region '{name}'"
         if byte_size is None:
@@ -217,24 +213,107 @@ class SystemSharedMemory:
         byte_size = _count(byte_size, f"{where}: shared_memory_byte_size", least=0)
         with self._lock:
             r = self._regions.get(name)
-            if r is None:
+        if r is None:
+            raise InvalidInput(f"{where} is not registered")
+        if offset + byte_size > r.byte_size or (byte_size and offset >= r.byte_size):
+            raise InvalidInput(
+                f"{where}: offset {offset} + byte size {byte_size} runs past the region's "
+                f"{r.byte_size} bytes"
+            )
+        return r, r.offset + offset, byte_size, where
+
+    def read(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
+        """A copy of ``byte_size`` bytes at ``offset`` of a registered region (``pread``).
+
+        Args:
+            region, offset, byte_size: a tensor's ``shared_memory_region``,
+                ``shared_memory_offset`` (None: 0) and ``shared_memory_byte_size``.
+            what: names the tensor in messages (``input 'x'``).
+
+        Raises:
+            InvalidInput: an unknown region, a bad offset or size, bounds past the region, or
+                an object that shrank below them.
+        """
+        r, position, nbytes, where = self._locate(region, offset, byte_size, what)
+        buf = bytearray(nbytes)
+        with r.lock:
+            if r.fd < 0:
                 raise InvalidInput(f"{where} is not registered")
-            if offset + byte_size > r.byte_size or (byte_size and offset >= r.byte_size):
-                raise InvalidInput(
-                    f"{where}: offset {offset} + byte size {byte_size} runs past the region's "
-                    f"{r.byte_size} bytes"
-                )
-            # A page past the end of a shrunken object would be SIGBUS, not an exception.
-            if os.fstat(r.fd).st_size < r.offset + r.byte_size:
-                raise InvalidInput(f"{where}: its object '{r.key}' shrank since registration")
-            begin = r.start + offset
-            return memoryview(r.mapping)[begin : begin + byte_size]
+            got = _pread_into(r.fd, memoryview(buf), position)
+        if got < nbytes:
+            raise InvalidInput(_shrank(where, r.key, position + nbytes))
+        return memoryview(buf)
+
+    def output(self, region: object, offset: object, byte_size: object, what: str) -> SharedOutput:
+        """Where an output goes: ``byte_size`` bytes at ``offset`` of a registered region,
+        written with ``pwrite`` through a descriptor of its own (closed once written, or when
+        the request is dropped).
+
+        Raises:
+            InvalidInput: as :meth:`read`, but for the object's size (checked at the write).
+        """
+        r, position, nbytes, where = self._locate(region, offset, byte_size, what)
+        with r.lock:
+            if r.fd < 0:
+                raise InvalidInput(f"{where} is not registered")
+            fd = os.dup(r.fd)
+        return SharedOutput(r.name, nbytes, _Writer(fd, position, nbytes, where, r.key))
 
     def __len__(self) -> int:
         return len(self._regions)
 
     def __contains__(self, name: object) -> bool:
         return name in self._regions
+
+
+def _pread_into(fd: int, buf: memoryview, position: int) -> int:
+    """Read into ``buf`` from ``position`` of ``fd`` until it is full or the file ends;
+    returns the bytes read."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], position + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _shrank(where: str, key: str, needed: int) -> str:
+    return (
+        f"{where}: its object '{key}' shrank since registration (it ends before byte "
+        f"{needed}); register the region again"
+    )
+
+
+class _Writer:
+    """Writes one output into a region through its own descriptor (``pwrite``)."""
+
+    def __init__(self, fd: int, position: int, nbytes: int, where: str, key: str) -> None:
+        self._fd = fd
+        self._position = position
+        self._nbytes = nbytes
+        self._where = where
+        self._key = key
+        # Closed once written, or when the request is dropped unwritten (an error).
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __call__(self, data: memoryview) -> None:
+        """Write ``data`` (at most the output's byte size) at the output's place.
+
+        Raises:
+            InvalidInput: the object shrank below it (nothing is written then).
+        """
+        assert data.nbytes <= self._nbytes, "sizes are checked against the signature first"
+        data = data.cast("B")
+        try:
+            end = self._position + data.nbytes
+            if os.fstat(self._fd).st_size < end:  # pwrite would grow it back: refuse
+                raise InvalidInput(_shrank(self._where, self._key, end))
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(self._fd, data[done:], self._position + done)
+        finally:
+            self._close()
 
 
 # --- CUDA shared memory -------------------------------------------------------------------

@@ -227,10 +227,10 @@ class Signature:
         spec = self.outputs[i]
         items = math.prod(self.output_shapes[i]) * (size if self.batched else 1)
         need = items * DATATYPES[spec.datatype].itemsize
-        if shared.view.nbytes < need:
+        if shared.nbytes < need:
             raise InvalidInput(
                 f"{self._prefix()}: output '{spec.name}' needs {need} bytes, but its "
-                f"shared_memory_byte_size in region '{shared.region}' is {shared.view.nbytes}"
+                f"shared_memory_byte_size in region '{shared.region}' is {shared.nbytes}"
             )
 
     # --- descriptions ---------------------------------------------------------------------

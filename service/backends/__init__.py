@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.backends.aoti import AOTIPackage, is_package
-from service.backends.base import Dim, ModelFile, Signature, TensorSpec
+from service.backends.base import Dim, FileSignature, ModelFile, TensorSpec
 from service.backends.onnx import OnnxFile
 from service.backends.torch_export import ExportedProgramFile
 from service.backends.torchscript import ModuleModel, TorchScriptFile
@@ -52,9 +52,9 @@ __all__ = [
     "FORMATS",
     "SUFFIXES",
     "Dim",
+    "FileSignature",
     "ModelFile",
     "ModuleModel",
-    "Signature",
     "TensorSpec",
     "format_of",
     "load_model_file",

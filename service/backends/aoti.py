@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from service.backends.base import Dim, ModelFile, Signature, TensorSpec
+from service.backends.base import Dim, FileSignature, ModelFile, TensorSpec
 
 _MARK = "/data/aotinductor/"
 _CHECK = re.compile(r"static void check_input_(\d+)\(")
@@ -69,8 +69,8 @@ class AOTIPackage(ModelFile):
         self.device_key = str(meta.get("AOTI_DEVICE_KEY", "cpu"))
         self._inputs = _read_checks(source)
 
-    def signature(self) -> Signature:
-        return Signature(self._inputs, None)
+    def signature(self) -> FileSignature:
+        return FileSignature(self._inputs, None)
 
     def to(self, device: torch.device) -> Callable[..., Any]:
         if device.type != self.device_key:

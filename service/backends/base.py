@@ -83,7 +83,7 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class Signature:
+class FileSignature:
     """What a model file states about its inputs (and outputs): None where it says nothing.
 
     ``inputs`` are in the order the model takes them (positionally).
@@ -115,7 +115,7 @@ class ModelFile(ABC):
         self.path = path
 
     @abstractmethod
-    def signature(self) -> Signature:
+    def signature(self) -> FileSignature:
         """What the file states about its inputs and outputs."""
 
     @abstractmethod

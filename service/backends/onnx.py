@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from service.backends.base import Dim, ModelFile, Signature, TensorSpec
+from service.backends.base import Dim, FileSignature, ModelFile, TensorSpec
 
 # ONNX Runtime's element type names -> torch dtypes.
 _DTYPES = {
@@ -57,8 +57,8 @@ class OnnxFile(ModelFile):
         self._ort = ort
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
-    def signature(self) -> Signature:
-        return Signature(
+    def signature(self) -> FileSignature:
+        return FileSignature(
             tuple(_spec(a) for a in self.session.get_inputs()),
             tuple(_spec(a) for a in self.session.get_outputs()),
         )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.export.graph_signature import OutputKind
 
-from service.backends.base import ModelFile, Signature, TensorSpec, dims_of
+from service.backends.base import FileSignature, ModelFile, TensorSpec, dims_of
 
 
 class ExportedProgramFile(ModelFile):
@@ -26,7 +26,7 @@ class ExportedProgramFile(ModelFile):
 
         self.program: torch.export.ExportedProgram = torch.export.load(str(path))
 
-    def signature(self) -> Signature:
+    def signature(self) -> FileSignature:
         ep = self.program
         nodes = {n.name: n for n in ep.graph.nodes}
         ranges = ep.range_constraints
@@ -47,7 +47,7 @@ class ExportedProgramFile(ModelFile):
             dtype = val.dtype if isinstance(val, torch.Tensor) else None
             dims = dims_of(val.shape, ranges) if isinstance(val, torch.Tensor) else None
             outputs.append(TensorSpec(f"output {len(outputs)}", dtype, dims))
-        return Signature(tuple(inputs), tuple(outputs))
+        return FileSignature(tuple(inputs), tuple(outputs))
 
     def to(self, device: torch.device) -> Callable[..., Any]:
         from torch.export.passes import move_to_device_pass

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from service.backends.base import ModelFile, Signature
+from service.backends.base import FileSignature, ModelFile
 
 
 class ModuleModel(ModelFile):
@@ -30,8 +30,8 @@ class ModuleModel(ModelFile):
         super().__init__(path)
         self.module = module
 
-    def signature(self) -> Signature:
-        return Signature()
+    def signature(self) -> FileSignature:
+        return FileSignature()
 
     def to(self, device: torch.device) -> Callable[..., Any]:
         module: torch.nn.Module = self.module.to(device)

@@ -27,7 +27,7 @@ from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import model_config_pb2 as mc
 from service.protocol.request import (
     InputChecker,
-    SharedMemoryViews,
+    SharedMemoryRegions,
     check_input_head,
     check_request_fields,
     check_requested_output,
@@ -158,7 +158,7 @@ def from_contents(
 
 
 def decode_infer_request(
-    msg: pb.ModelInferRequest, model: InputChecker, shm: SharedMemoryViews | None = None
+    msg: pb.ModelInferRequest, model: InputChecker, shm: SharedMemoryRegions | None = None
 ) -> InferRequest:
     """A ``ModelInferRequest`` as the protocol's request, checked as REST checks its own.
 

@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import Message
 
 from service.auth import check_bearer
-from service.errors import Overloaded, ServiceError
+from service.errors import Overloaded, ServiceError, report, shown_message
 from service.grpc.codec import parse
 from service.observability import RequestIds, request_id_var
 
@@ -54,13 +54,6 @@ def grpc_code(error: ServiceError) -> grpc.StatusCode:
     if code is not None:
         return code
     return grpc.StatusCode.INVALID_ARGUMENT if error.status_code < 500 else grpc.StatusCode.INTERNAL
-
-
-def safe_details(message: str) -> str:
-    """``message`` with control characters escaped (status details are one header line)."""
-    if message.isprintable():
-        return message
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def _metadata(context: Context, key: str) -> str | None:
@@ -174,12 +167,10 @@ class Rpcs:
     def status(
         error: ServiceError, method: str
     ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-        """The status, details and trailing metadata that answer ``error`` (logged as REST
-        logs it: a warning for server-side trouble, info for a client's mistake or question)."""
-        trouble = error.status_code >= 500 and error.status_code != 501
-        level = logging.WARNING if trouble else logging.INFO
-        log.log(level, "gRPC %s -> %d: %s", method, error.status_code, error)
+        """The status, details and trailing metadata that answer ``error`` (shown and logged
+        by the rule every transport follows: ``service.errors``)."""
+        report(log, f"gRPC {method}", error)
         trailers: tuple[tuple[str, str], ...] = ()
         if isinstance(error, Overloaded):
             trailers = (("retry-after", str(error.retry_after)),)
-        return grpc_code(error), safe_details(error.message), trailers
+        return grpc_code(error), shown_message(error), trailers

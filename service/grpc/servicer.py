@@ -26,15 +26,16 @@ import grpc
 
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, decode_sized
-from service.errors import ModelNotFound, ServiceError
+from service.errors import ModelNotFound, NotFound, ServiceError
 from service.grpc import codec
 from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
-from service.grpc.rpc import Context, Rpcs, log, safe_details
+from service.grpc.rpc import Context, Rpcs, log
 from service.handle import ModelHandle
 from service.observability import request_id_var
 from service.protocol.types import InferRequest, InferResponse
+from service.text import safe_text
 
 SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -43,10 +44,6 @@ STREAM_WINDOW = 64
 (HTTP/2 flow control then holds the client back)."""
 
 _Serving = health_pb2.HealthCheckResponse.ServingStatus
-
-
-class _UnknownService(ServiceError):
-    status_code = 404
 
 
 def _stream_frame(infer_response: bytes) -> bytes:
@@ -127,7 +124,7 @@ class GrpcEndpoints:
         """``grpc.health.v1.Health/Check``: the server (``""``) or the inference service is
         SERVING when every model is ready (Kubernetes' gRPC probe asks this)."""
         if request.service not in ("", SERVICE):
-            raise _UnknownService(f"unknown service '{safe_details(request.service[:200])}'")
+            raise NotFound(f"unknown service '{safe_text(request.service, 200)}'")
         ready = self.control.ready()
         return health_pb2.HealthCheckResponse(
             status=_Serving.SERVING if ready else _Serving.NOT_SERVING

@@ -75,13 +75,18 @@ class RawInputSpec:
     shape: tuple[int, ...]
 
 
-class SharedMemoryViews(Protocol):
+class SharedMemoryRegions(Protocol):
     """What the decoder asks of the registered shared memory regions
     (``service.shared_memory.SystemSharedMemory``)."""
 
-    def view(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
-        """``byte_size`` bytes at ``offset`` of ``region``, bounds checked; InvalidInput
-        naming the region otherwise."""
+    def read(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
+        """A copy of ``byte_size`` bytes at ``offset`` of ``region``, bounds checked;
+        InvalidInput naming the region otherwise."""
+        ...
+
+    def output(self, region: object, offset: object, byte_size: object, what: str) -> SharedOutput:
+        """Where an output of ``byte_size`` bytes at ``offset`` of ``region`` goes, bounds
+        checked; InvalidInput naming the region otherwise."""
         ...
 
 
@@ -123,7 +128,7 @@ def decode_infer_request(
     body: bytes | bytearray | memoryview,
     header_length: int | None,
     model: InputChecker | None = None,
-    shm: SharedMemoryViews | None = None,
+    shm: SharedMemoryRegions | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
@@ -327,7 +332,7 @@ def check_input_head(
 
 
 def check_requested_output(
-    index: int, name: object, params: object, seen: set[str], shm: SharedMemoryViews | None
+    index: int, name: object, params: object, seen: set[str], shm: SharedMemoryRegions | None
 ) -> RequestOutput:
     """Check one requested output (every transport's decoder calls this, in request order).
 
@@ -348,12 +353,12 @@ def check_requested_output(
     if checked_params.get("classification"):
         raise InvalidInput(f"{what}: the classification extension is not supported")
     binary = _bool_param(checked_params, "binary_data", what)
-    view = _shared_view(checked_params, what, shm)
     shared = None
-    if view is not None:
+    if _shared_region(checked_params, what, shm) is not None:
+        assert shm is not None
         if binary:
             raise InvalidInput(f"{what}: can't set both 'shared_memory_region' and 'binary_data'")
-        shared = SharedOutput(str(checked_params["shared_memory_region"]), view)
+        shared = shm.output(*_shared_place(checked_params), what)
     return RequestOutput(checked, binary, checked_params, shared)
 
 
@@ -362,28 +367,29 @@ def shared_input(
     datatype: str,
     shape: tuple[int, ...],
     what: str,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> np.ndarray[Any, Any] | None:
-    """An input's data from the shared memory region its parameters name (a read-only view,
-    its size checked against the shape), or None when they name none (every transport's
-    decoder asks this before it looks for the data elsewhere).
+    """An input's data from the shared memory region its parameters name (a copy, its size
+    checked against the shape before it is read), or None when they name none (every
+    transport's decoder asks this before it looks for the data elsewhere).
 
     Raises:
         InvalidInput: an unknown region, a range outside it, client shared memory disabled,
-            or a size that does not fit the shape.
+            a size that does not fit the shape, or an object that shrank.
     """
-    view = _shared_view(params, what, shm)
-    if view is None:
+    region = _shared_region(params, what, shm)
+    if region is None:
         return None
-    if datatype != BYTES:
+    assert shm is not None
+    size = params.get("shared_memory_byte_size")
+    if datatype != BYTES and isinstance(size, int) and not isinstance(size, bool):
         expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
-        if expected != view.nbytes:
+        if expected != size:
             raise InvalidInput(
                 f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-                f"shared_memory_byte_size of region '{params['shared_memory_region']}' "
-                f"is {view.nbytes}"
+                f"shared_memory_byte_size of region '{region}' is {size}"
             )
-    return from_binary(view, datatype, shape, what)
+    return from_binary(shm.read(*_shared_place(params), what), datatype, shape, what)
 
 
 def _decode_header(
@@ -392,7 +398,7 @@ def _decode_header(
     *,
     binary: bool,
     model: InputChecker | None,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> InferRequest:
     rid, params, timeout = check_request_fields(header.get("id"), header.get("parameters"))
     binary_out = _bool_param(params, "binary_data_output", "request") or False
@@ -431,7 +437,7 @@ def _decode_input(
     *,
     binary: bool,
     model: InputChecker | None,
-    shm: SharedMemoryViews | None,
+    shm: SharedMemoryRegions | None,
 ) -> tuple[RequestInput, int]:
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
@@ -479,11 +485,12 @@ def _decode_input(
     return RequestInput(name, datatype, shape, data, params), size
 
 
-def _shared_view(
-    params: Mapping[str, Any], what: str, shm: SharedMemoryViews | None
-) -> memoryview | None:
-    """The shared memory a tensor names in its parameters, or None when it names none."""
-    region = params.get("shared_memory_region")
+def _shared_region(
+    params: Mapping[str, Any], what: str, shm: SharedMemoryRegions | None
+) -> object | None:
+    """The shared memory region a tensor names in its parameters, or None when it names
+    none."""
+    region: object = params.get("shared_memory_region")
     if region is None:
         for key in ("shared_memory_byte_size", "shared_memory_offset"):
             if key in params:
@@ -494,12 +501,19 @@ def _shared_view(
             f"{what}: names shared memory region {str(region)[:64]!r}, but client shared "
             "memory is disabled on this server (bitserve serve --allow-client-shm)"
         )
-    return shm.view(
-        region, params.get("shared_memory_offset"), params.get("shared_memory_byte_size"), what
+    return region
+
+
+def _shared_place(params: Mapping[str, Any]) -> tuple[object, object, object]:
+    """A tensor's region, offset and byte size, as its parameters give them."""
+    return (
+        params.get("shared_memory_region"),
+        params.get("shared_memory_offset"),
+        params.get("shared_memory_byte_size"),
     )
 
 
-def _decode_outputs(raw: object, shm: SharedMemoryViews | None) -> list[RequestOutput] | None:
+def _decode_outputs(raw: object, shm: SharedMemoryRegions | None) -> list[RequestOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):

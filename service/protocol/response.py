@@ -39,12 +39,6 @@ def dumps(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def error_body(message: str) -> bytes:
-    """The body of every non-200 answer, ``{"error": message}``, escaped to ASCII: any
-    message makes valid JSON bytes (a lone surrogate an attacker put in a name included)."""
-    return json.dumps({"error": message}).encode()
-
-
 def dumps_plain(obj: object) -> bytes:
     """:func:`dumps` for objects without floats (orjson, many times faster; it would write
     a NaN as ``null``): the headers of binary responses, error bodies, descriptions."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +103,15 @@ class SharedOutput:
 
     Attributes:
         region: the registered region's name (for messages).
-        view: its bytes for this output (``shared_memory_offset``, ``shared_memory_byte_size``),
-            writable, checked against the region's bounds.
+        nbytes: the bytes it may take (``shared_memory_byte_size``), checked against the
+            region's bounds.
+        write: writes the output's bytes there, once (at most ``nbytes``); raises
+            ``InvalidInput`` when the client's object shrank below them.
     """
 
     region: str
-    view: memoryview
+    nbytes: int
+    write: Callable[[memoryview], None]
 
 
 @dataclass(frozen=True)

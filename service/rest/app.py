@@ -29,14 +29,15 @@ from starlette.types import Receive, Scope, Send
 
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
-from service.errors import ServiceError
+from service.errors import InvalidInput, Relayed, ServiceError, report
 from service.metrics import Metrics
 from service.observability import printable_path
-from service.protocol.response import error_body
 from service.rest.auth import make_auth_check
-from service.rest.endpoints import Endpoints
+from service.rest.endpoints import Endpoints, json_response
+from service.rest.errors import error_response
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
+from service.rest.inference import RestInference
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
 from service.tracing import Tracing, settings_without_tracing
@@ -47,22 +48,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    resp = Response(error_body(message), status_code=status, media_type="application/json")
-    if headers:
-        resp.headers.update(headers)
-    return resp
-
-
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
-    level = logging.WARNING if exc.status_code >= 500 else logging.INFO
-    path = printable_path(request.scope["path"])
-    log.log(level, "%s %s -> %d: %s", request.method, path, exc.status_code, exc)
-    return _error(exc.status_code, exc.message, exc.headers)
+    report(log, f"{request.method} {printable_path(request.scope['path'])}", exc)
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's router's own answers (no such route, a method it does not take)."""
     assert isinstance(exc, StarletteHTTPException)
     path = printable_path(request.scope["path"])  # the path as sent can be 64 KiB of anything
     if exc.status_code == 404:
@@ -71,7 +64,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"method {request.method} is not allowed on {path}"
     else:
         message = str(exc.detail)
-    return _error(exc.status_code, message, dict(exc.headers or {}))
+    return error_response(Relayed(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -80,7 +73,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return _error(400, "invalid request: " + "; ".join(parts))
+    return error_response(InvalidInput("invalid request: " + "; ".join(parts)))
 
 
 class BitserveApp(FastAPI):
@@ -157,25 +150,17 @@ def create_app(
 
     app = BitserveApp(
         title="bitserve",
+        # No interactive docs (their page loads scripts from a CDN); the schema is served
+        # below, behind the token like every route but health.
         docs_url=None,
         redoc_url=None,
-        # The schema describes the routes (no secrets) and is served like the health
-        # endpoints, without a token: tools (schemathesis, client generators) read it first.
-        openapi_url="/openapi.json",
+        openapi_url=None,
         lifespan=lifespan,
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
     )
     shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
-    dataplane = DataPlane(
-        repo,
-        metrics,
-        max_body_bytes=settings.max_body_bytes,
-        max_json_bytes=settings.max_json_bytes,
-        response_compression=settings.response_compression,
-        shared_memory=shm,
-        tracing=tracing,
-    )
+    dataplane = DataPlane(repo, metrics, shared_memory=shm, tracing=tracing)
     control = ControlPlane(
         repo,
         shared_memory=shm,
@@ -184,8 +169,14 @@ def create_app(
         trace_settings=tracing.settings if tracing else settings_without_tracing(os.environ),
     )
     token = settings.token
-    infer = InferRoute(
+    rest = RestInference(
         dataplane,
+        max_body_bytes=settings.max_body_bytes,
+        max_json_bytes=settings.max_json_bytes,
+        response_compression=settings.response_compression,
+    )
+    infer = InferRoute(
+        rest,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         max_inflight_bytes=settings.max_inflight_bytes,
@@ -254,6 +245,11 @@ def create_app(
     add("/v2/logging", ep.logging_get, "GET", "log_settings_get")
     add("/v2/logging", ep.logging_post, "POST", "log_settings")
     add("/metrics", ep.metrics_text, "GET", "metrics")
+
+    async def openapi() -> Response:
+        return json_response(app.openapi())
+
+    routes.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
     app.include_router(open_routes)
     app.include_router(routes)
 

@@ -4,8 +4,9 @@ The inference route is the one hot path, so it runs without a framework: the pat
 as a string, the headers are read in one pass over the ASGI scope, the body is gathered
 straight from ``receive`` (the server's one buffer when it came in one piece, else one copy
 into a buffer of the declared size), and the answer goes out in two ``send`` calls. What the
-route decides about the request is all in :class:`service.dataplane.DataPlane`; this module
-is the HTTP envelope: auth, limits, shedding before the body is read, and error bodies.
+route decides about the request is all in :class:`service.dataplane.DataPlane` (framed by
+:class:`service.rest.inference.RestInference`); this module is the HTTP envelope: auth,
+limits, shedding before the body is read, and error bodies.
 
 Before a byte of the body is read, a request is refused when:
 
@@ -35,18 +36,21 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from service.auth import check_bearer
-from service.dataplane import DataPlane
 from service.errors import (
     InvalidInput,
     Overloaded,
     PayloadTooLarge,
     ServiceError,
+    log_level,
+    report,
+    shown_message,
 )
 from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
-from service.protocol.response import error_body
 from service.rest.bodies import Message, Receive, read_body
 from service.rest.disconnect import is_gone, on_disconnect
+from service.rest.errors import send_error
+from service.rest.inference import RestInference
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -90,28 +94,11 @@ def parse_content_length(value: bytes) -> int:
     return int(value)
 
 
-async def send_json_error(
-    send: Send, error: ServiceError, request_id: str, *, close: bool = False
-) -> None:
-    """Answer ``error`` as ``{"error": message}`` with its status and headers."""
-    body = error_body(error.message)
-    headers = [
-        (b"content-type", _JSON),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", request_id.encode()),
-    ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    if close and "Connection" not in error.headers:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 class InferRoute:
-    """The infer route's HTTP envelope around :meth:`DataPlane.infer_rest`.
+    """The infer route's HTTP envelope around :meth:`RestInference.infer`.
 
     Args:
-        dataplane: the server's data plane.
+        rest: REST's inference over the server's data plane.
         max_body_bytes: the most bytes a body may have (checked before reading).
         body_timeout_s: the most seconds a body may take to arrive (408 after).
         max_inflight_bytes: the most body bytes held at once by requests being received or
@@ -121,14 +108,14 @@ class InferRoute:
 
     def __init__(
         self,
-        dataplane: DataPlane,
+        rest: RestInference,
         *,
         max_body_bytes: int,
         body_timeout_s: float | None,
         max_inflight_bytes: int = 0,
         auth_token: str | None = None,
     ) -> None:
-        self.dataplane = dataplane
+        self.rest = rest
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
@@ -137,7 +124,7 @@ class InferRoute:
         """Body bytes reserved now by requests being received or computed."""
         self.lock = threading.Lock()
         """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
-        self._shed = Tally(log, logging.WARNING, "POST %s -> 503 (shed): %s")
+        self._shed = Tally(log, log_level(Overloaded("")), "POST %s -> 503 (shed): %s")
 
     async def __call__(
         self,
@@ -164,7 +151,7 @@ class InferRoute:
                     held=held,
                 )
 
-            tracing = self.dataplane.tracing
+            tracing = self.rest.dataplane.tracing
             trace = None
             if tracing is not None:  # tracing off: not a header is looked at for it
                 attributes = {
@@ -175,7 +162,7 @@ class InferRoute:
             if task is not None:  # only while the data plane has the request
                 on_disconnect(scope, task.cancel)
             try:
-                enc = await self.dataplane.infer_rest(
+                enc = await self.rest.infer(
                     route[0],
                     route[1],
                     body,
@@ -192,11 +179,10 @@ class InferRoute:
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
             path = printable_path(scope["path"])
             if isinstance(e, Overloaded):
-                self._shed(path, e)
+                self._shed(path, shown_message(e))  # by the thousand: counted, not each logged
             else:
-                level = logging.WARNING if e.status_code >= 500 else logging.INFO
-                log.log(level, "%s %s -> %d: %s", "POST", path, e.status_code, e)
-            await send_json_error(send, e, request_id)
+                report(log, f"POST {path}", e)
+            await send_error(send, e, request_id)
             return e.status_code
         except asyncio.CancelledError:
             if task is None or not is_gone(scope):
@@ -238,7 +224,7 @@ class InferRoute:
             raise PayloadTooLarge(
                 f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"
             )
-        if accept is not None and self.dataplane.response_compression != "never":
+        if accept is not None and self.rest.response_compression != "never":
             accept = choose_encoding(accept)
         else:
             accept = None

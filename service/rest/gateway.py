@@ -23,10 +23,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.errors import ModelNotReady, Overloaded, ServiceError
+from service.errors import HeaderLimit, ModelNotReady, Overloaded, ServiceError
 from service.observability import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
-from service.rest.fastpath import InferRoute, Scope, Send, match_infer, send_json_error
+from service.rest.errors import send_error
+from service.rest.fastpath import InferRoute, Scope, Send, match_infer
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
@@ -59,13 +60,7 @@ async def _last_answer(send: Send, error: ServiceError, request_id: str) -> None
     the handler had begun its own answer (uvicorn refuses a second start) or the client
     left."""
     with contextlib.suppress(RuntimeError, OSError):
-        await send_json_error(send, error, request_id, close=True)
-
-
-class HeaderLimit(ServiceError):
-    """Too many request headers, or too many bytes of them (431; the body is never read)."""
-
-    status_code = 431
+        await send_error(send, error, request_id, close=True)
 
 
 class Gateway:
@@ -166,7 +161,7 @@ class Gateway:
             if problem_error is not None:
                 # The body was not read: the connection cannot be reused safely.
                 status = problem_error.status_code
-                await send_json_error(send, problem_error, rid, close=True)
+                await send_error(send, problem_error, rid, close=True)
                 return
             route = match_infer(scope["method"], path)
             if route is not None:

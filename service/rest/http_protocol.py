@@ -43,27 +43,15 @@ from collections import OrderedDict, deque
 from typing import Any, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
 from service.observability import Tally
-from service.protocol.response import error_body
 from service.rest.disconnect import client_gone
+from service.rest.errors import error_bytes
 from service.text import safe_text
 
 log = logging.getLogger(__name__)
-
-
-def _error_bytes(status: int, message: str) -> bytes:
-    body = error_body(message)
-    return b"".join(
-        [
-            STATUS_LINE[status],
-            b"content-type: application/json\r\n",
-            b"content-length: " + str(len(body)).encode() + b"\r\n",
-            b"connection: close\r\n\r\n",
-            body,
-        ]
-    )
 
 
 class _HeldHead:
@@ -194,17 +182,17 @@ class BitserveHttpProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _close(self, status: int | None = None, message: str = "") -> None:
-        """Close the connection, after a JSON error when ``status`` is given."""
+    def _close(self, error: ServiceError | None = None) -> None:
+        """Close the connection, after answering ``error`` when one is given."""
         self._stop_waiting()
         if not self.transport.is_closing():
-            if status is not None:
-                self.transport.write(_error_bytes(status, message))
+            if error is not None:
+                self.transport.write(error_bytes(error))
             self.transport.close()
 
     def _close_waiting(self, message: str) -> None:
         """Close a connection waiting for a head: 408 if part of one came, else silently."""
-        self._close(408 if self._head_begun else None, message)
+        self._close(RequestTimeout(message) if self._head_begun else None)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -218,7 +206,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
 
     def _head_too_large(self) -> None:
         self._close(
-            431, f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)"
+            HeaderLimit(f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)")
         )
 
     # --- uvicorn's protocol ---------------------------------------------------------------
@@ -234,7 +222,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
                 oldest._close_waiting("closed to admit another connection: request head too slow")
             else:
                 self.transport.write(
-                    _error_bytes(503, f"too many connections (max_connections {cap})")
+                    error_bytes(Overloaded(f"too many connections (max_connections {cap})"))
                 )
                 self.transport.close()
                 return
@@ -270,7 +258,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
             reason = e.__context__ if isinstance(e.__context__, httptools.HttpParserError) else e
             text = safe_text(str(reason) or type(reason).__name__, 200)
             log.info("malformed HTTP request: %s", text)
-            self._close(400, f"malformed HTTP request: {text}")
+            self._close(InvalidInput(f"malformed HTTP request: {text}"))
             return
         if self._head_begun:
             # The parser keeps an unfinished header line to itself: its bytes are counted as
@@ -333,7 +321,7 @@ class BitserveHttpProtocol(HttpToolsProtocol):
             self._wait_for_head(clock=not self._message_done)
 
     def send_400_response(self, msg: str) -> None:
-        self._close(400, f"malformed HTTP request: {msg}")
+        self._close(InvalidInput(f"malformed HTTP request: {msg}"))
 
 
 def max_connections(wanted: int) -> int:

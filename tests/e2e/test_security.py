@@ -66,10 +66,17 @@ def test_bearer_token(server_factory: Callable[..., BitserveServer], pool: Pool)
         assert r.status_code == 401, (auth, r.status_code, r.text)
         assert r.headers.get("www-authenticate", "").lower().startswith("bearer"), auth
         assert r.json()["error"]
-    for path in ("/v2", "/v2/models/demo", "/v2/models/demo/config", "/v2/repository/index"):
+    paths = ["/v2", "/v2/models/demo", "/v2/models/demo/config", "/v2/repository/index"]
+    paths += ["/metrics", "/openapi.json", "/v2/logging", "/v2/systemsharedmemory/status"]
+    for path in paths:
         method = "POST" if path.endswith("index") else "GET"
         r = httpx.request(method, server.url + path, timeout=30)
         assert r.status_code == 401, (path, r.text)
+    for path in ("/docs", "/redoc"):  # no interactive docs at all
+        r = httpx.get(server.url + path, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 404, (path, r.text)
+    schema = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert "/v2/models/{model}/infer" in schema.json()["paths"]
     # Health stays open to probes that carry no token.
     for path in ("/v2/health/live", "/v2/health/ready"):
         assert httpx.get(server.url + path).status_code == 200, path

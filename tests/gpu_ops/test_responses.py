@@ -149,3 +149,19 @@ def test_on_the_fly_options_survive_save_and_load(tmp_path: object) -> None:
     back = load(path)
     f = torch.rand(3, 2, 301)
     torch.testing.assert_close(back(f), op(f))
+
+
+@pytest.mark.parametrize(
+    "name", ["gaussian", "boxcar", "triangle", "epanechnikov", "laplacian", "exponential"]
+)
+def test_rates_match_elephants_instantaneous_rate(name: str) -> None:
+    """Against Elephant itself (the bench extra): its rates at the 0.1 ms sampling period,
+    read at our 10 ms coarse points (the alpha kernel: see benchmarks/bench_elephant.py)."""
+    pytest.importorskip("elephant")
+    from benchmarks.bench_elephant import elephant_rate, operator, workloads
+
+    w = workloads(2, 0.4, seed=1)[0]
+    ref = elephant_rate(w, name, 0.01, 1e-4)[:, ::100]
+    with torch.inference_mode():
+        ours = operator(w, name, 0.01).forward_bits(w.packed)[0].double().numpy()
+    assert float(abs(ours - ref).max()) <= 1e-5 * float(abs(ref).max())

@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-import service.dataplane as dataplane
 import service.protocol.tensors as tensors
+import service.rest.inference as inference
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.rest.app import create_app
 from service.rest.bodies import Receive, read_body
@@ -78,15 +78,15 @@ def binary_body(
 
 
 def on_thread_recorder(monkeypatch: pytest.MonkeyPatch, attr: str) -> list[bool]:
-    """Wrap ``service.dataplane.<attr>`` to record whether each call ran off the main thread."""
+    """Wrap ``service.rest.inference.<attr>``: records whether each call ran off the main thread."""
     calls: list[bool] = []
-    real: Callable[..., Any] = getattr(dataplane, attr)
+    real: Callable[..., Any] = getattr(inference, attr)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.current_thread() is not threading.main_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dataplane, attr, wrapped)
+    monkeypatch.setattr(inference, attr, wrapped)
     return calls
 
 

@@ -199,14 +199,19 @@ def test_worth_compressing_decides_on_the_tensor_bytes() -> None:
 # ---- OpenAPI -------------------------------------------------------------------------------
 
 
-async def test_openapi_is_served_open_with_unique_operation_ids() -> None:
+async def test_openapi_is_guarded_with_unique_operation_ids() -> None:
     settings = Settings(access_log=False, auth_token="tok")  # type: ignore[arg-type]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # FastAPI warns on duplicate operation ids
         async with serve(settings, FakeRepository()) as client:
-            resp = await client.get("/openapi.json")
-            guarded = await client.get("/v2")
-    assert guarded.status_code == 401
+            refused = await client.get("/openapi.json")
+            docs = [await client.get(p) for p in ("/docs", "/redoc", "/docs/oauth2-redirect")]
+            resp = await client.get("/openapi.json", headers={"Authorization": "Bearer tok"})
+    assert (refused.status_code, refused.json()) == (
+        401,
+        {"error": "missing bearer token (send 'Authorization: Bearer <token>')"},
+    )
+    assert [r.status_code for r in docs] == [404, 404, 404]  # not served at all
     assert resp.status_code == 200
     schema = resp.json()
     ops = [
@@ -221,6 +226,7 @@ async def test_openapi_is_served_open_with_unique_operation_ids() -> None:
     assert ("/v2/models/{model}/versions/{version}/infer", "post") in routes
     assert {("/v2/repository/index", "get"), ("/v2/repository/index", "post")} <= routes
     assert ("/v2/health/live", "get") in routes
+    assert "/openapi.json" not in schema["paths"]
 
 
 async def test_auto_reuses_a_models_trial_verdict_for_a_while() -> None:

@@ -14,13 +14,14 @@ from safetensors.numpy import save_file
 
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
-from service.config import ConfigError, clean_reason, model_versions, parse_config
+from service.config import ConfigError, model_versions, parse_config
 from service.errors import InvalidInput
 from service.model_check import handed_dtypes
 from service.model_files import build_version, check_repository
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
 from service.signature import Signature
+from service.text import clean_reason
 from tests.model_formats import fingerprint_mlp, write_model
 from tests.repo_utils import model_toml, tensor
 
@@ -224,3 +225,16 @@ def test_onnx_on_cuda_binds_the_device_tensors(tmp_path: Path) -> None:
     assert out.device == x.device
     (ref,) = model.to(torch.device("cpu"))(x.cpu())
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_config_names_every_format_and_unpack_dtype() -> None:
+    """config.py keeps the names (it imports no torch); the registries are the truth."""
+    import typing
+
+    from gpu_ops.bits import UNPACK_DTYPES
+    from service.backends import FORMATS, SUFFIXES
+    from service.config import MODEL_SUFFIXES, UNPACK_DTYPE_NAMES, ModelFormat
+
+    assert set(typing.get_args(ModelFormat)) == set(FORMATS) - {"module"}
+    assert set(MODEL_SUFFIXES) == set(SUFFIXES)
+    assert {getattr(torch, n) for n in UNPACK_DTYPE_NAMES} == set(UNPACK_DTYPES)

@@ -1,6 +1,7 @@
 """System shared memory with real POSIX shared memory objects: registration, keys, bounds,
-limits, deferred unmapping, and fuzzing that nothing outside a registered region is ever read
-or written. ``FUZZ_EXAMPLES`` sets the number of cases per fuzz test (default 300)."""
+limits, objects that shrink (never a SIGBUS), outputs of unregistered regions, and fuzzing
+that nothing outside a registered region is ever read or written. ``FUZZ_EXAMPLES`` sets the
+number of cases per fuzz test (default 300)."""
 
 from __future__ import annotations
 
@@ -52,19 +53,22 @@ def test_register_view_status_unregister(posix: shared_memory.SharedMemory) -> N
         {"name": "whole", "key": key.lstrip("/"), "offset": 0, "byte_size": SIZE},
     ]
     assert shm.status("in") == [{"name": "in", "key": key, "offset": 5000, "byte_size": 64}]
-    view = shm.view("in", 16, 32, "input 'x'")
-    assert bytes(view) == pattern(5016, 32)  # the object's own bytes, no copy
-    view[:4] = b"\xff\xfe\xfd\xfc"  # writes reach the client's object
+    data = shm.read("in", 16, 32, "input 'x'")
+    assert bytes(data) == pattern(5016, 32)  # the object's own bytes, copied
+    posix.buf[5016] = 0xAA
+    assert bytes(data) == pattern(5016, 32)  # a copy: the client may change its object
+    out = shm.output("in", 16, 4, "output 'y'")
+    assert (out.region, out.nbytes) == ("in", 4)
+    out.write(memoryview(b"\xff\xfe\xfd\xfc"))  # writes reach the client's object
     assert bytes(posix.buf[5016:5020]) == b"\xff\xfe\xfd\xfc"
-    assert shm.view("in", None, 64, "input 'x'").nbytes == 64  # no offset: 0
-    del view
+    assert shm.read("in", None, 64, "input 'x'").nbytes == 64  # no offset: 0
     shm.unregister("in")
     shm.unregister("in")  # an unknown name is no error (as in Triton)
     assert [r["name"] for r in shm.status()] == ["whole"]
     with pytest.raises(NotFound, match="Unable to find system shared memory region: 'in'"):
         shm.status("in")
     with pytest.raises(InvalidInput, match="input 'x': shared memory region 'in' is not regis"):
-        shm.view("in", 0, 1, "input 'x'")
+        shm.read("in", 0, 1, "input 'x'")
     shm.unregister()
     assert shm.status() == []
     assert len(shm) == 0
@@ -155,36 +159,55 @@ def test_names_limits_and_duplicates(posix: shared_memory.SharedMemory) -> None:
     shm.close()
 
 
-def test_view_bounds(posix: shared_memory.SharedMemory) -> None:
+@pytest.mark.parametrize("use", ["read", "output"])
+def test_tensor_bounds(posix: shared_memory.SharedMemory, use: str) -> None:
     shm = SystemSharedMemory()
     shm.register("r", key_of(posix), 100, 50)
-    assert shm.view("r", 50, 0, "t").nbytes == 0  # an empty tensor at the very end
+    place = getattr(shm, use)
+    assert place("r", 50, 0, "t").nbytes == 0  # an empty tensor at the very end
     for offset, size in ((0, 51), (49, 2), (50, 1), (10**20, 1), (0, 10**20)):
         with pytest.raises(InvalidInput, match="shared memory region 'r'"):
-            shm.view("r", offset, size, "t")
+            place("r", offset, size, "t")
     for offset, size, text in ((-1, 1, "shared_memory_offset"), (0, None, "is required")):
         with pytest.raises(InvalidInput, match=text):
-            shm.view("r", offset, size, "t")
+            place("r", offset, size, "t")
 
 
-def test_a_shrunken_object_is_refused_not_read(posix: shared_memory.SharedMemory) -> None:
+def test_a_shrunken_object_is_a_refusal_not_a_sigbus(posix: shared_memory.SharedMemory) -> None:
     shm = SystemSharedMemory()
     shm.register("r", key_of(posix), 4096, 4096)
-    os.truncate(f"/dev/shm/{posix.name.lstrip('/')}", 4096)  # a page past the end: SIGBUS
+    out = shm.output("r", 0, 8, "output 'y'")
+    path = f"/dev/shm/{posix.name.lstrip('/')}"
+    os.truncate(path, 4100)  # through a mapping, a page past the end would be SIGBUS
+    assert bytes(shm.read("r", 0, 4, "input 'x'")) == pattern(4096, 4)  # what is left
+    with pytest.raises(InvalidInput, match="shrank since registration") as info:
+        shm.read("r", 0, 8, "input 'x'")
+    assert info.value.message.startswith("input 'x': shared memory region 'r': its object")
     with pytest.raises(InvalidInput, match="shrank since registration"):
-        shm.view("r", 0, 8, "input 'x'")
+        out.write(memoryview(b"\1" * 8))
+    assert os.stat(path).st_size == 4100  # a refused write never grows it back
+    os.truncate(path, SIZE)  # grown again: usable again
+    assert shm.read("r", 0, 8, "input 'x'").nbytes == 8
     shm.close()
 
 
-def test_unregister_while_in_use_defers_the_unmapping(posix: shared_memory.SharedMemory) -> None:
+def test_outputs_of_a_region_unregistered_in_flight_are_still_written(
+    posix: shared_memory.SharedMemory,
+) -> None:
     shm = SystemSharedMemory()
     shm.register("r", key_of(posix), 0, 64)
-    in_flight = np.frombuffer(shm.view("r", 0, 64, "t"), np.uint8)
-    shm.unregister("r")  # no BufferError, no crash
-    assert bytes(in_flight) == pattern(0, 64)  # still mapped for the request that holds it
+    fds = len(os.listdir("/proc/self/fd"))
+    out = shm.output("r", 8, 4, "output 'y'")  # decoded, then the region goes away
+    shm.unregister("r")
+    out.write(memoryview(b"\7\7\7\7"))  # its own descriptor, closed once written
+    assert bytes(posix.buf[8:12]) == b"\7\7\7\7"
+    assert len(os.listdir("/proc/self/fd")) == fds - 1  # the region's own was closed too
     with pytest.raises(InvalidInput, match="not registered"):
-        shm.view("r", 0, 8, "t")
+        shm.read("r", 0, 8, "t")
     shm.register("r", key_of(posix), 0, 64)  # the name is free again
+    unwritten = shm.output("r", 0, 4, "output 'y'")  # a request that failed: dropped
+    del unwritten
+    assert len(os.listdir("/proc/self/fd")) == fds
     shm.close()
 
 
@@ -244,21 +267,23 @@ def test_fuzz_nothing_outside_a_region_is_read_or_written(
         assert offset < 0 or size < 1 or offset + size > SIZE
         return
     r_offset, r_size = region
-    got = attempt(shm.view, "r", *tensor, "input 'x'")
+    got = attempt(shm.read, "r", *tensor, "input 'x'")
+    out = attempt(shm.output, "r", *tensor, "output 'y'")
     if isinstance(got, InvalidInput):
         assert "shared memory region 'r'" in got.message
+        assert isinstance(out, InvalidInput)
+        assert out.message.replace("output 'y'", "input 'x'") == got.message
         shm.close()
         return
     assert isinstance(got, memoryview)
-    view = got
     t_offset = tensor[0] or 0
     start = r_offset + t_offset
     assert t_offset >= 0
-    assert t_offset + view.nbytes <= r_size
-    assert bytes(view) == base[start : start + view.nbytes]  # reads what lies there
-    view[:] = b"\xff" * view.nbytes  # writes all it may...
+    assert t_offset + got.nbytes <= r_size
+    assert bytes(got) == base[start : start + got.nbytes]  # reads what lies there
+    assert out.nbytes == got.nbytes
+    out.write(memoryview(b"\xff" * out.nbytes))  # writes all it may...
     after = bytes(posix.buf[:SIZE])
-    del view
     # ... and nothing else changed, in or outside the region.
     assert after[:start] == base[:start]
     assert after[start + (tensor[1] or 0) :] == base[start + (tensor[1] or 0) :]
@@ -283,5 +308,5 @@ def test_fuzz_keys_only_ever_name_an_object_in_the_directory(tmp_path: Path, key
         return
     assert key.lstrip("/") == "obj"  # nothing else, in or out of the folder, opens
     assert len(key) - len(key.lstrip("/")) <= 1
-    assert bytes(shm.view("r", 0, 8, "t")) == b"\1" * 8
+    assert bytes(shm.read("r", 0, 8, "t")) == b"\1" * 8
     shm.close()
