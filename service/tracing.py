@@ -173,14 +173,8 @@ class BatchTracer:
         except Exception:  # tracing must never cost a request its answer
             log.exception("recording a batch's spans failed")
 
-    def _record(
-        self,
-        traces: list[RequestTrace],
-        start_ns: int,
-        end_ns: int,
-        info: Any,
-        error: BaseException | None,
-    ) -> None:
+    def _record(self, traces: list[RequestTrace], start_ns: int, end_ns: int, info: Any,
+                error: BaseException | None) -> None:  # fmt: skip
         from opentelemetry.context import Context
         from opentelemetry.trace import Link, Status, StatusCode, set_span_in_context
 

@@ -15,14 +15,12 @@ from service.batcher import Batcher
 from service.errors import Overloaded
 from service.metrics import Metrics
 from tests.service.test_batcher import Recorder, flat, run, wait_entered
+from tests.service.test_batcher import make as make_batcher
 
 
 def make(rec: Recorder, **kw: Any) -> Batcher[Any, Any]:
-    opts: dict[str, Any] = {"max_batch_size": 2, "max_queue_delay_us": 0, "max_queue_size": 64}
-    opts.update(kw)
-    b: Batcher[Any, Any] = Batcher("m", rec, **opts)
-    b.start()
-    return b
+    """test_batcher's batcher, two items a batch and room for 64 unless ``kw`` says."""
+    return make_batcher(rec, **{"max_batch_size": 2, "max_queue_size": 64, **kw})
 
 
 async def queued_behind_a_running_batch(
