@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: system-deps venv serve test test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
+.PHONY: system-deps standin-images venv serve test test-uvicorn-floor test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[server,triton,data,onnx,tracing,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,tracing,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,15 +26,37 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/bitserve serve --host $(HOST) --port $(PORT)
 
-# System packages the end-to-end tests use: nginx (the load balancer in front of replicas) and
-# prometheus (promtool and a real scrape of the replicas for the dashboard queries).
+# System packages the end-to-end tests use: nginx (the load balancer in front of replicas),
+# prometheus (promtool and a real scrape of the replicas for the dashboard queries), and a
+# Docker engine with debootstrap (the container tests build the Dockerfile on a stand-in base
+# image made from Debian packages; they start dockerd themselves when none is running).
 system-deps:
-	@{ command -v nginx || [ -x /usr/sbin/nginx ]; } >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || \
+	@{ command -v nginx || [ -x /usr/sbin/nginx ]; } >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && \
+		{ command -v dockerd || [ -x /usr/sbin/dockerd ]; } >/dev/null 2>&1 && \
+		{ command -v debootstrap || [ -x /usr/sbin/debootstrap ]; } >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			--no-install-recommends nginx prometheus >/dev/null; }
+			--no-install-recommends nginx prometheus docker.io debootstrap >/dev/null; }
+
+# The container tests' stand-in base images (tests/deploy/_standin.py): built once per machine
+# and set of pins; the tests build them too when missing. CI starts this early, in the
+# background, so that the build overlaps the other tests.
+standin-images: $(STAMP) system-deps
+	$(BIN)/python -m tests.deploy._standin
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
+
+# The HTTP protocol at the oldest uvicorn of the range pyproject.toml pins (the venv holds the
+# newest): installed beside the venv, first on the path, for the HTTP tests and a real server.
+UVICORN_FLOOR ?= 0.29.0
+test-uvicorn-floor: $(STAMP)
+	rm -rf .uvicorn-floor
+	$(BIN)/pip install -q --no-deps --target .uvicorn-floor "uvicorn==$(UVICORN_FLOOR)"
+	PYTHONPATH=$(CURDIR)/.uvicorn-floor $(BIN)/python -c \
+		"import uvicorn; assert uvicorn.__version__ == '$(UVICORN_FLOOR)', uvicorn.__version__"
+	PYTHONPATH=$(CURDIR)/.uvicorn-floor $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/service/test_http_protocol.py tests/service/test_http_limits.py \
+		tests/service/test_app_http.py tests/e2e/test_server.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
@@ -72,4 +94,4 @@ client-isolated:
 	.venv-client/bin/python -m pytest -q -p no:cacheprovider tests/clients -m "not e2e"
 
 clean:
-	rm -rf $(VENV) .venv-client .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-client .uvicorn-floor .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -2,7 +2,7 @@
 
 The same 3-layer float32 MLP (2048 -> 256 -> 64 -> 1) over 2048-bit fingerprints (packed
 big-endian, 256 bytes per row) is written as a ``torch.export`` program, an AOTInductor
-package and an ONNX model (``tests.model_formats``), and served side by side by one
+package and an ONNX model (``harness.model_formats``), and served side by side by one
 ``bitserve serve`` process (``--workers 1``, CPU, dynamic batching up to 512 rows). A
 closed-loop load generator in this process keeps 8 requests of 64 rows in flight per
 format, rounds interleaved so a busy machine's drift hits all three alike; every answer is
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +27,9 @@ import numpy as np
 import torch
 
 from benchmarks._common import markdown_table, median_time, parse_args, report
-from tests.e2e.conftest import start_server
-from tests.model_formats import FORMAT_FILES, fingerprint_mlp, reference, write_model
-from tests.repo_utils import model_toml, tensor
+from harness.model_formats import FORMAT_FILES, fingerprint_mlp, reference, write_model
+from harness.repo_utils import model_toml, tensor
+from harness.server import start_server
 
 FORMATS = ("torch_export", "aoti", "onnx")
 LABELS = {"torch_export": "torch.export", "aoti": "AOTInductor", "onnx": "ONNX Runtime (CPU)"}
@@ -126,6 +127,7 @@ def main() -> None:
         bits = rng.random((ROWS, 2048)) < 0.1
         pool.append((body(np.packbits(bits, axis=-1)), reference(module, bits)))
     rows_s: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-formats-") as tmp:
         root = Path(tmp) / "repo"
         t0 = time.perf_counter()
@@ -139,6 +141,7 @@ def main() -> None:
                     url = f"{server.url}/v2/models/{fmt}/infer"
                     rows_s[fmt].append(asyncio.run(drive(url, pool, seconds)))
                     print(f"round {r}: {fmt}: {rows_s[fmt][-1]:,.0f} rows/s", flush=True)
+    load_after = os.getloadavg()[0]
     best = {fmt: float(np.median(v)) for fmt, v in rows_s.items()}
     base = best["torch_export"]
     table = markdown_table(
@@ -158,6 +161,9 @@ times one call of each format's runner in process (no server), median of repeate
 {table}
 
 AOTInductor against torch.export, model alone at {MAX_BATCH} rows: {speedup:.2f}x.
+
+The host's 1-minute load average was {load_before:.1f} before and {load_after:.1f} after the
+run (2 cores: above 2, other processes shared them and every number here is contended).
 """
     report("formats", "Model formats: torch.export, AOTInductor, ONNX Runtime", body_text,
            smoke=args.smoke, devices=["cpu"])  # fmt: skip

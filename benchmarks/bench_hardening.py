@@ -4,9 +4,9 @@ One server serves the demo model twice from a repository: ``demo`` exactly as bu
 queue timeout) and ``demo_qt``, the same with ``queue_timeout_us`` of 400 ms. Its
 settings are the defaults (``max_connections`` 1000, ``head_timeout_s`` 10,
 ``max_inflight_bytes`` 256 MiB). The clients run in this process on raw asyncio sockets
-(``benchmarks.e2e.hostile``), the tricklers in a process of their own:
+(``harness.hostile``), the tricklers in a process of their own:
 
-1. fuzz: malformed V2 bodies (hypothesis, ``benchmarks.e2e.fuzzcases.bad_requests``), raw
+1. fuzz: malformed V2 bodies (hypothesis, ``harness.fuzzcases.bad_requests``), raw
    HTTP requests (hand-made and hypothesis-generated): no 5xx, no plain-text error, the
    server alive, no traceback in its log;
 2. 10,000 connections trickling their heads (reconnecting when cut) while a side client
@@ -43,9 +43,9 @@ import httpx
 import numpy as np
 
 from benchmarks._common import markdown_table, parse_args, report
-from benchmarks.e2e.fuzzcases import INFER, RAW_CASES, bad_requests, examples, judge_raw
-from benchmarks.e2e.fuzzcases import raw_requests as raw_strategy
-from benchmarks.e2e.hostile import (
+from harness.fuzzcases import INFER, RAW_CASES, bad_requests, examples, judge_raw
+from harness.fuzzcases import raw_requests as raw_strategy
+from harness.hostile import (
     DemoRequests,
     Peak,
     closed_loop,
@@ -57,9 +57,9 @@ from benchmarks.e2e.hostile import (
     side_client,
     upload_crowd,
 )
-from benchmarks.e2e.probes import metric, request_bytes, write_repository
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.probes import metric, request_bytes, write_repository
+from harness.server import BitserveServer, start_server
+from harness.workload import Pool
 
 MiB = 1 << 20
 QUEUE_TIMEOUT_US = 400_000
@@ -158,7 +158,7 @@ def trickle_row(server: BitserveServer, sizes: Sizes, demo: DemoRequests) -> lis
         )
 
     base_keep, base_new = asyncio.run(both(sizes.side_baseline_s))
-    cmd = [sys.executable, "-m", "benchmarks.e2e.hostile", "trickle", "--port", str(server.port)]
+    cmd = [sys.executable, "-m", "harness.hostile", "trickle", "--port", str(server.port)]
     cmd += ["--connections", str(sizes.tricklers), "--seconds", str(sizes.trickle_s)]
     ramp_s = 2.0
     with Peak(open_files_of(server.process.pid), every_s=0.5) as files:

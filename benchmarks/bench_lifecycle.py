@@ -5,13 +5,13 @@ client has gone, and priority levels (issue 22's targets).
    the whole cost) under perf_analyzer at concurrency 16, interleaved rounds, medians:
    bitserve with tracing off, with tracing on at 1% (``OTEL_TRACES_SAMPLER=
    parentbased_traceidratio``, ``_ARG=0.01``) and at 100%, exporting OTLP/HTTP to a real
-   receiver on loopback (``tests/otlp_receiver.py``); with ``--before DIR`` also bitserve as
+   receiver on loopback (``harness/otlp_receiver.py``); with ``--before DIR`` also bitserve as
    it was before (a checkout in DIR: ``git worktree add DIR main``).
 2. **Traces arrive whole.** Every request the 1% and 100% servers traced must have reached the
    receiver with its four children and its batch's span (one in every 100 requests at 1%:
    the trace settings' counter); then 100 REST and 100 gRPC requests carrying a sampled W3C
    ``traceparent`` must each arrive whole with their caller's trace id.
-3. **Cancellation.** A model whose batches take >= 50 ms (``tests/e2e/slow_model.Paced``,
+3. **Cancellation.** A model whose batches take >= 50 ms (``harness/paced.py``,
    8 items a batch) is kept busy by 24 clients; 200 more send a request each and close their
    connection 20 ms later, while it is queued. How many of those were never computed is read
    from the model's statistics (its inference count less the answered requests; its success
@@ -46,11 +46,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._common import markdown_table, parse_args, report
 from benchmarks.bench_overhead import before_server, check_answer
-from benchmarks.e2e.servers import free_port
 from benchmarks.overhead import perf, tiny
 from benchmarks.overhead.perf import Load, Running
-from tests.e2e.slow_model import write_paced_model
-from tests.otlp_receiver import OtlpReceiver, Span
+from harness.otlp_receiver import OtlpReceiver, Span
+from harness.paced import write_paced_model
+from harness.server import free_port, perf_analyzer
 
 CONCURRENCY = 16
 STAYING = 24
@@ -144,7 +144,7 @@ def callers_arrive(server: Running, grpc_port: int, receiver: OtlpReceiver, n: i
 
 
 def tracing_cost(args: argparse.Namespace, before: Path | None) -> tuple[str, list[list[object]]]:
-    command = perf.perf_analyzer()
+    command = perf_analyzer()
     if command is None and not args.smoke:
         raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
     rounds = 1 if args.smoke else 3

@@ -3,7 +3,7 @@
 One ``bitserve serve`` process serves the demo workload twice: ``demo`` (max_batch_size 16,
 max_queue_delay_us 1000: dynamic batching on) and ``demo_nobatch`` (max_batch_size 1, no
 delay: every request is its own batch; the same wire shape, so the bytes sent are identical).
-A closed-loop load generator (``benchmarks.e2e.loadgen``, in this process, the server in its
+A closed-loop load generator (``harness.loadgen``, in this process, the server in its
 own) drives each model at concurrency 1, 8 and 32 with bit-packed binary requests and checks
 every answer against the float64 reference. The mean batch size comes from the server's
 ``/metrics`` (``bitserve_batch_size`` and ``bitserve_batch_requests`` histograms).
@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 
 from benchmarks._common import markdown_table, parse_args, report
-from benchmarks.e2e.loadgen import run_level
-from benchmarks.e2e.probes import metric, write_repository
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import start_server
+from harness.loadgen import run_level
+from harness.probes import metric, write_repository
+from harness.server import start_server
+from harness.workload import Pool
 
 CONCURRENCY = (1, 8, 32)
 MODELS = (("on (max 16)", "demo"), ("off", "demo_nobatch"))

@@ -27,7 +27,9 @@ fi
 } 2>&1 | tee "$OUT/device.txt"
 
 # 1. CUDA tests of gpu_ops: the Triton kernels against the references, opcheck of every
-#    torch.ops.bitserve op on CUDA tensors, compile/export, the CUDA staging pool.
+#    torch.ops.bitserve op on CUDA tensors, compile/export, the CUDA staging pool; forward_bits'
+#    three paths (band, event scatter, prefix sums) on CUDA against the float64 reference
+#    (tests/gpu_ops/test_forward_bits.py, the "cuda" cases).
 timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
   -W error -m "not e2e" tests/gpu_ops 2>&1 | tee "$OUT/tests.txt"
 # The server's CUDA tests (the pipeline's CUDA timing, the NVML gauges) where its packages are.
@@ -36,10 +38,24 @@ if "$PY" -c "import fastapi, prometheus_client, pynvml, safetensors" 2>/dev/null
     -W error -m "needs_cuda" tests/service 2>&1 | tee "$OUT/tests_service.txt"
 fi
 
-# 2. GPU benchmarks (each writes benchmarks/results/<name>.md; copied to $OUT).
+# 2. GPU benchmarks (each writes benchmarks/results/<name>.md; copied to $OUT). bench_resample
+#    ends with the demo workload from packed bits: unpackbits + band against forward_bits.
 for b in bench_bits bench_resample bench_loader; do
   [ -f "benchmarks/$b.py" ] || continue
   timeout 120 "$PY" -m benchmarks.$b --device cuda 2>&1 | tee "$OUT/$b.txt"
   name="${b#bench_}"
   [ -f "benchmarks/results/$name.md" ] && cp "benchmarks/results/$name.md" "$OUT/${name}_gpu.md"
 done
+
+# 3. Workers per GPU for `--workers auto` (README "Workers"): the fingerprint MLP through
+#    infer_many with 1, 2 and 4 workers per GPU, where the server's packages are.
+if "$PY" -c "import fastapi, uvicorn, httptools, prometheus_client, safetensors, bitserve_client" 2>/dev/null; then
+  timeout 420 "$PY" -m benchmarks.bench_mlp --workers-per-gpu 1,2,4 2>&1 | tail -20 | tee "$OUT/mlp_gpu.txt"
+  [ -f benchmarks/results/mlp_gpu.md ] && cp benchmarks/results/mlp_gpu.md "$OUT/mlp_gpu.md"
+fi
+
+# 4. The Ray scorer's per-row cost on the GPU (no Ray needed: the model and pipeline alone),
+#    for the scale-out model in benchmarks/results/ray.md.
+if "$PY" -c "import pydantic_settings, safetensors" 2>/dev/null; then
+  timeout 180 "$PY" -m benchmarks.bench_ray --scorer-only --device cuda 2>&1 | tee "$OUT/ray_scorer_gpu.txt"
+fi

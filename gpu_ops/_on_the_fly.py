@@ -158,13 +158,6 @@ class OnTheFlyResampler(_resampler_base.Resampler):
     def _needs_grad(self) -> bool:
         return torch.is_grad_enabled() and (self.c.requires_grad or self.param.requires_grad)
 
-    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
-        """The path :meth:`forward_bits` takes for ``packed``."""
-        packed3, _ = _bits_resample.check_packed(
-            packed, self.c.shape[0], self.num_fine, self.x.device, bitorder, "auto"
-        )
-        return self._plan(packed3)
-
     def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
         M = packed3.shape[0]
         if self._needs_grad():  # gradients to c and the parameter: the band path
@@ -176,54 +169,15 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         pieces = _bits_resample.pieces_of(self.shape)
         return _bits_resample.plan(packed3, B, A, min(width, B), on_the_fly=True, pieces=pieces)
 
-    def forward_bits(
-        self,
-        packed: torch.Tensor,
-        bitorder: str = "big",
-        *,
-        path: str = "auto",
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """The module on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
-
-        Args:
-            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
-            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
-            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
-                model, from the set bits counted in ``packed``), ``"band"``, ``"event"`` or
-                ``"prefix"`` (boxcar, triangle and epanechnikov only).
-            dtype: the output dtype (default: the parameter's, float32 or float64).
-
-        Returns:
-            ``[..., N, A]``. When c or the parameter require gradients (and grad mode is
-            on), the band path is taken and gradients reach them as in :meth:`forward`; the
-            event and prefix paths have no backward (run them under ``torch.no_grad()`` or
-            ``torch.inference_mode()``, or with frozen parameters).
-
-        Raises:
-            ValueError: a shape, device, bit order or path that does not fit.
-        """
-        N = self.c.shape[0]
-        B = self.num_fine
-        packed3, lead = _bits_resample.check_packed(packed, N, B, self.x.device, bitorder, path)
-        out_dtype = dtype or self.param.dtype
-        if path != "auto" and path != "band" and self._needs_grad():
+    def _check_bits_path(self, path: str) -> torch.dtype:
+        if path not in ("auto", "band") and self._needs_grad():
             raise ValueError(
                 f"path={path!r} has no backward: c or the parameter require gradients "
                 "(use path='band', torch.no_grad() or frozen parameters)"
             )
         if path == "prefix" and _bits_resample.pieces_of(self.shape) is None:
             raise ValueError(f"{self.spec.name!r} is not piecewise polynomial: no prefix path")
-        M = packed3.shape[0]
-        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
-
-        def run(name: str, items: torch.Tensor) -> torch.Tensor:
-            if name == "band":
-                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
-            return self._sparse(name, items, bitorder == "big")
-
-        out = _bits_resample.run(plan, packed3, run)
-        return _bits_resample.shape_out(out.to(out_dtype), lead)
+        return self.param.dtype
 
     def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
         """The event or prefix path on ``items (M, N, nbytes)``: (M, N, A)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_ops import _reference
+from gpu_ops import _bits_resample, _reference
 
 FORMAT = "bitserve.BandedResampler"
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -51,6 +51,69 @@ class Resampler(nn.Module):
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""
         raise NotImplementedError
+
+    def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
+        """Each item's path for ``packed3 (M, N, nbytes)`` (see :mod:`gpu_ops._bits_resample`)."""
+        raise NotImplementedError
+
+    def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
+        """The ``event`` or ``prefix`` path on ``items (M, N, nbytes)``: (M, N, A)."""
+        raise NotImplementedError
+
+    def _check_bits_path(self, path: str) -> torch.dtype:
+        """Refuse a forced path the module cannot take; the default output dtype."""
+        raise NotImplementedError
+
+    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
+        """The path :meth:`forward_bits` would take for each item of ``packed``."""
+        N, device = self._input_layout()
+        packed3, _ = _bits_resample.check_packed(packed, N, self.num_fine, device, bitorder, "auto")
+        return self._plan(packed3)
+
+    def forward_bits(
+        self,
+        packed: torch.Tensor,
+        bitorder: str = "big",
+        *,
+        path: str = "auto",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The module on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
+
+        Args:
+            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
+            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
+            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
+                model, from the set bits counted in ``packed``), ``"band"``, ``"event"``,
+                or on the fly for boxcar, triangle and epanechnikov ``"prefix"``.
+            dtype: the output dtype (default: the weights' for a stored band, the
+                parameter's on the fly).
+
+        Returns:
+            ``[..., N, A]``. When the module's own tensors require gradients (stored weights;
+            c or the width on the fly) and grad mode is on, ``"auto"`` takes the band path
+            and gradients reach them as in :meth:`forward`; the event and prefix paths have
+            no backward (run them under ``torch.no_grad()`` or ``torch.inference_mode()``).
+
+        Raises:
+            ValueError: a shape, device, bit order or path that does not fit (``"prefix"`` on
+                a stored band or a response that is not piecewise polynomial; ``"event"`` or
+                ``"prefix"`` with gradients wanted).
+        """
+        N, device = self._input_layout()
+        B = self.num_fine
+        packed3, lead = _bits_resample.check_packed(packed, N, B, device, bitorder, path)
+        out_dtype = dtype or self._check_bits_path(path)
+        M = packed3.shape[0]
+        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+
+        def run(name: str, items: torch.Tensor) -> torch.Tensor:
+            if name == "band":
+                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+            return self._sparse(name, items, bitorder == "big")
+
+        out = _bits_resample.run(plan, packed3, run)
+        return _bits_resample.shape_out(out.to(out_dtype), lead)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         """Resample f.

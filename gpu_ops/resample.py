@@ -14,6 +14,9 @@ Two modules compute it:
 - :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
   weights inside the kernels; gradients also flow to c and the parameter.
 
+Both also take bit-packed inputs, ``forward_bits(packed)`` (:mod:`gpu_ops._bits_resample`):
+the band, an event scatter or prefix sums, whichever costs least for each input's density.
+
 Both call torch operators (``torch.ops.bitserve.*``, :mod:`gpu_ops._resample_ops`): Triton
 kernels on CUDA, compiled C on the CPU, chunked torch elsewhere, each compared in the tests
 with the plain references of :mod:`gpu_ops._reference`. Being torch operators, they run
@@ -313,14 +316,6 @@ class BandedResampler(_resampler_base.Resampler):
             out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
         return out
 
-    def plan_bits(self, packed: torch.Tensor, bitorder: str = "big") -> _bits_resample.Plan:
-        """The path :meth:`forward_bits` takes for ``packed`` (``band`` or ``event``)."""
-        N, _ = self.starts.shape
-        packed3, _ = _bits_resample.check_packed(
-            packed, N, self.num_fine, self.starts.device, bitorder, "auto"
-        )
-        return self._plan(packed3)
-
     def _plan(self, packed3: torch.Tensor) -> _bits_resample.Plan:
         _, A, W = self.weights.shape
         if torch.is_grad_enabled() and self.weights.requires_grad:  # gradients to the weights
@@ -329,54 +324,18 @@ class BandedResampler(_resampler_base.Resampler):
         B = self.num_fine
         return _bits_resample.plan(packed3, B, A, W, on_the_fly=False, pieces=None)
 
-    def forward_bits(
-        self,
-        packed: torch.Tensor,
-        bitorder: str = "big",
-        *,
-        path: str = "auto",
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """The operator on bit-packed inputs: ``self(unpackbits(packed, dim=-1, count=B))``.
-
-        Args:
-            packed: ``[..., N, ceil(B / 8)]`` uint8, packed along the last axis.
-            bitorder: ``"big"`` (NumPy's default) or ``"little"``.
-            path: ``"auto"`` (per input item, by :mod:`gpu_ops._bits_resample`'s cost
-                model, from the set bits counted in ``packed``), ``"band"`` or ``"event"``.
-            dtype: the output dtype (default: the weights').
-
-        Returns:
-            ``[..., N, A]``. Gradients reach the weights when they require them (the band
-            path is then taken).
-
-        Raises:
-            ValueError: a shape, device, bit order or path that does not fit (``"prefix"``:
-                a stored band has none; see :class:`OnTheFlyResampler`).
-        """
-        N, _ = self.starts.shape
-        B = self.num_fine
-        packed3, lead = _bits_resample.check_packed(
-            packed, N, B, self.starts.device, bitorder, path
-        )
-        out_dtype = dtype or self.weights.dtype
+    def _check_bits_path(self, path: str) -> torch.dtype:
         if path == "prefix":
             raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
-        M = packed3.shape[0]
-        plan = self._plan(packed3) if path == "auto" else _bits_resample.Plan((path,) * M, ())
+        return self.weights.dtype
 
-        def run(name: str, items: torch.Tensor) -> torch.Tensor:
-            if name == "band":
-                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
-            out: torch.Tensor = _events_ops.events_band_forward(
-                items, self.starts, self.weights, B, bitorder == "big"
-            )
-            if self.inverse_order is not None:
-                out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
-            return out
-
-        out = _bits_resample.run(plan, packed3, run)
-        return _bits_resample.shape_out(out.to(out_dtype), lead)
+    def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
+        out: torch.Tensor = _events_ops.events_band_forward(
+            items, self.starts, self.weights, self.num_fine, big
+        )
+        if self.inverse_order is not None:
+            out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+        return out
 
     def band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts (N, A) int32, weights (N, A, W))`` in the caller's row order."""

@@ -10,11 +10,14 @@ with the bound on all levels together (``max_queue_size``).
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+from service.errors import ServiceError
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -159,3 +162,27 @@ class LevelQueue(Generic[P, R]):
         self._count += sign
         self.items += sign * pending.size
         self._level_items[pending.level] += sign * pending.size
+
+
+def timed(
+    fn: Callable[[list[P]], Sequence[R]], payloads: list[P]
+) -> tuple[Sequence[R], float, float]:
+    """``fn(payloads)``, its wall time and the CPU time of the thread that ran it."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = fn(payloads)
+    return out, time.perf_counter() - t0, time.thread_time() - c0
+
+
+def request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:
+    """A fresh error for one request of a failed batch.
+
+    A ServiceError raised on purpose is copied (its message is meant for the client); any
+    other exception becomes a 500 naming only its class: exception text can carry TorchScript
+    tracebacks and code locations, which stay in the log, found by the request id.
+    """
+    if isinstance(exc, ServiceError):
+        return copy.copy(exc).with_traceback(None)
+    return ServiceError(
+        f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
+        "details in the server log"
+    )

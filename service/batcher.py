@@ -29,7 +29,6 @@ the next one.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import time
@@ -37,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from service.batch_queue import BatchInfo, LevelQueue, Pending
+from service.batch_queue import BatchInfo, LevelQueue, Pending, request_error, timed
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
@@ -287,7 +286,8 @@ class Batcher(Generic[P, R]):
         for p in self._queue.drain():
             self._cancel_timer(p)
             p.fail(ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
-        self._depth_changed()
+        if self._depth_gauge is not None:
+            self._report_depth()  # now: the repository may forget the series next
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
@@ -327,9 +327,14 @@ class Batcher(Generic[P, R]):
             pending.timer = None
 
     def _depth_changed(self) -> None:
+        if self._depth_gauge is not None and self._metrics is not None:
+            self._metrics.defer(self._report_depth)  # written once per turn of the loop
+
+    def _report_depth(self) -> None:
+        assert self._depth_gauge is not None
         # Deltas, not the value: other versions of the model share the metric's label.
         depth = len(self._queue)
-        if self._depth_gauge is not None and depth != self._reported_depth:
+        if depth != self._reported_depth:
             self._depth_gauge.inc(depth - self._reported_depth)
             self._reported_depth = depth
         for i, gauge in enumerate(self._level_gauges):
@@ -383,8 +388,13 @@ class Batcher(Generic[P, R]):
             if timer is not None:
                 timer.cancel()
 
+    def _inline_next(self) -> bool:
+        """Whether the next batch runs on the event loop (see ``inline_below_s``)."""
+        return self._batch_cpu_s < self._inline_below_s
+
     async def _next_batch(self) -> list[Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
+        gathered = False
         while True:
             if not self._queue:
                 if self._closing:
@@ -399,6 +409,15 @@ class Batcher(Generic[P, R]):
                 if loop.time() < close_at:
                     await self._sleep(close_at)
                     continue  # re-check: more items, a new head, or the delay has passed
+            elif self._queue.items < self._capacity and self._inline_next() and not gathered:
+                # A batch run on the loop holds it: first the requests whose bytes have
+                # already arrived join it (one turn reads the sockets and starts their tasks,
+                # the next lets those tasks queue), which costs two turns, never a wait.
+                gathered = True
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                continue
+            gathered = False
             batch = self._take_batch(loop.time())
             if batch:
                 return batch
@@ -419,10 +438,8 @@ class Batcher(Generic[P, R]):
         start_ns = time.perf_counter_ns()
         waits_ns = [start_ns - p.enqueued_ns for p in batch]
         if self._metrics is not None:
-            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns])
-            if self._level_gauges:
-                levels = [p.level + 1 for p in batch]
-                self._metrics.observe_level_queue(self.name, levels, [w / 1e9 for w in waits_ns])
+            levels = [p.level + 1 for p in batch] if self._level_gauges else None
+            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns], levels)
         if self.stats is not None:
             self.stats.queued(len(batch), sum(waits_ns))
         info = BatchInfo(sum(p.size for p in batch), len(batch))
@@ -433,11 +450,11 @@ class Batcher(Generic[P, R]):
         wall0 = time.time_ns() if traced else 0
         error: BaseException | None = None
         try:
-            if self._batch_cpu_s < self._inline_below_s:
-                results, seconds, cpu = _timed(self._run_batch, payloads)
+            if self._inline_next():
+                results, seconds, cpu = timed(self._run_batch, payloads)
             else:
                 results, seconds, cpu = await loop.run_in_executor(
-                    self._executor, _timed, self._run_batch, payloads
+                    self._executor, timed, self._run_batch, payloads
                 )
             avg = self._batch_cpu_s
             self._batch_cpu_s = cpu if avg == math.inf else 0.75 * avg + 0.25 * cpu
@@ -455,7 +472,7 @@ class Batcher(Generic[P, R]):
                 ids = ", ".join(p.request_id for p in batch)
                 log.error("model %s: batch failed (request ids %s)", self.name, ids, exc_info=exc)
             for p in batch:  # one error object each: a shared one would pile up tracebacks
-                p.fail(_request_error(self.name, exc, p.request_id))
+                p.fail(request_error(self.name, exc, p.request_id))
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the requests are answered, now stop
             return
@@ -473,27 +490,3 @@ class Batcher(Generic[P, R]):
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():  # a cancelled request's result is dropped
                 p.future.set_result((result, info))
-
-
-def _timed(
-    fn: Callable[[list[P]], Sequence[R]], payloads: list[P]
-) -> tuple[Sequence[R], float, float]:
-    """``fn(payloads)``, its wall time and the CPU time of the thread that ran it."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    out = fn(payloads)
-    return out, time.perf_counter() - t0, time.thread_time() - c0
-
-
-def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:
-    """A fresh error for one request of a failed batch.
-
-    A ServiceError raised on purpose is copied (its message is meant for the client); any
-    other exception becomes a 500 naming only its class: exception text can carry TorchScript
-    tracebacks and code locations, which stay in the log, found by the request id.
-    """
-    if isinstance(exc, ServiceError):
-        return copy.copy(exc).with_traceback(None)
-    return ServiceError(
-        f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
-        "details in the server log"
-    )

@@ -4,6 +4,7 @@
     bitserve check-repo DIR [--device cpu] [--max-operator-bytes N]   # validate a repository
                                       # as serve loads it (dry runs included); exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
+    bitserve score --model-repository DIR --model M INPUT OUTPUT/   # Parquet rows on Ray Data
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
 :class:`service.settings.Settings`.
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
+    from service.ray import cli as ray_cli  # imports Ray only when `score` runs
+
+    ray_cli.add_parser(sub)
     return parser
 
 
@@ -196,7 +200,7 @@ def check_repo(
     if not root.is_dir():
         print(f"{root}: not a folder", file=sys.stderr)
         return 1
-    from service.model_files import check_repository
+    from service.builder import check_repository
 
     logging.basicConfig(level=logging.CRITICAL)  # the problems are printed; no log lines
     problems = check_repository(root, device=device, **limits)
@@ -233,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"wrote the demo model to {path}")
         return 0
+    if args.command == "score":
+        from service.ray import cli as ray_cli
+
+        return ray_cli.run(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse refuses other commands
 
 

@@ -76,11 +76,37 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
 
 InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
 OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
-ComputeDtype = Literal["float32", "float16", "bfloat16", "float64"]
-Response = Literal[
-    "gaussian", "lorentzian", "boxcar", "triangle", "epanechnikov", "laplacian", "exponential",
-    "alpha", "tabulated",
-]  # fmt: skip
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+"""The operator's compute dtypes (``[operator] dtype``), by torch's names: the one list
+(``service.pipeline`` makes them torch dtypes)."""
+ComputeDtype = Annotated[str, AfterValidator(_one_of(COMPUTE_DTYPES))]
+
+
+def named_responses() -> dict[str, tuple[str, bool, bool]]:
+    """The named responses ``gpu_ops.responses.NAMED`` defines (the one list): each one's
+    width parameter, whether it takes a ``support`` (in units of the width given) and whether
+    it also takes ``sigma`` (its standard deviation).
+
+    gpu_ops is imported here, not with this module: the ``--workers`` supervisor reads
+    settings without torch, and only code that reads a model's config gets here.
+    """
+    from gpu_ops.responses import NAMED
+
+    return {
+        name: (r.param, r.default_support is not None, r.sigma_ratio is not None)
+        for name, r in NAMED.items()
+    }
+
+
+def _response(value: str) -> str:
+    allowed = [*named_responses(), "tabulated"]
+    if value not in allowed:
+        raise ValueError(f"Input should be one of {', '.join(allowed)}")
+    return value
+
+
+Response = Annotated[str, AfterValidator(_response)]
+"""A named response of ``gpu_ops.responses`` or ``"tabulated"``."""
 MODEL_SUFFIXES = (".pt2", ".pt", ".ts", ".onnx")
 """The model file suffixes a format is known by (``service.backends.SUFFIXES``)."""
 ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
@@ -178,20 +204,8 @@ class InputConfig(_Strict):
         return [*self.shape[:-1], (self.shape[-1] + 7) // 8]
 
 
-# Named response -> its own width parameter, whether it takes a ``support`` (in the units of
-# the parameter given) and whether it also takes ``sigma`` (its standard deviation), as
-# gpu_ops.responses.NAMED defines them.
-RESPONSE_PARAMS: dict[str, tuple[str, bool, bool]] = {
-    "gaussian": ("sigma", True, True),
-    "lorentzian": ("gamma", True, False),
-    "boxcar": ("half_width", False, True),
-    "triangle": ("half_width", False, True),
-    "epanechnikov": ("half_width", False, True),
-    "laplacian": ("tau", True, True),
-    "exponential": ("tau", True, True),
-    "alpha": ("tau", True, True),
-}
 _WIDTHS = ("sigma", "gamma", "half_width", "tau")
+"""The width fields of ``[operator]`` (every named response's parameter has one)."""
 
 
 class OperatorConfig(_Strict):
@@ -247,7 +261,7 @@ class OperatorConfig(_Strict):
             if self.center != "median":
                 raise ValueError("center applies to named responses; a table is used as given")
         else:
-            param, has_support, has_sigma = RESPONSE_PARAMS[self.response]
+            param, has_support, has_sigma = named_responses()[self.response]
             widths = {param, "sigma"} if has_sigma else {param}
             allowed = widths | {"support"} if has_support else widths
         extra = sorted(given - allowed)

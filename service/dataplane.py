@@ -299,7 +299,7 @@ class DataPlane:
         request = response = None
         submitted = False
         status = 200
-        self.metrics.in_flight.inc()
+        self.metrics.request_started()
         try:
             handle = self.repository.get(name, version)
             label = handle.name
@@ -336,8 +336,7 @@ class DataPlane:
             if trace is not None:
                 _end_trace(trace, handle, request, response, outcome, status)
             ns = time.perf_counter_ns() - t0
-            self.metrics.in_flight.dec()
-            self.metrics.observe_request(label, outcome, ns / 1e9)
+            self.metrics.request_finished(label, outcome, ns / 1e9)
             # Triton's statistics: every transport's requests, except those whose client
             # went away (neither a success nor a failure of the server's).
             if handle is not None and outcome != "Cancelled":

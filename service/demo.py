@@ -87,7 +87,7 @@ def write_demo_repository(root: Path) -> Path:
     Raises:
         FileExistsError: ``root / "demo"`` exists already.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     model = root / DEMO_NAME
     if model.exists():
@@ -95,5 +95,7 @@ def write_demo_repository(root: Path) -> Path:
     version = model / "1"
     version.mkdir(parents=True)
     (version / CONFIG_FILE).write_text(DEMO_CONFIG_TOML)
-    save_file(demo_tensors(), str(version / OPERATOR_FILE))
+    # Written like the config, with the umask's permissions: safetensors' save_file makes
+    # its files 0600, which a container's user (another uid) could not read from a mount.
+    (version / OPERATOR_FILE).write_bytes(save(demo_tensors()))
     return model

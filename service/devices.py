@@ -56,7 +56,7 @@ def resolve_device(device: str, default: str = "auto") -> str:
     index = index or 0
     count = cuda_count()
     if index >= count:
-        raise ValueError(f"device {device!r}, but this host has {count} CUDA device(s)")
+        raise ValueError(f"device {device!r} requested but this host has {count} CUDA device(s)")
     return f"cuda:{index}"
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
+from service.protocol.header_cache import HeaderCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats
 
@@ -51,6 +52,8 @@ class ModelHandle:
         self.versions = versions
         self.signature = Signature(name, cfg, pipeline.output_shapes)
         self.stats = stats if stats is not None else ModelStats(name, version)
+        self.headers = HeaderCache()
+        """Binary V2 request headers decoded before for this version (REST decodes here)."""
 
     async def submit(
         self,

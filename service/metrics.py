@@ -15,7 +15,9 @@ statistics of every worker are summed the same way (``statistics_source``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections import Counter as Tally
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +36,15 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Metrics:
     """The server's metrics.
 
-    The data plane calls the ``observe_*`` methods; ``/metrics`` serves :meth:`render`.
+    The data plane and the batchers call :meth:`request_started`, :meth:`request_finished`
+    and the ``observe_*`` methods; ``/metrics`` serves :meth:`render`.
+
+    Per-request records go into plain Python counts first and reach prometheus_client once
+    per turn of the event loop (:meth:`flush`, scheduled by the first record of a turn, and
+    run before every render): each of its updates takes a lock (and in multiprocess mode
+    writes a memory-mapped file), and the requests of one batch finish in the same turn.
+    Counters still count every request and histograms still observe every latency; a
+    scrape sees every record made before it.
 
     Args:
         multiprocess_dir: render every process's samples from this folder (it must be the
@@ -57,6 +67,12 @@ class Metrics:
         # Labelled children of the per-request series, looked up once per (model, outcome).
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._levels: dict[str, int] = {}  # models with priority levels: how many
+        self._in_flight = 0
+        self._in_flight_shown = 0
+        self._finished: list[tuple[str, str, float]] = []
+        self._waits: list[tuple[str, list[float], list[int] | None]] = []
+        self._deferred: dict[Callable[[], None], None] = {}
+        self._flush_due = False
         self.registry = CollectorRegistry()
         self._render_registry = self.registry
         if multiprocess_dir is not None:
@@ -156,20 +172,72 @@ class Metrics:
             multiprocess_mode="livesum",
         )
 
-    def observe_request(self, model: str, outcome: str, seconds: float) -> None:
-        """Count one finished request; ``outcome`` is ``"success"`` or an error class name."""
-        children = self._request_children.get((model, outcome))
-        if children is None:
-            children = (self.requests.labels(model, outcome), self.request_latency.labels(model))
-            self._request_children[(model, outcome)] = children
-        children[0].inc()
-        children[1].observe(seconds)
+    def request_started(self) -> None:
+        """One inference request more in flight."""
+        self._in_flight += 1
+        self._flush_later()
 
-    def observe_queue(self, model: str, waits: list[float]) -> None:
-        """Record the queue times, in seconds, of one batch's requests."""
-        child = self.queue_time.labels(model)
-        for seconds in waits:
-            child.observe(seconds)
+    def request_finished(self, model: str, outcome: str, seconds: float) -> None:
+        """One request fewer in flight, counted; ``outcome`` is ``"success"`` or an error
+        class name."""
+        self._in_flight -= 1
+        self._finished.append((model, outcome, seconds))
+        self._flush_later()
+
+    def observe_queue(
+        self, model: str, waits: list[float], levels: list[int] | None = None
+    ) -> None:
+        """Record the queue times, in seconds, of one batch's requests (and by their priority
+        ``levels``, 1 the highest, for a model with priority levels)."""
+        self._waits.append((model, waits, levels))
+        self._flush_later()
+
+    def defer(self, update: Callable[[], None]) -> None:
+        """Call ``update`` (which writes a series) at the next flush, once however often it
+        was deferred (the batchers' queue depths)."""
+        self._deferred[update] = None
+        self._flush_later()
+
+    def _flush_later(self) -> None:
+        if self._flush_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a tool, a test): at once
+            self.flush()
+            return
+        self._flush_due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the records made since the last flush to the Prometheus series."""
+        self._flush_due = False
+        if self._in_flight != self._in_flight_shown:
+            self._in_flight_shown = self._in_flight
+            self.in_flight.set(self._in_flight)
+        finished, self._finished = self._finished, []
+        if finished:
+            children = self._request_children
+            for (model, outcome), n in Tally((m, o) for m, o, _ in finished).items():
+                pair = children.get((model, outcome))
+                if pair is None:
+                    latency = self.request_latency.labels(model)
+                    pair = (self.requests.labels(model, outcome), latency)
+                    children[(model, outcome)] = pair
+                pair[0].inc(n)
+            for model, outcome, seconds in finished:
+                children[(model, outcome)][1].observe(seconds)
+        deferred, self._deferred = self._deferred, {}
+        for update in deferred:
+            update()
+        waits, self._waits = self._waits, []
+        for model, seconds_list, levels in waits:
+            child = self.queue_time.labels(model)
+            for seconds in seconds_list:
+                child.observe(seconds)
+            if levels is not None:
+                for level, seconds in zip(levels, seconds_list, strict=True):
+                    self.level_queue_time.labels(model, str(level)).observe(seconds)
 
     def cancelled(self, model: str, version: str) -> Any:
         """The counter of ``model``'s requests dropped because their client went away (its
@@ -181,11 +249,6 @@ class Metrics:
         version's batcher adds its own changes, as to ``bitserve_queue_depth``)."""
         self._levels[model] = max(levels, self._levels.get(model, 0))
         return [self.level_queue_depth.labels(model, str(k)) for k in range(1, levels + 1)]
-
-    def observe_level_queue(self, model: str, levels: list[int], waits: list[float]) -> None:
-        """Record the queue times, in seconds, of one batch's requests by their levels."""
-        for level, seconds in zip(levels, waits, strict=True):
-            self.level_queue_time.labels(model, str(level)).observe(seconds)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         """Record one executed batch: its size in items and in requests, and its compute time."""
@@ -215,6 +278,7 @@ class Metrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric: bitserve's, then Triton's."""
+        self.flush()
         if self._gpus is None:
             self._gpus = GpuGauges(self._nvml)
         return (

@@ -29,23 +29,18 @@ import torch
 
 from service.backends import Dim, ModelFile, TensorSpec
 from service.config import ConfigError, ModelConfig, VersionSource, library_error
-from service.protocol.types import DATATYPES, REGISTRY
+from service.dtypes import COMPUTE_DTYPES, torch_dtype
+from service.protocol.types import DATATYPES
 from service.signature import Bound, WireInput
 from service.text import safe_text
 
 if TYPE_CHECKING:
-    from service.pipeline import Artifacts, Pipeline
+    from service.model_files import Artifacts
+    from service.pipeline import Pipeline
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _datatype_dtype(datatype: str) -> torch.dtype:
-    name = REGISTRY[datatype].torch
-    assert name is not None  # every model input datatype has one
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
 
 
 def _file_inputs(model: ModelFile | None) -> tuple[TensorSpec, ...] | None:
@@ -59,7 +54,7 @@ def handed_dtypes(cfg: ModelConfig, model: ModelFile | None) -> list[torch.dtype
     out = []
     for i, spec in enumerate(cfg.inputs):
         if cfg.operator is not None and i == cfg.operator_input:
-            out.append(getattr(torch, cfg.operator.dtype))
+            out.append(COMPUTE_DTYPES[cfg.operator.dtype])
             continue
         file_dtype = specs[i].dtype if specs is not None and i < len(specs) else None
         if file_dtype is not None and file_dtype in _allowed(spec.handed_dtypes):
@@ -67,7 +62,7 @@ def handed_dtypes(cfg: ModelConfig, model: ModelFile | None) -> list[torch.dtype
         elif spec.dtype is not None:
             out.append(getattr(torch, spec.dtype))
         else:
-            out.append(_datatype_dtype(spec.datatype))
+            out.append(torch_dtype(spec.datatype))
     return out
 
 

@@ -7,11 +7,9 @@ values, a strictly increasing fine grid) and the size of the operator they would
 (checked against ``max_operator_bytes`` without building it), the model file in its format
 (``service.backends``) and the config's inputs against its signature
 (:func:`service.model_check.check_signature`), then each input buffer's size in the dtype
-it is handed in. :func:`build_version` adds the device: it builds the pipeline, whose dry
-run (:func:`service.model_check.dry_run`) runs a batch of 1 and one of ``max_batch_size``
-through it and checks the outputs. ``bitserve serve`` builds every version through it;
-``bitserve check-repo`` calls the same function (on the CPU unless told otherwise) and drops
-the result, so the two cannot disagree about a model.
+it is handed in. :func:`service.builder.build_version` adds the device (the pipeline and its
+dry run): ``bitserve serve`` and ``bitserve check-repo`` both build every version through it,
+so the two cannot disagree about a model. Nothing here touches a device.
 
 Every problem is reported as ``<file>: <key>: <problem>``; nothing here lets another
 exception out for a bad file, and nothing here prints.
@@ -21,9 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from service.backends import ModelFile, load_model_file
@@ -33,11 +33,9 @@ from service.config import (
     ModelConfig,
     VersionSource,
     load_config,
-    model_names,
-    model_versions,
 )
+from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.model_check import check_signature, handed_dtypes, read_warmup
-from service.pipeline import COMPUTE_DTYPES, Artifacts, Pipeline, resolve_device, torch_dtype
 from service.text import safe_text
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
@@ -53,6 +51,26 @@ _ORDER_ITEMSIZE = 8  # int64 inverse permutation, kept only when some row of c i
 
 # (shape, safetensors dtype name) per tensor name
 Header = Mapping[str, tuple[list[int], str]]
+
+
+@dataclass
+class Artifacts:
+    """A model version's files, loaded on the host (never with pickle).
+
+    Attributes:
+        tensors: the operator's tensors (``x``, ``c`` and for a tabulated response
+            ``response_x``/``response_y``); empty without an operator.
+        model: the model file in its format (``service.backends``), or None.
+        warmup: the dry run's sample (``warmup_file``): per input name, items batch first
+            in a wire form; None: zeros.
+        folder: the model's folder and how messages show it (library messages name files
+            relative to it).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    model: ModelFile | None = None
+    warmup: dict[str, np.ndarray[Any, Any]] | None = None
+    folder: tuple[Path, str] | None = None
 
 
 def load_version(
@@ -115,38 +133,6 @@ def load_version(
         # The buffers again, now in the dtypes the model is handed its inputs in.
         check_buffers(cfg, src.source, max_batch_bytes, handed_dtypes(cfg, model))
     return cfg, Artifacts(tensors, model, warmup, (src.folder, src.shown_folder))
-
-
-def build_version(
-    name: str,
-    src: VersionSource,
-    *,
-    default_device: str,
-    max_operator_bytes: int,
-    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-    patch: Mapping[str, Any] | None = None,
-    warmup: bool = True,
-) -> tuple[ModelConfig, Pipeline]:
-    """:func:`load_version`, then the pipeline on its device with its dry run.
-
-    Args:
-        name: the model's name.
-        src: where the version lives.
-        default_device: the device of a config that says ``device = "auto"``.
-        max_operator_bytes: see :func:`load_version`.
-        max_batch_bytes: see :func:`load_version`.
-        patch: see :func:`load_version`.
-        warmup: also run the full batch a second time (``--warmup``).
-
-    Raises:
-        ConfigError: every problem, each naming the file and the key.
-    """
-    cfg, artifacts = load_version(
-        src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes, patch=patch
-    )
-    device = resolve_device(cfg.device, default_device, source=src.source)
-    pipe = Pipeline(name, cfg, artifacts, device, warmup=warmup, source=src.source)
-    return cfg, pipe
 
 
 def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) -> list[int]:
@@ -220,67 +206,6 @@ def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted
     itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
     per_point = band_width * itemsize + _STARTS_ITEMSIZE + (0 if sorted_rows else _ORDER_ITEMSIZE)
     return n * num_coarse * per_point
-
-
-def check_model(
-    root: Path,
-    name: str,
-    *,
-    max_operator_bytes: int,
-    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-    device: str = "cpu",
-) -> list[str]:
-    """Every problem of one model of a repository, through :func:`build_version` (the dry
-    run included) on ``device``: ``serve`` refuses exactly these.
-
-    Args:
-        device: where the versions are built, whatever their configs say (a config's own
-            ``"cuda:N"`` needs a host that has it; the dry run's outcome does not).
-
-    Returns:
-        One line per problem, as the server would say it; empty when ``serve`` would load
-        the model.
-    """
-    try:
-        versions = model_versions(root, name)
-    except ConfigError as exc:
-        return exc.problems
-    problems: list[str] = []
-    limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
-    for src in versions.values():
-        try:
-            build_version(name, src, default_device=device, patch={"device": device},
-                          warmup=False, **limits)  # fmt: skip
-        except ConfigError as exc:
-            problems += exc.problems
-        except Exception as exc:  # a bug of ours: still one line, never a traceback
-            problems += src.error(src.source, "unexpected error", exc).problems
-    return [p.replace(f"{src.source} + config override", src.source) for p in problems]
-
-
-def check_repository(
-    root: Path,
-    *,
-    max_operator_bytes: int,
-    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-    device: str = "cpu",
-) -> list[str]:
-    """Validate a repository as ``serve`` loads it, dry runs on ``device`` included
-    (``bitserve check-repo``).
-
-    Returns:
-        Human-readable problems, each naming the file and the key; empty when valid.
-    """
-    try:
-        names = model_names(root) if root.is_dir() else None
-    except OSError as exc:
-        return [f"{root}: cannot read the folder ({exc.strerror or type(exc).__name__})"]
-    if names is None:
-        return [f"{root}: not a directory"]
-    if not names:
-        return [f"{root}: no model folders"]
-    limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
-    return [p for n in names for p in check_model(root, n, device=device, **limits)]
 
 
 # --- the operator -------------------------------------------------------------------------

@@ -9,6 +9,8 @@ operator can find the traceback, which is logged and never sent.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import itertools
 import logging
@@ -92,11 +94,60 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler that writes the INFO and DEBUG lines of one turn of the event loop
+    in one write (one system call for a batch's access lines, not one per request).
+
+    Lines at WARNING and above, and lines from outside an event loop (worker threads, tools),
+    are written at once, after the lines held before them: the order is kept. Held lines are
+    written at the end of the loop's turn, and by ``flush`` (which ``logging.shutdown``
+    calls at exit).
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream)
+        self._held: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        if record.levelno < logging.WARNING:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None and (not self._held or loop is self._loop):
+                if not self._held:
+                    self._loop = loop
+                    loop.call_soon(self.flush)
+                self._held.append(line)
+                return
+        self._held.append(line)
+        self._write()
+
+    def flush(self) -> None:
+        with self.lock or contextlib.nullcontext():
+            self._write()
+
+    def _write(self) -> None:
+        held, self._held = self._held, []
+        if held and self.stream is not None:
+            try:
+                self.stream.write("".join(held))
+                self.stream.flush()
+            except Exception:
+                logging.Handler.handleError(self, logging.makeLogRecord({"msg": "log write"}))
+
+
 def logging_config(level: str, worker: int | None = None) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` for the server and uvicorn, with request ids (and the
     worker's index after the logger name in a worker process of ``--workers``)."""
     handler = {
-        "class": "logging.StreamHandler",
+        "class": "service.observability.BatchedStreamHandler",
         "formatter": "default",
         "filters": ["request_id"],
         "stream": "ext://sys.stderr",

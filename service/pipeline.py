@@ -23,8 +23,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,49 +38,16 @@ from service.config import (
     ModelConfig,
     OperatorConfig,
 )
+from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.model_check import dry_run, handed_dtypes
-from service.protocol.types import DATATYPES, REGISTRY
+from service.model_files import Artifacts
+from service.protocol.types import DATATYPES
 from service.signature import Bound
 from service.statistics import ModelStats
 from service.text import safe_text
 
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")
-}
-"""The operator's compute dtypes by their config names (``[operator] dtype``)."""
-
-
-def torch_dtype(datatype: str) -> torch.dtype:
-    """The torch dtype of a V2 datatype (from the one registry, ``REGISTRY``)."""
-    name = REGISTRY[datatype].torch
-    if name is None:
-        raise ValueError(f"{datatype} has no torch dtype")
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
-
-
 # The wire's NumPy dtype of an unpacked input -> the torch dtype to view its bytes as.
 _NUMPY_TO_TORCH = {wire: torch_dtype(name) for name, wire in DATATYPES.items()}
-
-
-@dataclass
-class Artifacts:
-    """A model version's files, loaded on the host (never with pickle).
-
-    Attributes:
-        tensors: the operator's tensors (``x``, ``c`` and for a tabulated response
-            ``response_x``/``response_y``); empty without an operator.
-        model: the model file in its format (``service.backends``), or None.
-        warmup: the dry run's sample (``warmup_file``): per input name, items batch first
-            in a wire form; None: zeros.
-        folder: the model's folder and how messages show it (library messages name files
-            relative to it).
-    """
-
-    tensors: dict[str, torch.Tensor]
-    model: ModelFile | None = None
-    warmup: dict[str, np.ndarray[Any, Any]] | None = None
-    folder: tuple[Path, str] | None = None
 
 
 def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
@@ -160,11 +125,11 @@ class Pipeline:
         self.cfg = cfg
         self.device = torch.device(device)
         self.stats: ModelStats | None = None
+        """Where each batch's phase durations go (set by the repository once built: the
+        warm-up runs are not counted)."""
         self.last_phases_ns: tuple[int, int, int] | None = None
         """The last batch's ``compute_input``, ``compute_infer`` and ``compute_output`` ns
         (the device's own times on CUDA): the phases of a traced batch."""
-        """Where each batch's phase durations go (set by the repository once built: the
-        warm-up runs are not counted)."""
         self._events: list[Any] = []
         self.source = source
         self.inputs: list[InputConfig] = list(cfg.inputs)

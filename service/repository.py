@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from service.batcher import Batcher
+from service.builder import build_version
 from service.config import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_OPERATOR_BYTES,
@@ -34,8 +35,8 @@ from service.devices import DeviceExecutors
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.metrics import Metrics
-from service.model_files import build_version, check_buffers, check_operator
-from service.pipeline import Artifacts, Pipeline, resolve_device
+from service.model_files import Artifacts, check_buffers, check_operator
+from service.pipeline import Pipeline, resolve_device
 from service.settings import Settings
 from service.signature import Bound, Signature
 from service.statistics import Statistics

@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.config import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_OPERATOR_BYTES
-from service.devices import cuda_count, parse_device
+from service.devices import parse_device, resolve_device
 
 
 class Settings(BaseSettings):
@@ -206,12 +206,9 @@ class Settings(BaseSettings):
             raise ValueError(f"grpc_port and port are both {self.port}; give gRPC its own port")
         if self.model_repository is not None and not self.model_repository.is_dir():
             raise ValueError(f"model_repository {str(self.model_repository)!r} is not a folder")
-        kind, index = parse_device(self.device)
-        if kind == "cuda":
-            count = cuda_count()
-            if (index or 0) >= count:
-                raise ValueError(
-                    f"device {self.device!r} requested but this host has {count} CUDA "
-                    "device(s); use device='auto' or 'cpu'"
-                )
+        if parse_device(self.device)[0] == "cuda":
+            try:
+                resolve_device(self.device)  # the one check of a CUDA device's index
+            except ValueError as e:
+                raise ValueError(f"{e}; use device='auto' or 'cpu'") from None
         return self

@@ -64,7 +64,8 @@ CPU_WORKERS_CAP = 8
 its own copy of every model; past a few, more processes add memory, not throughput)."""
 WORKERS_PER_GPU = 2
 """``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
-overlaps another's kernels (with CUDA MPS their kernels can also run side by side)."""
+overlaps another's kernels (with CUDA MPS their kernels can also run side by side).
+``benchmarks/gpu_check.sh`` measures 1, 2 and 4 per GPU on a GPU host (``bench_mlp``)."""
 _STARTUP_FAILED = 1  # a worker's exit status when its server never started (as cli.serve's)
 _RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubled while a worker keeps crashing
 _STABLE_S = 30.0  # a worker that ran this long crashed afresh: restart it at once

@@ -1,10 +1,18 @@
-"""Shared test set-up: the ``needs_cuda`` marker, Triton's CPU interpreter, anyio on asyncio."""
+"""Shared test set-up: the ``needs_cuda`` marker, Triton's CPU interpreter, anyio on asyncio,
+hypothesis's profile."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis times its own input generation (HealthCheck.too_slow), and a loaded machine slows
+# it (seen: one input in 59 s for the schemathesis test): a timing, not a property of the code
+# under test. Tests that set their own suppress_health_check list it there too.
+settings.register_profile("bitserve", suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("bitserve")
 
 # The client tests also run in a venv without torch (see `make client-isolated`).
 try:

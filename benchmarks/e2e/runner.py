@@ -2,7 +2,7 @@
 
 For each server: install its venv if needed, start it on a loopback port, and for each of its
 wire formats and each concurrency run the load generator in a separate process
-(``python -m benchmarks.e2e.loadgen``), then stop the server. The pool of items and their
+(``python -m harness.loadgen``), then stop the server. The pool of items and their
 float64 references is built once and shared through an ``.npz`` file.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 from benchmarks._common import markdown_table
 from benchmarks.e2e import servers
-from benchmarks.e2e.loadgen import SUCCESS, save_pool
 from benchmarks.e2e.servers import Peer
-from benchmarks.e2e.workload import Pool
+from harness.loadgen import SUCCESS, save_pool
+from harness.workload import Pool
 
 TARGETS_AT = 8
 """The issue's targets are stated at this concurrency."""
@@ -34,7 +34,7 @@ class Row:
     peer: Peer
     concurrency: int
     data: dict[str, Any]
-    """The load generator's :class:`~benchmarks.e2e.loadgen.LevelResult` as JSON."""
+    """The load generator's :class:`~harness.loadgen.LevelResult` as JSON."""
 
 
 def run_all(
@@ -77,7 +77,7 @@ def _loadgen(
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.e2e.loadgen",
+        "harness.loadgen",
         "--url",
         run.grpc_target if peer.fmt == "grpc" else run.infer_url,
         "--format",

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.e2e.wire import Format
-from benchmarks.e2e.workload import MODEL_NAME
+from harness.server import free_port
+from harness.wire import Format
+from harness.workload import MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / "benchmarks" / "e2e" / ".venvs"
@@ -122,14 +122,6 @@ def write_mlserver_settings(folder: Path, port: int, grpc_port: int, metrics_por
         "implementation": "benchmarks.e2e.peers.mlserver_runtime.ResampleRuntime",
     }
     (folder / "model-settings.json").write_text(json.dumps(model))
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def ensure_venv(server: Server, log: Path) -> None:

@@ -55,7 +55,9 @@ class OnnxFile(ModelFile):
         super().__init__(path)
         ort = _runtime()
         self._ort = ort
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(path), _options(ort), providers=["CPUExecutionProvider"]
+        )
 
     def signature(self) -> FileSignature:
         return FileSignature(
@@ -77,7 +79,9 @@ class OnnxFile(ModelFile):
         stream = torch.cuda.current_stream(index).cuda_stream
         options = {"device_id": index, "user_compute_stream": str(stream)}
         session = self._ort.InferenceSession(
-            str(self.path), providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+            str(self.path),
+            _options(self._ort),
+            providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"],
         )
         return OrtRunner(self._ort, session, "cuda", index)
 
@@ -109,6 +113,14 @@ class OrtRunner:
         self.session.run_with_iobinding(binding)
         # The OrtValue's own DLPack export (the wrapper class does not re-export it).
         return tuple(from_dlpack(v._ortvalue) for v in binding.get_outputs())
+
+
+def _options(ort: Any) -> Any:
+    """Session options: ONNX Runtime's own log quiet but for fatal errors (a failed run is
+    raised, and reported with its message, by bitserve; ORT would print it to stderr too)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    return options
 
 
 def _spec(arg: Any) -> TensorSpec:

@@ -30,14 +30,12 @@ from service.errors import InvalidInput
 from service.protocol.tensors import (
     check_datatype,
     check_shape,
-    element_count,
     from_binary,
     from_json,
 )
 from service.protocol.types import (
     BYTES,
     DATATYPES,
-    WIRE_DTYPES,
     InferRequest,
     RequestInput,
     RequestOutput,
@@ -381,15 +379,9 @@ def shared_input(
     if region is None:
         return None
     assert shm is not None
-    size = params.get("shared_memory_byte_size")
-    if datatype != BYTES and isinstance(size, int) and not isinstance(size, bool):
-        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
-        if expected != size:
-            raise InvalidInput(
-                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-                f"shared_memory_byte_size of region '{region}' is {size}"
-            )
-    return from_binary(shm.read(*_shared_place(params), what), datatype, shape, what)
+    data = shm.read(*_shared_place(params), what)  # at most the region's registered size
+    size_of = f"shared_memory_byte_size of region '{region}'"
+    return from_binary(data, datatype, shape, what, size_of)
 
 
 def _decode_header(
@@ -474,14 +466,7 @@ def _decode_input(
             f"{what}: binary_data_size {size} runs past the end of the body "
             f"({rest.nbytes - offset} bytes left)"
         )
-    if datatype != BYTES:
-        expected = element_count(shape) * WIRE_DTYPES[datatype].itemsize
-        if expected != size:
-            raise InvalidInput(
-                f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, "
-                f"binary_data_size is {size}"
-            )
-    data = from_binary(rest[offset : offset + size], datatype, shape, what)
+    data = from_binary(rest[offset : offset + size], datatype, shape, what, "binary_data_size")
     return RequestInput(name, datatype, shape, data, params), size
 
 

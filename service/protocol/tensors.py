@@ -61,15 +61,20 @@ def element_count(shape: Sequence[int]) -> int:
 
 
 def from_binary(
-    buf: memoryview, datatype: str, shape: tuple[int, ...], what: str
+    buf: memoryview, datatype: str, shape: tuple[int, ...], what: str, size_of: str = ""
 ) -> np.ndarray[Any, Any]:
     """View ``buf`` as a tensor of ``datatype`` and ``shape`` (no copy for fixed-size types).
+
+    This is where every transport's binary data is checked against its declared shape
+    (REST's ``binary_data_size`` and raw bodies, gRPC's ``raw_input_contents``, shared
+    memory).
 
     Args:
         buf: exactly the tensor's bytes (little-endian, row-major, no padding).
         datatype: a V2 datatype, BYTES and BF16 included.
         shape: the declared shape, already checked by :func:`check_shape`.
         what: names the tensor in error messages.
+        size_of: what declared ``buf``'s size, for the message (``binary_data_size``).
 
     Returns:
         a read-only array of ``shape`` over ``buf`` (an object array of ``bytes`` for BYTES;
@@ -81,8 +86,9 @@ def from_binary(
     dtype = WIRE_DTYPES[datatype]
     expected = count * dtype.itemsize
     if buf.nbytes != expected:
+        got = f"{size_of} is {buf.nbytes}" if size_of else f"got {buf.nbytes}"
         raise InvalidInput(
-            f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, got {buf.nbytes}"
+            f"{what}: shape {list(shape)} of {datatype} needs {expected} bytes, {got}"
         )
     if datatype == "BOOL":
         raw = np.frombuffer(buf, dtype=np.uint8)

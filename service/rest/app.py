@@ -260,8 +260,6 @@ def create_app(
         functools.partial(FastAPI.__call__, app),
         infer,
         access_log=settings.access_log,
-        max_headers=settings.max_headers,
-        max_header_bytes=settings.max_header_bytes,
         limit_concurrency=settings.limit_concurrency,
     )
     return app

@@ -1,9 +1,9 @@
-"""The outermost ASGI layer: request ids, header limits, paths, access log, the last-resort 500,
-and the dispatch of inference to the fast path (``service.rest.fastpath``) ahead of FastAPI.
+"""The outermost ASGI layer: request ids, paths, access log, the concurrency limit, the
+last-resort 500, and the dispatch of inference to the fast path (``service.rest.fastpath``)
+ahead of FastAPI.
 
-Header limits are checked here, on the parsed ``scope["headers"]``, because the HTTP parser
-cannot be trusted with them: no parser bounds the number of headers, and h11 bounds only an
-*incomplete* request head.
+The request head's limits (its bytes, its number of headers, its time) belong to the HTTP
+connection (``service.rest.http_protocol``), which counts them as the head arrives.
 
 Paths are answered without redirects: a trailing slash is dropped (``/v2/`` is ``/v2``), so
 no ``Location`` is ever built from the request's ``Host`` header. Paths are logged escaped and
@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.errors import HeaderLimit, ModelNotReady, Overloaded, ServiceError
+from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.observability import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
 from service.rest.errors import send_error
@@ -63,6 +63,18 @@ async def _last_answer(send: Send, error: ServiceError, request_id: str) -> None
         await send_error(send, error, request_id, close=True)
 
 
+def _inspect(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bool]:
+    """The sent ``X-Request-ID`` and whether the client expects ``100 Continue``."""
+    sent = None
+    expects = False
+    for k, v in headers:
+        if k == b"x-request-id":
+            sent = v
+        elif k == b"expect":
+            expects = v.lower() == b"100-continue"
+    return sent, expects
+
+
 class Gateway:
     """Every HTTP request passes here once.
 
@@ -70,9 +82,6 @@ class Gateway:
         fallback: the application for everything but inference (FastAPI's own stack).
         infer: the inference route.
         access_log: log one line per request (method, path, status, milliseconds, id).
-        max_headers: requests with more header lines are answered 431.
-        max_header_bytes: requests whose headers (``name: value\\r\\n`` each) add up to more
-            bytes are answered 431.
         limit_concurrency: requests handled at once above which new ones are answered 503
             with ``Retry-After``; None: no limit.
     """
@@ -83,8 +92,6 @@ class Gateway:
         infer: InferRoute,
         *,
         access_log: bool = True,
-        max_headers: int = 100,
-        max_header_bytes: int = 64 << 10,
         limit_concurrency: int | None = None,
     ) -> None:
         self.fallback = fallback
@@ -93,36 +100,14 @@ class Gateway:
         """HTTP requests being handled now."""
         self.infer = infer
         self.access_log = access_log
-        self.max_headers = max_headers
-        self.max_header_bytes = max_header_bytes
         self.request_ids = RequestIds()
-
-    def _inspect(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, bool]:
-        """The sent ``X-Request-ID``, why the headers are refused (None when they are not),
-        and whether the client expects ``100 Continue``."""
-        sent = None
-        size = 0
-        expects = False
-        for k, v in headers:
-            size += len(k) + len(v) + 4  # as sent: "k: v\r\n"
-            if k == b"x-request-id":
-                sent = v
-            elif k == b"expect":
-                expects = v.lower() == b"100-continue"
-        if len(headers) > self.max_headers:
-            problem = f"too many request headers: {len(headers)} (limit {self.max_headers})"
-            return sent, problem, expects
-        if size > self.max_header_bytes:
-            problem = f"request headers of {size} bytes exceed the limit of {self.max_header_bytes}"
-            return sent, problem, expects
-        return sent, None, expects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
         t0 = time.perf_counter()
-        sent, problem, expects = self._inspect(scope["headers"])
+        sent, expects = _inspect(scope["headers"])
         if expects:
             receive, send = _close_if_unread(receive, send)
         rid = self.request_ids(sent)
@@ -138,15 +123,8 @@ class Gateway:
         status = 0
         started = False
         self.active += 1
-        if self.limit_concurrency is not None and self.active > self.limit_concurrency:
-            problem_error: ServiceError | None = Overloaded(
-                f"the server is handling {self.active - 1} requests (limit_concurrency "
-                f"{self.limit_concurrency}); retry later"
-            )
-        elif problem is not None:
-            problem_error = HeaderLimit(problem)
-        else:
-            problem_error = None
+        limit = self.limit_concurrency
+        over = limit is not None and self.active > limit
 
         async def send_with_id(message: Message) -> None:
             nonlocal started, status
@@ -158,10 +136,14 @@ class Gateway:
             await send(message)
 
         try:
-            if problem_error is not None:
+            if over:
                 # The body was not read: the connection cannot be reused safely.
-                status = problem_error.status_code
-                await send_error(send, problem_error, rid, close=True)
+                error = Overloaded(
+                    f"the server is handling {self.active - 1} requests (limit_concurrency "
+                    f"{limit}); retry later"
+                )
+                status = error.status_code
+                await send_error(send, error, rid, close=True)
                 return
             route = match_infer(scope["method"], path)
             if route is not None:

@@ -1,36 +1,45 @@
-"""uvicorn's httptools protocol with the limits a server facing untrusted clients needs.
+"""bitserve's HTTP/1.1 connection: httptools' parser (llhttp, C) under our own rules.
 
-uvicorn parses HTTP/1.1 with httptools (llhttp, C) on uvloop: several times cheaper per request
-than h11. On top of it, :class:`BitserveHttpProtocol` adds what uvicorn leaves out:
+uvicorn hosts it as a protocol class (``uvicorn.Config(http=protocol_class(...))``, the
+documented way to give uvicorn a protocol), and bitserve uses only what that contract and
+uvicorn's public attributes give: uvicorn calls the class with ``config``, ``server_state``,
+``app_state`` and ``_loop`` for each connection; a connection is in
+``server_state.connections`` while open and stops on ``shutdown()``; its requests' tasks are
+in ``server_state.tasks`` (uvicorn waits for them, then cancels them, on a graceful shutdown);
+``server_state.total_requests`` counts the responses; ``server_state.default_headers`` are
+the headers every response carries (Date, and ``Config(headers=...)``). Nothing here
+subclasses uvicorn or reads its private state; CI runs the tests at both ends of the uvicorn
+range that ``pyproject.toml`` pins. There is no WebSocket: an upgrade request is answered as
+plain HTTP and its connection closed.
+
+What a connection owns, beyond parsing:
 
 - **A head-read timeout.** A request head (request line and headers) must arrive whole within
-  ``head_timeout_s`` of the connection's opening or of the previous response; otherwise the
-  connection is closed, with a 408 when part of a head had come. uvicorn's keep-alive timer
-  is cancelled by any byte, so a client trickling a head one byte at a time would otherwise
-  hold its connection forever. The same clock bounds the unread rest of a body that was
-  answered early (a 404, a 503 from the headers): its bytes are skipped as they come, for
-  ``head_timeout_s`` at most.
-- **A bound on the head's size.** A head larger than ``max_header_bytes`` (request target
-  and header lines, as sent) is answered 431 and the connection closed, whether it arrives in one
-  read or many: the parser's callbacks count each part as it completes, and the bytes of a
-  head not yet complete are counted as they arrive.
+  ``head_timeout_s`` of the connection's opening, or of its first byte on a connection
+  that has been answered before; otherwise the connection is closed, with a 408 when part of
+  a head had come. The same clock bounds the unread rest of a body that was answered early
+  (a 404, a 503 from the headers): its bytes are skipped as they come, for ``head_timeout_s``
+  at most.
+- **Bounds on the head.** A head of more than ``max_head_bytes`` (request target and header
+  lines, as sent: the one place they are counted), counted as it arrives in one read or many,
+  or of more than ``max_headers`` header lines, is answered 431 and the connection closed.
+- **A keep-alive timeout.** A connection idle for ``Config.timeout_keep_alive`` seconds after
+  a response is closed without an answer: an unsolicited 408 could be read as the answer to
+  a request the client is sending at that moment. (The same holds for a connection closed
+  while it had sent no byte of a head.)
 - **A connection cap.** Beyond ``max_connections`` open connections, a new one first evicts
   the connection that has been waiting longest for a request head among those never
-  answered (a slow client), else among those answered before (an idle keep-alive client,
-  or one whose early-answered body is being skipped); only when every connection is busy
-  with a request is the new one answered 503 and closed.
-- **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason
-  (uvicorn writes a fixed plain-text line).
-- **Requests dropped when their client goes away.** A connection lost before its request's
+  answered (a slow client), else among those answered before (an idle keep-alive client, or
+  one whose early-answered body is being skipped); only when every connection is busy with a
+  request is the new one answered 503 and closed.
+- **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason.
+- **One write per response** (:class:`~service.rest.http_cycle.Exchange`).
+- **Requests dropped when their client goes away.** A connection lost before a request's
   response is complete tells the request's handler (:func:`service.rest.disconnect.client_gone`):
   a request still queued for its batch is dropped, never computed.
-- **One write per response.** uvicorn writes a response's head and its body separately: two
-  system calls (and on loopback two wake-ups of the client) where one does. The head is held
-  until the body's first write, or the end of the response (:class:`_HeldHead`).
-
-A connection closed while it had sent no byte of a request head (idle keep-alive, or never
-used) is closed without an answer, as uvicorn's keep-alive timeout does: an unsolicited 408
-could be read as the answer to a request the client is sending at that moment.
+- **Pipelining.** Requests sent back to back are answered in order; reading pauses while one
+  waits its turn, and while a request holds more than 64 KiB of body its application has not
+  taken yet.
 
 The limits are class attributes, set once per server by :func:`protocol_class`.
 """
@@ -38,61 +47,32 @@ The limits are class attributes, set once per server by :func:`protocol_class`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import sys
+import termios
+import urllib.parse
 from collections import OrderedDict, deque
-from typing import Any, cast
+from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
 from service.observability import Tally
-from service.rest.disconnect import client_gone
 from service.rest.errors import error_bytes
+from service.rest.http_cycle import App, Exchange, Message
 from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
-
-class _HeldHead:
-    """A connection's transport for one request's response: holds the head (the first write,
-    unless it is an interim ``100 Continue``) and sends it with the next write, or on
-    :meth:`flush` and :meth:`close`. Everything else goes to the real transport."""
-
-    __slots__ = ("_head", "_held", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-        self._held = False
-
-    def write(self, data: bytes) -> None:
-        if not self._held and not data.startswith(b"HTTP/1.1 100 "):
-            self._held = True
-            self._head = data
-            return
-        if self._head is not None:
-            data, self._head = self._head + data, None
-        self._transport.write(data)
-
-    def flush(self) -> None:
-        if self._head is not None:
-            head, self._head = self._head, None
-            self._transport.write(head)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+_HIGH_WATER = 64 << 10
+"""Body bytes held for an application that has not taken them, above which reading pauses."""
+_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
 class _HeadTooLarge(Exception):
-    """Raised in a parser callback to stop parsing a head past ``max_header_bytes``."""
+    """Raised in a parser callback to stop parsing a head past a bound (431)."""
 
 
 class _Waiting:
@@ -102,24 +82,24 @@ class _Waiting:
     and logged at most every 10 s."""
 
     def __init__(self) -> None:
-        self.fresh: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
-        self.served: OrderedDict[BitserveHttpProtocol, None] = OrderedDict()
+        self.fresh: OrderedDict[HttpProtocol, None] = OrderedDict()
+        self.served: OrderedDict[HttpProtocol, None] = OrderedDict()
         self.evicted = Tally(
             log,
             logging.WARNING,
             "connection cap %d reached: closed connection(s) waiting for a head",
         )
 
-    def add(self, conn: BitserveHttpProtocol, *, served: bool) -> None:
+    def add(self, conn: HttpProtocol, *, served: bool) -> None:
         """Add ``conn`` as the newest of its class."""
         self.remove(conn)
         (self.served if served else self.fresh)[conn] = None
 
-    def remove(self, conn: BitserveHttpProtocol) -> None:
+    def remove(self, conn: HttpProtocol) -> None:
         self.fresh.pop(conn, None)
         self.served.pop(conn, None)
 
-    def oldest(self) -> BitserveHttpProtocol | None:
+    def oldest(self) -> HttpProtocol | None:
         """The connection to evict first, if any."""
         for group in (self.fresh, self.served):
             if group:
@@ -127,46 +107,292 @@ class _Waiting:
         return None
 
 
-class BitserveHttpProtocol(HttpToolsProtocol):
-    """One HTTP/1.1 connection (see the module docstring for what is added to uvicorn's)."""
+class HttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection (see the module docstring); uvicorn makes one per connection.
+
+    Args:
+        config: the uvicorn ``Config`` (its app, ``root_path``, ``timeout_keep_alive``).
+        server_state: the uvicorn server's shared state (see the module docstring).
+        app_state: the lifespan's state, copied into each request's scope.
+    """
 
     head_timeout_s: float = 10.0
     max_head_bytes: int = 64 << 10
+    max_headers: int = 100
     max_connections: int = 0  # 0: no cap
+    waiting: _Waiting = _Waiting()  # one per server: protocol_class makes a fresh one
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._waiting_for_head = False
-        """Between requests (evictable): no request head has completed since the last one."""
-        self._head_begun = False
-        """Part of a request head has been parsed, not all of it."""
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.app: App = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.state = server_state
+        self.app_state = app_state
+        self.root_path: str = config.root_path
+        self.keep_alive_s: float = config.timeout_keep_alive
+        self.asgi = {"version": config.asgi_version, "spec_version": "2.3"}
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            # Answer a request even when the client sent more after a "Connection: close".
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.server: tuple[str, int] | None = None
+        self.client: tuple[str, int] | None = None
+        self.scheme = "http"
+        self.active: Exchange | None = None
+        """The request being answered."""
+        self.queued: deque[Exchange] = deque()
+        """Pipelined requests waiting for ``active``'s response, oldest first."""
+        self.parsing: Exchange | None = None
+        """The newest request, whose body the parser is reading."""
+        self.stopping = False
+        self.write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._default_src: object = None
+        self._default_block = b""
+        # The head being parsed.
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._expect = False
         self._head_bytes = 0
-        """Bytes of the current head's completed parts (request line, header lines)."""
         self._partial_bytes = 0
-        """Bytes received for the current head after the read in which it began."""
         self._began_in_this_read = False
-        self._message_done = True
-        """The current request's body has been received whole."""
+        self._head_begun = False
+        self._waiting_for_head = False
         self._served = False
-        """A response has been sent on this connection."""
-        self._responses: deque[_HeldHead] = deque()
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
 
-    # --- connections waiting for a head (one registry per server) --------------------------
+    # --- the transport's callbacks --------------------------------------------------------
 
-    def _registry(self) -> _Waiting:
-        state = self.server_state
-        registry: _Waiting | None = getattr(state, "bitserve_waiting", None)
-        if registry is None:
-            registry = _Waiting()
-            state.bitserve_waiting = registry  # type: ignore[attr-defined]
-        return registry
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream's: uvloop's or asyncio's
+        self.state.connections.add(self)
+        self.server = _address(transport.get_extra_info("sockname"))
+        self.client = _address(transport.get_extra_info("peername"))
+        if transport.get_extra_info("sslcontext") is not None:
+            self.scheme = "https"
+        cap = self.max_connections
+        if cap and len(self.state.connections) > cap:
+            oldest = self.waiting.oldest()
+            if oldest is None:
+                self._close(Overloaded(f"too many connections (max_connections {cap})"))
+                return
+            self.waiting.evicted(cap)
+            oldest._close_waiting("closed to admit another connection: request head too slow")
+        self._wait_for_head(clock=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.connections.discard(self)
+        self._stop_waiting()
+        self._cancel_idle()
+        for exchange in (self.active, *self.queued, self.parsing):
+            if exchange is not None and not exchange.complete:
+                exchange.lost()
+        self.queued.clear()
+        self.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes itself
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # refused, timed out or evicted: what else arrives is not parsed
+        self._cancel_idle()
+        self._began_in_this_read = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            log.debug("upgrade request answered as plain HTTP")  # its connection then closes
+            return
+        except httptools.HttpParserError as e:
+            if isinstance(e.__context__, _HeadTooLarge):
+                self._close(HeaderLimit(str(e.__context__)))
+                return
+            reason = e.__context__ if isinstance(e.__context__, httptools.HttpParserError) else e
+            text = safe_text(str(reason) or type(reason).__name__, 200)
+            log.info("malformed HTTP request: %s", text)
+            self._close(InvalidInput(f"malformed HTTP request: {text}"))
+            return
+        if self._head_begun:
+            # The parser keeps an unfinished header line to itself: its bytes are counted as
+            # they come (from the read after the head began: the part of that read which
+            # belonged to the previous request is not known).
+            if not self._began_in_this_read:
+                self._partial_bytes += len(data)
+            if self._partial_bytes > self.max_head_bytes:
+                self._close(HeaderLimit(self._too_large()))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until the transport takes writes again (or the connection is lost)."""
+        if self._drained is None:
+            self._drained = self.loop.create_future()
+        await asyncio.shield(self._drained)
+
+    # --- the parser's callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._expect = False
+        self._head_begun = True
+        self._began_in_this_read = True
+        self._head_bytes = self._partial_bytes = 0
+        if self._waiting_for_head:
+            self._start_clock()
+        else:
+            self._wait_for_head(clock=True)  # a pipelined head: its clock starts now
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # as sent: "name: value\r\n"
+        headers = self._headers
+        if len(headers) >= self.max_headers:
+            raise _HeadTooLarge(f"too many request headers (limit {self.max_headers})")
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect = True
+        headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._stop_waiting()
+        parser = self.parser
+        method = parser.get_method()
+        version = parser.get_http_version()
+        url = self._url
+        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+            raw_path, query = url, b""
+        else:
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope: Message = {
+            "type": "http",
+            "asgi": self.asgi,
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "method": _METHODS.get(method) or method.decode("ascii"),
+            "root_path": self.root_path,
+            "path": self.root_path + path,
+            "raw_path": self.root_path.encode("ascii") + raw_path,
+            "query_string": query,
+            "headers": self._headers,
+            "state": self.app_state.copy(),
+        }
+        keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
+        exchange = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
+        self.parsing = exchange
+        if self.active is None:
+            self._start(exchange)
+        else:
+            self.queued.append(exchange)  # answered in order
+            self._pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.parsing
+        if exchange is None or exchange.complete or self.transport.is_closing():
+            return  # the rest of a body answered early (or refused) is skipped
+        if exchange.add_body(body) > _HIGH_WATER:
+            self._pause_reading()
+
+    def on_message_complete(self) -> None:
+        exchange = self.parsing
+        if exchange is not None:
+            exchange.body_done()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _start(self, exchange: Exchange) -> None:
+        self.active = exchange
+        task = self.loop.create_task(exchange.run(self.app))
+        tasks = self.state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def body_taken(self, exchange: Exchange) -> None:
+        """``exchange``'s application took its body bytes: reading may resume."""
+        if self._reading_paused and exchange is self.parsing and not self.queued:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def response_done(self, exchange: Exchange) -> None:
+        """``exchange``'s response is complete (called by the exchange)."""
+        self.state.total_requests += 1
+        self._served = True
+        if exchange is self.parsing and not exchange.more_body:
+            self.parsing = None
+        if not exchange.keep_alive or self.stopping:
+            self.transport.close()
+        if self.transport.is_closing():
+            self.active = None
+            return
+        if self.queued:
+            self._start(self.queued.popleft())
+            if not self.queued and self._reading_paused:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            return
+        self.active = None
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if self._waiting_for_head:
+            return  # a pipelined head has begun: its clock runs
+        if self.parsing is not None:
+            # The body of a request answered early is still arriving, to be skipped: that
+            # takes the head's clock from now.
+            self._wait_for_head(clock=True)
+        else:
+            # Idle. The next head's clock starts at its first byte; the keep-alive timeout
+            # covers the silence before it.
+            self._wait_for_head(clock=False)
+            self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
+
+    def shutdown(self) -> None:
+        """Stop after the request being answered (uvicorn calls this on a graceful shutdown)."""
+        self.stopping = True
+        if self.active is None:
+            self._close()
+
+    def default_headers(self) -> bytes:
+        """The header lines every response carries (uvicorn renews its list every second)."""
+        src = self.state.default_headers
+        if src is not self._default_src:
+            self._default_src = src
+            self._default_block = b"".join(b"%b: %b\r\n" % (k, v) for k, v in src)
+        return self._default_block
+
+    # --- limits ---------------------------------------------------------------------------
 
     def _wait_for_head(self, *, clock: bool) -> None:
         """Join the connections waiting for a head, as the newest; ``clock``: start the
         head's clock now (else it starts at the head's first byte)."""
         self._waiting_for_head = True
-        self._registry().add(self, served=self._served)
+        self.waiting.add(self, served=self._served)
         if clock:
             self._start_clock()
 
@@ -177,14 +403,20 @@ class BitserveHttpProtocol(HttpToolsProtocol):
     def _stop_waiting(self) -> None:
         self._waiting_for_head = False
         self._head_begun = False
-        self._registry().remove(self)
+        self.waiting.remove(self)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _cancel_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
     def _close(self, error: ServiceError | None = None) -> None:
         """Close the connection, after answering ``error`` when one is given."""
         self._stop_waiting()
+        self._cancel_idle()
         if not self.transport.is_closing():
             if error is not None:
                 self.transport.write(error_bytes(error))
@@ -199,129 +431,47 @@ class BitserveHttpProtocol(HttpToolsProtocol):
         if self._waiting_for_head:
             self._close_waiting(f"the request head did not arrive within {self.head_timeout_s:g} s")
 
+    def _idle_timed_out(self) -> None:
+        self._idle_timer = None
+        if self.active is not None or self._head_begun:
+            return
+        if _unread_bytes(self.transport):
+            # A request arrived as the timer fired (the loop runs due timers before it reads
+            # the sockets): closing now would reset it. Its bytes are read next.
+            self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
+            return
+        self._close()
+
     def _count_head(self, nbytes: int) -> None:
         self._head_bytes += nbytes
         if self._head_bytes > self.max_head_bytes:
-            raise _HeadTooLarge
+            raise _HeadTooLarge(self._too_large())
 
-    def _head_too_large(self) -> None:
-        self._close(
-            HeaderLimit(f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)")
-        )
+    def _too_large(self) -> str:
+        return f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)"
 
-    # --- uvicorn's protocol ---------------------------------------------------------------
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.transport.is_closing():
+            self._reading_paused = True
+            self.transport.pause_reading()
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        cap = self.max_connections
-        if cap and len(self.connections) > cap:
-            registry = self._registry()
-            oldest = registry.oldest()
-            if oldest is not None:
-                registry.evicted(cap)
-                oldest._close_waiting("closed to admit another connection: request head too slow")
-            else:
-                self.transport.write(
-                    error_bytes(Overloaded(f"too many connections (max_connections {cap})"))
-                )
-                self.transport.close()
-                return
-        self._wait_for_head(clock=True)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_waiting()
-        super().connection_lost(exc)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            client_gone(cast("dict[str, Any]", cycle.scope))  # uvicorn types it a TypedDict
+def _unread_bytes(transport: asyncio.Transport) -> int:
+    """Bytes in the socket's receive queue that the loop has not read yet (0 if unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        out = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int.from_bytes(out, sys.byteorder, signed=True)
 
-    def data_received(self, data: bytes) -> None:
-        # uvicorn's data_received, answering malformed HTTP in JSON with the parser's reason.
-        if self.transport.is_closing():
-            return  # refused (or closing): what else arrives is not parsed
-        self._began_in_this_read = False
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # No upgrade is served (no WebSocket routes): the request was answered as plain
-            # HTTP. uvicorn would log two warnings per such request, which anyone could flood.
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                log.debug("upgrade request answered as plain HTTP")
-            return
-        except httptools.HttpParserError as e:
-            if isinstance(e.__context__, _HeadTooLarge):
-                self._head_too_large()
-                return
-            reason = e.__context__ if isinstance(e.__context__, httptools.HttpParserError) else e
-            text = safe_text(str(reason) or type(reason).__name__, 200)
-            log.info("malformed HTTP request: %s", text)
-            self._close(InvalidInput(f"malformed HTTP request: {text}"))
-            return
-        if self._head_begun:
-            # The parser keeps an unfinished header line to itself: its bytes are counted as
-            # they come (from the read after the head began: the part of that read which
-            # belonged to the previous request is not known).
-            if not self._began_in_this_read:
-                self._partial_bytes += len(data)
-            if self._partial_bytes > self.max_head_bytes:
-                self._head_too_large()
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._message_done = False
-        self._head_begun = True
-        self._began_in_this_read = True
-        self._head_bytes = self._partial_bytes = 0
-        if self._waiting_for_head:
-            self._start_clock()
-        else:
-            self._wait_for_head(clock=True)  # a pipelined head: its clock starts now
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4)  # as sent: "name: value\r\n"
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._stop_waiting()
-        super().on_headers_complete()
-        if self.cycle is not None and self.cycle.transport is self.transport:
-            held = _HeldHead(self.transport)
-            self.cycle.transport = held  # type: ignore[assignment]
-            self._responses.append(held)  # answered in order, pipelined or not
-
-    def on_body(self, body: bytes) -> None:
-        if not self.transport.is_closing():  # a refused head's body is not kept
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        self._message_done = True
-        if not self.transport.is_closing():
-            super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        if self._responses:
-            # A response without body bytes (to HEAD) has written only its head so far.
-            self._responses.popleft().flush()
-        super().on_response_complete()
-        self._served = True
-        if self.transport.is_closing() or self._waiting_for_head:
-            return
-        if self.cycle is not None and self.cycle.response_complete:
-            # Idle, no pipelined request left. The next head's clock starts at its first byte
-            # (uvicorn's keep-alive timeout covers the silence before it), unless the body of
-            # a request answered early is still arriving, to be skipped: that takes the
-            # head's clock from now (any byte resets the keep-alive timer).
-            self._wait_for_head(clock=not self._message_done)
-
-    def send_400_response(self, msg: str) -> None:
-        self._close(InvalidInput(f"malformed HTTP request: {msg}"))
+def _address(value: object) -> tuple[str, int] | None:
+    if isinstance(value, tuple) and len(value) >= 2:
+        return str(value[0]), int(value[1])
+    return None
 
 
 def max_connections(wanted: int) -> int:
@@ -344,15 +494,21 @@ def max_connections(wanted: int) -> int:
 
 
 def protocol_class(
-    *, head_timeout_s: float, max_header_bytes: int, max_connections: int
-) -> type[BitserveHttpProtocol]:
+    *,
+    head_timeout_s: float,
+    max_header_bytes: int,
+    max_connections: int,
+    max_headers: int = 100,
+) -> type[HttpProtocol]:
     """A protocol class for one server, with its limits (uvicorn's ``Config(http=...)``)."""
     return type(
-        "BitserveHttpProtocol",
-        (BitserveHttpProtocol,),
+        "HttpProtocol",
+        (HttpProtocol,),
         {
             "head_timeout_s": head_timeout_s,
             "max_head_bytes": max_header_bytes,
+            "max_headers": max_headers,
             "max_connections": max_connections,
+            "waiting": _Waiting(),
         },
     )

@@ -21,7 +21,6 @@ from service.protocol import (
     EncodedResponse,
     InferRequest,
     InferResponse,
-    decode_infer_request,
     decompress,
     encode_infer_response,
     parse_header_length,
@@ -147,7 +146,7 @@ class RestInference:
                 "parameters.binary_data_size)"
             )
         data, signature, shm = body, handle.signature, self.dataplane.shared_memory
-        return await decode_sized(len(body), lambda: decode_infer_request(data, n, signature, shm))
+        return await decode_sized(len(body), lambda: handle.headers.decode(data, n, signature, shm))
 
     async def _encode(
         self,

@@ -43,6 +43,7 @@ def uvicorn_config(
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,
         max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
         max_connections=max_connections(settings.max_connections),
     )
     return uvicorn.Config(
@@ -57,6 +58,9 @@ def uvicorn_config(
         log_level=settings.log_level,
         access_log=False,  # our middleware writes access lines with the request id
         server_header=False,
+        # No layer reads the client's address (X-Forwarded-For would only rewrite it): the
+        # proxy-headers middleware would be one more coroutine on every request.
+        proxy_headers=False,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         **extra,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.server import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
 

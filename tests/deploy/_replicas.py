@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from tests.e2e.conftest import bitserve_command, free_port, worker_pids_in
+from harness.server import STARTUP_S, bitserve_command, free_port, worker_pids_in
 
 from ._manifests import ROOT
 
@@ -43,7 +43,7 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(self, timeout_s: float = STARTUP_S) -> None:
         """Start the process and wait until ``/v2/health/ready`` answers 200."""
         # Not the test process's BITSERVE_* or TRITON_INTERPRET (the server picks its kernels).
         env = {

@@ -1,13 +1,15 @@
 """docker-compose.yml: valid Compose, and the stack the deployment issue asks for.
 
-No Docker engine runs here: the file is validated against the Compose Specification's JSON
-schema (vendored, see schemas/README.md), and by ``docker compose config`` where a Docker
-engine with the compose plugin exists.
+The file is validated against the Compose Specification's JSON schema (vendored, see
+schemas/README.md), and by ``docker compose config`` where the Compose v2 plugin exists; its
+CPU stack runs for real on a Docker engine in test_container.py, through the ``docker run``
+flags that ``_compose_run.run_args`` reads off the file (checked here).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 import shutil
 import subprocess
@@ -18,11 +20,13 @@ import pytest
 
 from service.settings import Settings
 
+from ._compose_run import NOT_RUN_FLAGS, interpolate, run_args
 from ._manifests import ROOT, compose_validator, format_errors, load_yaml_documents
 from ._nginx import upstream_servers
 
 COMPOSE = ROOT / "docker-compose.yml"
 MPS = ROOT / "deploy" / "compose.mps.yml"
+MEMLOCK = ROOT / "deploy" / "compose.memlock.yml"
 GPU, CPU = "bitserve-gpu", "bitserve-cpu"
 SERVERS = [GPU, CPU]
 
@@ -31,11 +35,6 @@ SERVERS = [GPU, CPU]
 def compose() -> dict[str, Any]:
     (doc,) = load_yaml_documents(COMPOSE)
     return doc
-
-
-def interpolate(value: str) -> str:
-    """Compose's ``${VAR:-default}`` / ``${VAR}`` with an empty environment."""
-    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
 
 
 def active_services(compose: dict[str, Any], profiles: set[str]) -> set[str]:
@@ -97,7 +96,7 @@ def _docker_compose_available() -> bool:
 @pytest.mark.parametrize(
     ("profiles", "files"),
     [(["gpu"], [COMPOSE]), (["cpu"], [COMPOSE]), (["gpu", "monitoring"], [COMPOSE]),
-     (["gpu"], [COMPOSE, MPS])],
+     (["gpu"], [COMPOSE, MPS]), (["gpu"], [COMPOSE, MEMLOCK])],
 )  # fmt: skip
 def test_docker_compose_config_accepts_the_file(
     profiles: list[str], files: list[Path], tmp_path: Path
@@ -249,3 +248,56 @@ def test_mps_override_adds_only_what_mps_needs(compose: dict[str, Any]) -> None:
     # Below the base file's tmpfs /tmp, which Docker mounts first (shallower target).
     assert "/tmp" in compose["services"][GPU]["tmpfs"]
     assert pipes.startswith("/tmp/")
+
+
+def test_no_limit_an_engine_may_refuse(compose: dict[str, Any]) -> None:
+    # Raising RLIMIT_MEMLOCK is refused by some engines ("error setting rlimit type 8:
+    # operation not permitted"), and bitserve does not need it: the base file sets no
+    # ulimits, and the override that adds memlock adds nothing else.
+    for name in SERVERS:
+        assert "ulimits" not in compose["services"][name]
+    (override,) = load_yaml_documents(MEMLOCK)
+    assert not list(compose_validator().iter_errors(override))
+    assert override == {"services": {GPU: {"ulimits": {"memlock": -1}}}}
+
+
+def test_docker_run_flags_are_the_files_settings(compose: dict[str, Any], tmp_path: Path) -> None:
+    svc = compose["services"][CPU]
+    args = run_args(CPU, svc, network="net", env={"BITSERVE_WORKERS": "3"},
+                    sources={"./models": tmp_path})  # fmt: skip
+    pairs = list(itertools.pairwise(args))
+    assert ("--network", "net") in pairs
+    assert ("--network-alias", CPU) in pairs
+    assert ("--network-alias", "bitserve") in pairs  # the name nginx and Prometheus use
+    assert ("-e", "BITSERVE_WORKERS=3") in pairs
+    assert ("-e", "BITSERVE_DEVICE=cpu") in pairs
+    assert ("-e", "BITSERVE_LOG_LEVEL=info") in pairs  # the file's default
+    assert ("--mount", f"type=bind,source={tmp_path},target=/models,readonly") in pairs
+    assert "--read-only" in args
+    assert [b for a, b in pairs if a == "--tmpfs"] == svc["tmpfs"]
+    assert ("--shm-size", "1gb") in pairs
+    assert ("--stop-timeout", "40") in pairs
+    assert ("--restart", "unless-stopped") in pairs
+    health = args[args.index("--health-cmd") + 1]
+    assert health.startswith("python -c ")
+    assert "/v2/health/ready" in health
+    assert ("--health-interval", "10s") in pairs
+    assert ("--health-start-period", "120s") in pairs
+    nginx = run_args("nginx", compose["services"]["nginx"], network="net")
+    assert ("-p", "127.0.0.1::8080") in itertools.pairwise(nginx)
+    conf = ROOT / "deploy" / "nginx" / "bitserve.conf"
+    assert f"type=bind,source={conf},target=/etc/nginx/conf.d/default.conf,readonly" in nginx
+
+
+def test_docker_run_translation_refuses_what_it_does_not_know(compose: dict[str, Any]) -> None:
+    # The translation must be able to fail: a key it does not turn into a flag is an error,
+    # so a setting added to the file cannot be left out of the container tests silently.
+    svc = copy.deepcopy(compose["services"][CPU])
+    svc["cap_add"] = ["SYS_NICE"]
+    with pytest.raises(ValueError, match="cap_add"):
+        run_args(CPU, svc, network="net")
+    assert "cap_add" not in NOT_RUN_FLAGS
+    svc = copy.deepcopy(compose["services"][CPU])
+    svc["healthcheck"]["start_interval"] = "1s"
+    with pytest.raises(ValueError, match="start_interval"):
+        run_args(CPU, svc, network="net")

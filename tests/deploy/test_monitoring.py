@@ -43,12 +43,13 @@ def prometheus_targets() -> list[str]:
 def exported_series() -> dict[str, set[str]]:
     """Sample name -> label names, from a real Metrics after one call of every observer."""
     m = Metrics()
-    m.observe_request("demo", "success", 0.01)
+    m.request_started()
+    m.request_started()
+    m.request_finished("demo", "success", 0.01)
     m.observe_queue("demo", [0.001])
     m.observe_batch("demo", items=4, requests=2, compute_seconds=0.005)
     m.queue_depth.labels("demo").inc(3)
     m.set_device_memory("demo", "cuda:0", 1 << 20)
-    m.in_flight.inc()
     series: dict[str, set[str]] = {}
     for line in m.render().decode().splitlines():
         if line.startswith("#") or not line.strip():

@@ -28,9 +28,8 @@ from bitserve_client import (
     Unavailable,
 )
 
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
-
-from .conftest import BitserveServer, start_server
+from harness.repo_utils import bits_input, demo_reference, model_toml, tensor, write_model_folder
+from harness.server import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -248,26 +247,6 @@ def test_cli_commands(url: str, tmp_path: Path) -> None:
     missing = _cli(url, "metadata", "nope")
     assert missing.returncode == 1
     assert "ModelNotFound" in missing.stderr
-
-
-def demo_reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """float64 reference for the built-in demo, summed over each coarse point's window only
-    (the dense operator would be 20 x 500 x 50000 float64 = 4 GB)."""
-    from service.demo import SIGMA as S
-    from service.demo import SUPPORT_SIGMAS, demo_tensors
-
-    t = demo_tensors()
-    x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)
-    f = bits.astype(np.float64)
-    out = np.zeros((bits.shape[0], c.shape[0], c.shape[1]))
-    half = SUPPORT_SIGMAS * S
-    for n in range(c.shape[0]):
-        for a in range(c.shape[1]):
-            lo = np.searchsorted(x, c[n, a] - half, side="left")
-            hi = np.searchsorted(x, c[n, a] + half, side="right")
-            w = np.exp(-0.5 * ((c[n, a] - x[lo:hi]) / S) ** 2)
-            out[:, n, a] = f[:, n, lo:hi] @ w
-    return out
 
 
 def test_demo_model_round_trip(demo_server: BitserveServer) -> None:

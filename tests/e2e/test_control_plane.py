@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 from google.protobuf.message import Message
 
+from harness.server import BitserveServer, start_server, worker_pids_in
 from service.demo import N_COARSE, N_FINE, N_FUNCTIONS
 from service.grpc.proto import grpc_service_pb2 as pb
-from tests.e2e.conftest import BitserveServer, start_server, worker_pids_in
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,8 @@ from torch import nn
 
 import gpu_ops
 from gpu_ops import BandedResampler, OnTheFlyResampler
-from tests.e2e.conftest import BitserveServer
-from tests.repo_utils import model_toml, tensor
+from harness.repo_utils import model_toml, tensor
+from harness.server import BitserveServer
 
 pytestmark = pytest.mark.e2e
 

@@ -22,9 +22,9 @@ import psutil
 import pytest
 import torch
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.loadgen import run_level, tree_rss_bytes
-from benchmarks.e2e.probes import (
+from harness import wire
+from harness.loadgen import run_level, tree_rss_bytes
+from harness.probes import (
     http_status,
     infer_ok,
     raw_request,
@@ -32,8 +32,10 @@ from benchmarks.e2e.probes import (
     wait_idle,
     write_repository,
 )
-from benchmarks.e2e.workload import N_FINE, N_FUNCTIONS, Pool, check
-from tests.e2e.conftest import BitserveServer, terminate_under_load
+from harness.server import BitserveServer, terminate_under_load, wait_begun
+from harness.workload import N_FINE, N_FUNCTIONS, Pool, check
+from service.demo import write_demo_repository
+from tests.e2e.slow_model import slow_request, write_slow_model
 
 pytestmark = pytest.mark.e2e
 
@@ -123,10 +125,12 @@ def test_slow_dribbling_clients_get_answers_and_block_nobody(
 
 
 def test_sigterm_under_load_drains_and_exits(
-    server_factory: Callable[..., BitserveServer], pool: Pool
+    server_factory: Callable[..., BitserveServer], pool: Pool, tmp_path: Path
 ) -> None:
-    grace_s = 20
-    server = server_factory(env={"BITSERVE_GRACEFUL_SHUTDOWN_S": str(grace_s)})
+    grace_s = 60  # far beyond the slow requests' seconds, on a loaded machine too
+    # The demo, plus a slow model: requests that are surely in flight at the signal.
+    repo = write_slow_model(write_demo_repository(tmp_path / "repo").parent, rounds=None)
+    server = server_factory(repo, env={"BITSERVE_GRACEFUL_SHUTDOWN_S": str(grace_s)})
     url = server.url + INFER
     bodies = [wire.encode("packed", item) for item in pool.items]
     log: list[tuple[float, float, str]] = []  # (start, end, outcome)
@@ -150,10 +154,20 @@ def test_sigterm_under_load_drains_and_exits(
                         outcome = "wrong"
                 log.append((t0, time.monotonic(), outcome))
 
-    code, t_term, t_exit = terminate_under_load(server, client, 8, stop, timeout=grace_s + 20)
+    # Four slow requests, all begun by the server before the load starts and the signal
+    # comes: the drain must answer every one of them.
+    slow = ThreadPoolExecutor(4)
+    answers = [slow.submit(slow_request, server.url, 200 + x) for x in range(4)]
+    wait_begun(server.url, 4, "slow")
+    code, t_term, t_exit = terminate_under_load(
+        server, client, 8, stop, timeout=grace_s + 20, until=lambda: len(log) >= 8
+    )
+    slow_answers = [a.result() for a in answers]
+    slow.shutdown()
 
-    before = [o for t0, t1, o in log if t0 < t_term - 0.25]
-    after = [o for t0, t1, o in log if t0 > t_term]
+    # What was answered before the signal, and everything else.
+    before = [o for t0, t1, o in log if t1 < t_term]
+    after = [o for t0, t1, o in log if t1 >= t_term]
     print(f"before SIGTERM {len(before)}: {set(before)}; after {len(after)}: {set(after)}")
     # uvicorn re-raises the SIGTERM it caught once the drain is done, so the exit status is
     # either 0 or "killed by SIGTERM" (-15); both follow a complete graceful shutdown.
@@ -161,8 +175,9 @@ def test_sigterm_under_load_drains_and_exits(
     assert "Application shutdown complete" in server.log()
     assert t_exit - t_term < grace_s + 5
     assert before, "no load before SIGTERM"
-    # Everything sent before the signal was answered, correctly.
     assert set(before) == {"200"}, server.log()[-3000:]
+    # Every request the server had begun was answered, right.
+    assert slow_answers == [(200, [[200.0 + x]]) for x in range(4)], slow_answers
     # Afterwards: answered, refused with 503, or the connection refused/closed. Never a 500.
     assert all(o in {"200", "503"} or o.startswith("transport") for o in after), after
     with pytest.raises(httpx.ConnectError):

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import BitserveServer, bitserve_command, start_server
-from tests.model_formats import FORMAT_FILES, OutOfRange, fingerprint_mlp, reference, write_model
-from tests.repo_utils import model_toml, tensor
+from harness.model_formats import FORMAT_FILES, OutOfRange, fingerprint_mlp, reference, write_model
+from harness.repo_utils import model_toml, tensor
+from harness.server import BitserveServer, bitserve_command, start_server
 
 pytestmark = pytest.mark.e2e
 

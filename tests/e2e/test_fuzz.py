@@ -23,11 +23,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from benchmarks.e2e.fuzzcases import INFER, Case, bad_requests
-from benchmarks.e2e.loadgen import tree_rss_bytes
-from benchmarks.e2e.probes import infer_ok, wait_idle
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.fuzzcases import INFER, Case, bad_requests
+from harness.loadgen import tree_rss_bytes
+from harness.probes import infer_ok, wait_idle
+from harness.server import BitserveServer, start_server
+from harness.workload import Pool
 
 pytestmark = pytest.mark.e2e
 

@@ -34,9 +34,9 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from benchmarks.e2e.workload import Pool, check
+from harness.server import BitserveServer, bitserve_command, free_port, start_server
+from harness.workload import Pool, check
 from service.demo import write_demo_repository
-from tests.e2e.conftest import BitserveServer, bitserve_command, free_port, start_server
 from tests.e2e.slow_model import write_slow_model
 from tests.e2e.triton_simple import write_simple
 

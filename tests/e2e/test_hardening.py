@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from benchmarks.e2e import hostile
-from benchmarks.e2e.fuzzcases import RAW_CASES, examples, judge_raw, raw_requests
-from benchmarks.e2e.probes import write_repository
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import BitserveServer, start_server
+from harness import hostile
+from harness.fuzzcases import RAW_CASES, examples, judge_raw, raw_requests
+from harness.probes import write_repository
+from harness.server import BitserveServer, start_server
+from harness.workload import Pool
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +80,7 @@ def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
         args=["--no-access-log", "--max-connections", str(CAP), "--head-timeout-s", "2"]
     )
     n = 10 * CAP
-    cmd = [sys.executable, "-m", "benchmarks.e2e.hostile", "trickle", "--port", str(server.port)]
+    cmd = [sys.executable, "-m", "harness.hostile", "trickle", "--port", str(server.port)]
     cmd += ["--connections", str(n), "--seconds", "7", "--ramp-s", "1"]
     request = demo.requests()[0]
     with hostile.Peak(hostile.open_files_of(server.process.pid), every_s=0.2) as files:

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import bitserve_command, start_server
+from harness.server import bitserve_command, start_server
 from tests.service.test_hostile_repos import CASES, config, model, tensors
 
 pytestmark = pytest.mark.e2e

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.e2e.loadgen import LevelResult, run_level, tree_rss_bytes
-from benchmarks.e2e.probes import infer_ok, metric, wait_idle, write_repository
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import BitserveServer
+from harness.loadgen import LevelResult, run_level, tree_rss_bytes
+from harness.probes import infer_ok, metric, wait_idle, write_repository
+from harness.server import BitserveServer
+from harness.workload import Pool
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.overhead.perf import perf_analyzer
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.server import BitserveServer, perf_analyzer, start_server
 from tests.e2e.triton_simple import write_simple
 
 pytestmark = pytest.mark.e2e

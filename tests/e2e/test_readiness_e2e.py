@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.server import BitserveServer, start_server
 from tests.service.test_hostile_repos import model
 
 pytestmark = pytest.mark.e2e

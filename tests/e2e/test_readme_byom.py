@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import bitserve_command, start_server
+from harness.server import bitserve_command, start_server
 
 pytestmark = pytest.mark.e2e
 

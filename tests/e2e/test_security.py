@@ -16,16 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.probes import (
+from harness import wire
+from harness.probes import (
     http_status,
     infer_ok,
     raw_request,
     request_bytes,
     write_repository,
 )
-from benchmarks.e2e.workload import Pool
-from tests.e2e.conftest import BitserveServer
+from harness.server import BitserveServer
+from harness.workload import Pool
 
 pytestmark = pytest.mark.e2e
 

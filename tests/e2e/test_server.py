@@ -20,8 +20,8 @@ import tritonclient.http as tc
 import tritonclient.http.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.conftest import BitserveServer
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from harness.server import BitserveServer, wait_begun
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +76,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo: Path) -> Iterator[BitserveServer]:
-    from tests.e2e.conftest import start_server
+    from harness.server import start_server
 
     with start_server(repo) as s:
         yield s
@@ -297,8 +297,13 @@ def test_limits_auth_and_graceful_sigterm(
     root = tmp_path / "slow"
     # A lone request waits up to 1.5 s for company: it is in flight when SIGTERM arrives.
     write_model(root, "slow", max_batch_size=8, delay_us=1_500_000)
+    # A drain deadline no sane machine reaches: the exit must come when the request is
+    # answered, not at the deadline.
+    grace_s = 120
     server = server_factory(
-        root, args=["--max-body-bytes", "1000"], env={"BITSERVE_AUTH_TOKEN": "tok"}
+        root,
+        args=["--max-body-bytes", "1000", "--graceful-shutdown-s", str(grace_s)],
+        env={"BITSERVE_AUTH_TOKEN": "tok"},
     )
     auth = {"Authorization": "Bearer tok"}
 
@@ -332,7 +337,7 @@ def test_limits_auth_and_graceful_sigterm(
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.5)  # the request is now waiting in the batcher
+    wait_begun(server.url, 1, "slow", headers=auth)  # it waits in the batcher now
     started = time.monotonic()
     code = server.terminate()
     t.join(30)
@@ -342,6 +347,6 @@ def test_limits_auth_and_graceful_sigterm(
     log = server.log()
     assert log.index("POST /v2/models/slow/infer 200") < log.index("repository stopped")
     assert "Application shutdown complete" in log
-    assert time.monotonic() - started < 25
+    assert time.monotonic() - started < grace_s
     with pytest.raises(httpx.ConnectError):  # after shutdown, new connections are refused
         httpx.get(server.url + "/v2/health/live", timeout=2)

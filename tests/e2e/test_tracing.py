@@ -1,5 +1,5 @@
 """OpenTelemetry traces end to end: real ``bitserve serve`` processes configured by the
-``OTEL_*`` variables export to a real OTLP receiver on loopback (``tests.otlp_receiver``,
+``OTEL_*`` variables export to a real OTLP receiver on loopback (``harness.otlp_receiver``,
 HTTP and gRPC), every traced request's spans arrive whole and carry its caller's trace id,
 and Triton's trace extension (REST and gRPC, through the unmodified ``tritonclient``)
 changes what is traced, on every worker of ``--workers 2``.
@@ -21,9 +21,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.conftest import BitserveServer, start_server
-from tests.e2e.slow_model import write_paced_model
-from tests.otlp_receiver import OtlpReceiver, Span
+from harness.otlp_receiver import OtlpReceiver, Span
+from harness.paced import write_paced_model
+from harness.server import BitserveServer, start_server
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import tritonclient.utils.shared_memory as shm
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from tests.e2e.conftest import BitserveServer, start_server
+from harness.server import BitserveServer, start_server
 from tests.e2e.triton_simple import write_simple
 
 pytestmark = pytest.mark.e2e

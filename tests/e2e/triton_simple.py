@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.repo_utils import model_toml, tensor, torchscript, write_model_folder
+from harness.repo_utils import model_toml, tensor, torchscript, write_model_folder
 
 SIMPLE_CONFIG = model_toml(
     max_batch_size=8,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -63,3 +64,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
     rtol alone)."""
     scale = ref.abs().max().clamp(min=1e-12)
     torch.testing.assert_close(out.double(), ref.double(), rtol=rtol, atol=rtol * float(scale))
+
+
+def seed(*parts: object) -> int:
+    """A seed from a test's parameters, the same in every process (``hash`` of a string is
+    salted per process: a failure it drew would not come back)."""
+    return zlib.crc32(repr(parts).encode())

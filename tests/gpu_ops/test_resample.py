@@ -25,7 +25,7 @@ from gpu_ops._reference import (
     dense_response_operator,
 )
 from tests.common_utils import cpu_and_cuda, needs_triton
-from tests.gpu_ops.resample_cases import RESPONSES
+from tests.gpu_ops.resample_cases import RESPONSES, seed
 from tests.gpu_ops.resample_cases import assert_close as _assert_close
 from tests.gpu_ops.resample_cases import coarse as _coarse
 from tests.gpu_ops.resample_cases import dense_ref as _dense_ref
@@ -36,7 +36,7 @@ from tests.gpu_ops.resample_cases import grid as _grid
 @pytest.mark.parametrize("name", sorted(RESPONSES))
 @pytest.mark.parametrize("M", [None, 1, 5])
 def test_named_responses_match_dense_einsum(device: str, name: str, M: int | None) -> None:
-    gen = torch.Generator().manual_seed(hash((name, M)) % 2**31)
+    gen = torch.Generator().manual_seed(seed(name, M))
     x, c = _grid(400, gen), _coarse(3, 37, gen)
     params, r = RESPONSES[name]
     support = {"gaussian": 4.0, "lorentzian": 10.0}.get(name)
@@ -483,7 +483,7 @@ def test_functional_form_names_a_non_tensor_input() -> None:
 def test_from_dense_peak_memory_stays_near_the_size_of_the_dense_operator() -> None:
     """The issue's target: peak memory <= 1.2x T. In a fresh process, VmHWM (reset just before
     from_dense) against VmRSS then, for a 244 MiB T (the old code: 2.25x T above T)."""
-    from benchmarks.bench_resample import from_dense_peak
+    from harness.memory import from_dense_peak
 
     assert from_dense_peak(4, 400, 40000, 100 / 40000) <= 0.2
 

@@ -158,7 +158,7 @@ def test_rates_match_elephants_instantaneous_rate(name: str) -> None:
     """Against Elephant itself (the bench extra): its rates at the 0.1 ms sampling period,
     read at our 10 ms coarse points (the alpha kernel: see benchmarks/bench_elephant.py)."""
     pytest.importorskip("elephant")
-    from benchmarks.bench_elephant import elephant_rate, operator, workloads
+    from harness.elephant import elephant_rate, operator, workloads
 
     w = workloads(2, 0.4, seed=1)[0]
     ref = elephant_rate(w, name, 0.01, 1e-4)[:, ::100]

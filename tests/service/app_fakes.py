@@ -23,6 +23,7 @@ from service.config import ModelConfig
 from service.config_override import ConfigOverride
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded
 from service.handle import ModelHandle, Result
+from service.protocol.header_cache import HeaderCache
 from service.protocol.types import InferRequest
 from service.repository import unknown_model
 from service.signature import Bound, Signature
@@ -87,6 +88,7 @@ class FakeHandle(ModelHandle):
         )
         super().__init__(name, version, cfg, pipeline, batcher, [version], batcher.stats)  # type: ignore[arg-type]
         self.signature = _RecordingSignature(self, cfg, shapes)
+        self.headers = HeaderCache()
         self.requests: list[InferRequest] = []
         self.checked: list[tuple[str, str, tuple[int, ...]]] = []
 

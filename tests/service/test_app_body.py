@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+import service.protocol.header_cache as header_cache
 import service.protocol.tensors as tensors
 import service.rest.inference as inference
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
@@ -77,16 +78,19 @@ def binary_body(
     return head + data, {"Inference-Header-Content-Length": str(len(head))}
 
 
-def on_thread_recorder(monkeypatch: pytest.MonkeyPatch, attr: str) -> list[bool]:
-    """Wrap ``service.rest.inference.<attr>``: records whether each call ran off the main thread."""
+def on_thread_recorder(
+    monkeypatch: pytest.MonkeyPatch, attr: str, module: Any = inference
+) -> list[bool]:
+    """Wrap ``module.<attr>`` (``service.rest.inference`` by default): records whether each
+    call ran off the main thread."""
     calls: list[bool] = []
-    real: Callable[..., Any] = getattr(inference, attr)
+    real: Callable[..., Any] = getattr(module, attr)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.current_thread() is not threading.main_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(inference, attr, wrapped)
+    monkeypatch.setattr(module, attr, wrapped)
     return calls
 
 
@@ -111,7 +115,8 @@ async def test_bytes_for_a_model_without_bytes_is_refused_before_parsing_element
 async def test_small_header_big_binary_part_decodes_off_the_loop(
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = on_thread_recorder(monkeypatch, "decode_infer_request")
+    # Headers not seen before: the full decoder (each request's own shape).
+    calls = on_thread_recorder(monkeypatch, "decode_infer_request", header_cache)
     x = np.random.default_rng(0).integers(0, 256, size=(40_000, 4), dtype=np.uint8)
     body, headers = binary_body("x", "UINT8", list(x.shape), x.tobytes())
     resp = await client.post("/v2/models/echo/infer", content=body, headers=headers)

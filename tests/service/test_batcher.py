@@ -427,10 +427,12 @@ class _BrokenMetrics(Metrics):
         super().__init__()
         self.where = where
 
-    def observe_queue(self, model: str, waits: list[float]) -> None:
+    def observe_queue(
+        self, model: str, waits: list[float], levels: list[int] | None = None
+    ) -> None:
         if self.where == "queue":
             raise RuntimeError("metrics broke")
-        super().observe_queue(model, waits)
+        super().observe_queue(model, waits, levels)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         if self.where == "batch":
@@ -488,12 +490,38 @@ def test_retiring_batcher_does_not_drop_the_new_versions_queue_depth() -> None:
         async with one_running(metrics=metrics) as (_, new, running):
             queued = asyncio.ensure_future(new.submit("queued"))
             await asyncio.sleep(0)
-            value = metrics.registry.get_sample_value
+
+            def value(name: str, labels: dict[str, str]) -> float | None:
+                metrics.flush()  # as a scrape does
+                return metrics.registry.get_sample_value(name, labels)
+
             assert value("bitserve_queue_depth", {"model": "m"}) == 1
             await old.stop()  # the reload retires the old version
             assert value("bitserve_queue_depth", {"model": "m"}) == 1
         await asyncio.gather(running, queued)
         assert value("bitserve_queue_depth", {"model": "m"}) == 0
         await new.stop()
+
+    run(main)
+
+
+def test_a_batch_run_on_the_loop_first_takes_the_requests_arriving_this_turn() -> None:
+    """With no queue delay, an inline batch still gathers requests whose tasks start in the
+    turns right after the first one's (bytes already read): one batch, not three."""
+
+    async def main() -> None:
+        rec = Recorder()
+        b = make(rec, max_batch_size=8, inline_below_s=1.0)
+        await b.submit("warm")  # the first batch runs off the loop and sets the CPU average
+        loop = asyncio.get_running_loop()
+        late: list[asyncio.Future[Any]] = []
+        first = asyncio.ensure_future(b.submit("a"))
+        # As the protocol starts a request's task when its head is parsed: next turn.
+        loop.call_soon(lambda: late.append(asyncio.ensure_future(b.submit("b"))))
+        loop.call_soon(lambda: late.append(asyncio.ensure_future(b.submit("c"))))
+        await asyncio.gather(first, *[asyncio.sleep(0)] * 3)
+        await asyncio.gather(*late)
+        assert rec.batches[1:] == [["a", "b", "c"]]
+        await b.stop()
 
     run(main)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,20 @@ def test_demo_repo_then_check_repo(tmp_path: Path, capsys: pytest.CaptureFixture
     # Never overwrites: a second demo-repo into the same folder fails with a message.
     assert main(["demo-repo", str(tmp_path / "repo")]) == 1
     assert "exists already" in capsys.readouterr().err
+
+
+def test_demo_repo_files_take_the_umask_permissions(tmp_path: Path) -> None:
+    # The container's user (uid 10001) reads the repository through a mount: every file
+    # gets the permissions the umask gives (0644 under 022), none is private to its writer.
+    old = os.umask(0o022)
+    try:
+        assert main(["demo-repo", str(tmp_path / "repo")]) == 0
+    finally:
+        os.umask(old)
+    files = [f for f in (tmp_path / "repo").rglob("*") if f.is_file()]
+    assert {f.name for f in files} == {"config.toml", "operator.safetensors"}
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 
 
 def test_check_repo_reports_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -483,7 +483,7 @@ async def test_a_peer_message_needs_the_secret_and_a_change(run_dir: Path) -> No
 async def test_grpc_changes_take_the_same_path(run_dir: Path) -> None:
     import tritonclient.grpc.aio as tgrpc
 
-    from tests.e2e.conftest import free_port
+    from harness.server import free_port
 
     a, b = Worker(run_dir, 0, grpc=True, grpc_port=free_port()), Worker(run_dir, 1)
     async with b.running(), a.running():

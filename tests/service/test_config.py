@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from service.builder import check_repository as _check_repository
 from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
@@ -18,8 +20,6 @@ from service.config import (
     valid_model_name,
 )
 from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
-from service.model_files import check_repository as _check_repository
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 
 def check_repository(root: Path) -> list[str]:
@@ -110,6 +110,12 @@ def test_good_config_and_defaults() -> None:
             "operator: response = 'tabulated' takes no sigma",
         ),
         (('response = "gaussian"', 'response = "cauchy"'), "operator.response: Input should"),
+        (
+            ('response = "gaussian"\nsigma = 2.0', 'response = "tabulated"\non_the_fly = true'),
+            "operator: on_the_fly needs a named response",
+        ),
+        (("sigma = 2.0", 'sigma = 2.0\ncenter = "mean"'), "operator.center: Input should be"),
+        (("sigma = 2.0", 'sigma = 2.0\nborder = "reflect"'), "operator.border: Input should"),
         (('file = "op.safetensors"', 'file = "../op.safetensors"'), "operator.file: must be"),
         (('file = "op.safetensors"', 'file = "/etc/passwd"'), "operator.file: must be"),
         (('name = "out"', 'name = "spikes"'), "(top level): tensor names must be unique"),

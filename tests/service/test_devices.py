@@ -39,7 +39,9 @@ def test_resolve_device_with_a_fake_gpu_count(monkeypatch: pytest.MonkeyPatch) -
     assert resolve_device("cpu", "cuda:1") == "cpu"
     with pytest.raises(ValueError, match="this host has 2 CUDA device"):
         resolve_device("cuda:2")
-    with pytest.raises(ConfigError, match=r"m/config.toml: device: device 'cuda:5', but this"):
+    with pytest.raises(
+        ConfigError, match=r"m/config.toml: device: device 'cuda:5' requested but this"
+    ):
         resolve_for_config("cuda:5", source="m/config.toml")
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     assert resolve_device("auto") == "cpu"

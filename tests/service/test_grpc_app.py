@@ -20,12 +20,12 @@ import pytest
 import tritonclient.grpc.aio as tgrpc
 from tritonclient.utils import InferenceServerException
 
+from harness.server import free_port
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
 from service.rest.app import BitserveApp, create_app
 from service.settings import Settings
 from service.signature import Bound
-from tests.e2e.conftest import free_port
 from tests.service.app_fakes import FakeRepository
 
 pytestmark = pytest.mark.anyio

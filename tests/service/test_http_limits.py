@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from benchmarks.e2e.probes import read_until_closed
+from harness.probes import read_until_closed
 from service.rest.app import create_app
 from service.rest.server import uvicorn_config
 from service.settings import Settings
@@ -210,7 +210,8 @@ def test_the_skipped_rest_of_an_early_answered_body_is_bounded_by_the_head_clock
     [
         b"GET /v2/" + b"a" * MAX_HEAD + b" HTTP/1.1\r\nHost: t\r\n\r\n",  # a long target
         b"GET /v2 HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * MAX_HEAD + b"\r\n\r\n",
-        b"GET /v2 HTTP/1.1\r\n" + b"X-Many: c\r\n" * (MAX_HEAD // 10),
+        # Fewer lines than max_headers (100), more bytes than the bound.
+        b"GET /v2 HTTP/1.1\r\n" + (b"X-Many: " + b"c" * 70 + b"\r\n") * (MAX_HEAD // 70),
     ],
     ids=["target", "one-header", "many-headers"],
 )

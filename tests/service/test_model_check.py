@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from harness.model_formats import fingerprint_mlp, write_model
+from harness.repo_utils import model_toml, tensor
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
+from service.builder import build_version, check_repository
 from service.config import ConfigError, model_versions, parse_config
 from service.errors import InvalidInput
 from service.model_check import handed_dtypes
-from service.model_files import build_version, check_repository
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
 from service.signature import Signature
 from service.text import clean_reason
-from tests.model_formats import fingerprint_mlp, write_model
-from tests.repo_utils import model_toml, tensor
 
 BITS = 64
 

@@ -15,16 +15,11 @@ import pytest
 import torch
 
 from gpu_ops.resample import BandedResampler
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+from service.builder import check_repository
 from service.config import ConfigError, model_versions, parse_config
-from service.model_files import (
-    buffer_bytes,
-    check_operator,
-    check_repository,
-    load_version,
-    operator_bytes,
-)
+from service.model_files import buffer_bytes, check_operator, load_version, operator_bytes
 from service.pipeline import build_operator
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B = 3, 40
 

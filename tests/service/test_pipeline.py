@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 from service.backends import ModuleModel
 from service.config import ConfigError, ModelConfig, parse_config
-from service.model_files import load_version
-from service.pipeline import Artifacts, Pipeline
+from service.model_files import Artifacts, load_version
+from service.pipeline import Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
-from tests.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
 
@@ -178,6 +178,24 @@ def test_bfloat16_compute() -> None:
     assert got.dtype == np.float32  # the output datatype, whatever the compute dtype
     ref = dense_reference(t, bits, gaussian(2.5, 4))
     np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("on_the_fly", [False, True])
+def test_new_responses_and_options(on_the_fly: bool) -> None:
+    """[operator] laplacian by sigma, normalised and scaled, stored or on the fly."""
+    t = tensors()
+    keys = 'response = "laplacian"\nsigma = 2.0\nnormalize = true\nscale = 3.0'
+    keys += f"\non_the_fly = {str(on_the_fly).lower()}"
+    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
+    bits = random_bits(3, seed=12)
+    tau = 2.0 / np.sqrt(2.0)  # sigma = sqrt(2) tau
+
+    def laplacian(d: torch.Tensor) -> torch.Tensor:
+        return 3.0 * torch.exp(-d.abs() / tau) / (2 * tau) * (d.abs() <= 5 * 2.0)
+
+    ref = dense_reference(t, bits, laplacian)
+    got = pipe.run([packed(bits)])[0][0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_tabulated_asymmetric_response() -> None:

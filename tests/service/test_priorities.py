@@ -106,7 +106,11 @@ def test_per_level_metrics_and_cancelled_requests_are_counted() -> None:
         tasks = await queued_behind_a_running_batch(b, rec, [("low", 1, 2), ("high", 1, 1)])
         gone = asyncio.ensure_future(b.submit("gone", level=2))
         await asyncio.sleep(0)
-        value = metrics.registry.get_sample_value
+
+        def value(name: str, labels: dict[str, str]) -> float | None:
+            metrics.flush()  # as a scrape does
+            return metrics.registry.get_sample_value(name, labels)
+
         assert value("bitserve_priority_queue_depth", {"model": "m", "priority": "2"}) == 2
         assert value("bitserve_priority_queue_depth", {"model": "m", "priority": "1"}) == 1
         gone.cancel()

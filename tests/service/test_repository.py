@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.repo_utils import bits_input, demo_reference, model_toml, tensor, write_model_folder
 from service import dataplane
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, ServiceError
 from service.handle import ModelHandle
 from service.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse, RequestInput, RequestOutput
 from service.repository import ModelRepository
-from tests.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
 N, B, A = 2, 21, 4
 
@@ -108,22 +108,6 @@ def test_concurrent_requests_are_merged_and_equal_one_by_one(tmp_path: Path) -> 
         await repo.stop()
 
     run(main)
-
-
-def demo_reference(bits: np.ndarray) -> np.ndarray:
-    """The demo in float64: Gaussian sigma 125 cut at 4 sigma, summed over each window."""
-    from service.demo import SIGMA, SUPPORT_SIGMAS, demo_tensors
-
-    t = demo_tensors()
-    x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)
-    half = int(SIGMA * SUPPORT_SIGMAS) + 1
-    lo = np.floor(c).astype(np.int64)[..., None] + np.arange(-half, half + 2)  # (N, A, W)
-    idx = np.clip(lo, 0, x.size - 1)
-    d = c[..., None] - x[idx]
-    w = np.exp(-0.5 * (d / SIGMA) ** 2) * (np.abs(d) <= SUPPORT_SIGMAS * SIGMA) * (lo == idx)
-    f = bits.astype(np.float64)  # (M, N, B)
-    n = np.arange(c.shape[0])[:, None, None]
-    return np.einsum("naw,mnaw->mna", w, f[:, n, idx])
 
 
 def test_demo_builtin_and_written_repository_agree(tmp_path: Path) -> None:

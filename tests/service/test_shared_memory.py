@@ -243,7 +243,7 @@ def attempt(fn: Callable[..., Any], *args: Any) -> Any:
 @settings(
     max_examples=FUZZ_EXAMPLES,
     deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
     region=st.tuples(st.integers(-5, SIZE + 5), st.integers(-5, SIZE + 5)),
@@ -293,7 +293,7 @@ def test_fuzz_nothing_outside_a_region_is_read_or_written(
 @settings(
     max_examples=FUZZ_EXAMPLES,
     deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(key=st.text(alphabet=st.sampled_from("/.-_aZ09 \\\x00~%:"), max_size=12) | st.text())
 def test_fuzz_keys_only_ever_name_an_object_in_the_directory(tmp_path: Path, key: str) -> None:

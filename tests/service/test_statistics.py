@@ -22,7 +22,8 @@ from service.config import ModelConfig
 from service.errors import InvalidInput
 from service.gpu_metrics import GpuGauges
 from service.metrics import Metrics
-from service.pipeline import Artifacts, Pipeline
+from service.model_files import Artifacts
+from service.pipeline import Pipeline
 from service.rest.app import create_app
 from service.settings import Settings
 from service.signature import Bound, WireInput

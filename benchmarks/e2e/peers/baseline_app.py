@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from benchmarks.e2e.workload import MODEL_NAME, N_FINE, N_FUNCTIONS, PACKED_LEN, TorchWorkload
+from harness.workload import MODEL_NAME, N_FINE, N_FUNCTIONS, PACKED_LEN, TorchWorkload
 
 
 def create_app() -> FastAPI:

@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
     from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer  # type: ignore[import-not-found]
 
-    from benchmarks.e2e.workload import MODEL_NAME, OUTPUT_NAME, TorchWorkload
+    from harness.workload import MODEL_NAME, OUTPUT_NAME, TorchWorkload
 
     class LoopbackConfig(uvicorn.Config):
         def __init__(self, *a: Any, **kw: Any) -> None:

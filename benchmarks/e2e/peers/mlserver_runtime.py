@@ -16,7 +16,7 @@ from mlserver import MLModel  # type: ignore[import-not-found]
 from mlserver.codecs import NumpyCodec  # type: ignore[import-not-found]
 from mlserver.types import InferenceRequest, InferenceResponse  # type: ignore[import-not-found]
 
-from benchmarks.e2e.workload import OUTPUT_NAME, TorchWorkload
+from harness.workload import OUTPUT_NAME, TorchWorkload
 
 
 class ResampleRuntime(MLModel):  # type: ignore[misc]

@@ -1,6 +1,6 @@
 """Closed-loop load generator: C concurrent clients, every answer checked against float64.
 
-Runs in its own process (never inside a server): ``python -m benchmarks.e2e.loadgen --url ...
+Runs in its own process (never inside a server): ``python -m harness.loadgen --url ...
 --format packed --concurrency 8 --seconds 10 --pool-file pool.npz --server-pid PID`` prints one
 JSON :class:`LevelResult`. The end-to-end tests import :func:`run_level` directly.
 
@@ -26,8 +26,8 @@ import httpx
 import numpy as np
 import psutil
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.workload import Pool, check
+from harness import wire
+from harness.workload import Pool, check
 
 
 def tree_cpu_seconds(pid: int | None) -> float:
@@ -134,7 +134,7 @@ async def run_level(
         url: the infer URL; for the ``grpc`` format the server's ``host:port``, with one
             channel (one HTTP/2 connection) per client, as each HTTP client has its own
             connection.
-        fmt: the wire format (see :mod:`benchmarks.e2e.wire`).
+        fmt: the wire format (see :mod:`harness.wire`).
         pool: the items cycled through, with their references.
         concurrency: number of clients, each with at most one request in flight.
         seconds: timed phase length; or
@@ -152,7 +152,12 @@ async def run_level(
     res = LevelResult(fmt=fmt, concurrency=concurrency, request_bytes=len(bodies[0].content))
     statuses: Counter[str] = Counter()
     resp_bytes: list[int] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # An idle connection is dropped by the client before the server's keep-alive timeout (5 s
+    # by default) can close it: reusing one the server is closing at that moment fails with a
+    # reset (httpx's own expiry is 5 s too, which made the two race).
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(timeout_s)
     counter = 0
     deadline = float("inf")

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from benchmarks.e2e.workload import INPUT_NAME, N_COARSE, N_FUNCTIONS, OUTPUT_NAME
+from harness.workload import INPUT_NAME, N_COARSE, N_FUNCTIONS, OUTPUT_NAME
 
 GRPC_MODEL = "demo"
 """The model gRPC requests name (bitserve's built-in demo; gRPC puts the name in the message)."""

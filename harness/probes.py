@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.workload import Pool, check
+from harness import wire
+from harness.workload import Pool, check
 
 
 def write_repository(

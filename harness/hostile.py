@@ -2,7 +2,7 @@
 
 - :func:`trickle`: N connections trickling request heads a byte at a time (slowloris),
   reconnecting when the server cuts them; also a command (``python -m
-  benchmarks.e2e.hostile trickle ...``) so the tricklers run in their own process;
+  harness.hostile trickle ...``) so the tricklers run in their own process;
 - :func:`side_client`: a closed-loop client measuring the latency of real requests meanwhile;
 - :func:`upload`, :func:`upload_crowd`: slow uploads of big bodies, many at once;
 - :func:`open_loop`: requests at a fixed rate whatever the answers (open loop), each timed
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.e2e import wire
-from benchmarks.e2e.fuzzcases import INFER, ITEM
-from benchmarks.e2e.loadgen import is_error_body, tree_rss_bytes
-from benchmarks.e2e.probes import request_bytes
-from benchmarks.e2e.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN, Pool, check
+from harness import wire
+from harness.fuzzcases import INFER, ITEM
+from harness.loadgen import is_error_body, tree_rss_bytes
+from harness.probes import request_bytes
+from harness.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN, Pool, check
 
 HOST = "127.0.0.1"
 
@@ -144,7 +144,7 @@ class FuzzStats:
     statuses: Counter[str] = field(default_factory=Counter)
     """The first answer's status per request; ``"none"``: no answer (incomplete request)."""
     problems: list[str] = field(default_factory=list)
-    """What :func:`benchmarks.e2e.fuzzcases.judge_raw` found wrong, with the case's name."""
+    """What :func:`harness.fuzzcases.judge_raw` found wrong, with the case's name."""
 
 
 async def send_all(

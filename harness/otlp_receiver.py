@@ -1,4 +1,4 @@
-"""A real OTLP trace receiver on loopback, for tests and benchmarks: OTLP/HTTP (protobuf,
+"""A real OTLP trace receiver on loopback, for the tests and the benchmarks: OTLP/HTTP (protobuf,
 ``POST /v1/traces``) or OTLP/gRPC (``TraceService/Export``), decoding the exporters' messages
 with the opentelemetry-proto package (the ``tracing`` extra brings it).
 

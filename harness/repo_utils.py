@@ -1,4 +1,5 @@
-"""Model-repository helpers shared by the tests: ``config.toml`` text and model folders.
+"""Model-repository helpers shared by the tests: ``config.toml`` text, model folders, and
+the built-in demo's float64 reference.
 
 A config is written from Python values, one ``key = value`` line each, so that tests which
 edit the text (``GOOD.replace("sigma = 2.0", ...)``) can rely on its spelling::
@@ -17,6 +18,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def toml_value(value: Any) -> str:
@@ -107,3 +110,24 @@ def torchscript(module: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return torch.jit.script(module)  # type: ignore[no-untyped-call]
+
+
+def demo_reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The built-in demo in float64: ``bits`` (M, 20, 50000) -> (M, 20, 500).
+
+    A Gaussian of sigma 125 cut at 4 sigma, summed over each coarse point's window only (the
+    dense operator would be 20 x 500 x 50000 float64 = 4 GB).
+    """
+    from service.demo import SIGMA, SUPPORT_SIGMAS, demo_tensors
+
+    t = demo_tensors()
+    x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)
+    half = int(SIGMA * SUPPORT_SIGMAS) + 1
+    lo = np.floor(c).astype(np.int64)[..., None] + np.arange(-half, half + 2)  # (N, A, W)
+    idx = np.clip(lo, 0, x.size - 1)
+    d = c[..., None] - x[idx]
+    w = np.exp(-0.5 * (d / SIGMA) ** 2) * (np.abs(d) <= SUPPORT_SIGMAS * SIGMA) * (lo == idx)
+    f = bits.astype(np.float64)  # (M, N, B)
+    n = np.arange(c.shape[0])[:, None, None]
+    result: np.ndarray[Any, Any] = np.einsum("naw,mnaw->mna", w, f[:, n, idx])
+    return result

@@ -18,8 +18,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from benchmarks.e2e.loadgen import is_error_body
-from benchmarks.e2e.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN
+from harness.loadgen import is_error_body
+from harness.workload import INPUT_NAME, N_FUNCTIONS, PACKED_LEN
 
 INFER = "/v2/models/demo/infer"
 ITEM = N_FUNCTIONS * PACKED_LEN  # packed bytes of one item

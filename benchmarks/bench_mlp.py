@@ -1,0 +1,181 @@
+"""A light model at high rates: a 2048-bit fingerprint MLP through ``infer_many``.
+
+The model (``benchmarks/overhead/mlp.py``: 2048 -> 256 -> 1, a ``torch.export`` program) is
+served three ways, each started once and measured in interleaved rounds (medians reported):
+
+- bitserve with its defaults (``--workers auto``), and with ``--workers 1``, driven by the
+  client a user would use: ``Client.infer_many`` on a bool array of the fingerprints (packed
+  by the client, 256 bytes a row on the wire), 64 rows a request, its default concurrency 4;
+- a hand-written FastAPI endpoint that takes the same rows as raw float32 bytes (8 KiB a row)
+  and runs the same program (``benchmarks/overhead/fastapi_mlp.py``), driven by a thread pool
+  of the same size posting 64-row bodies over ``httpx``.
+
+Every score is checked against the program run here on the same rows.
+
+    python -m benchmarks.bench_mlp            # writes benchmarks/results/mlp.md
+    python -m benchmarks.bench_mlp --smoke    # short runs, prints only
+    python -m benchmarks.bench_mlp --workers-per-gpu 1,2,4   # a GPU host: workers per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks._common import markdown_table, parse_args, report
+from benchmarks.overhead import mlp, perf
+from benchmarks.overhead.perf import Running
+
+CONCURRENCY = 4
+"""``infer_many``'s default: requests in flight at once."""
+DEFAULTS = "bitserve (defaults: --workers auto)"
+WORKERS_1 = "bitserve --workers 1"
+FASTAPI = "hand-written FastAPI, float32 rows"
+
+
+def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The float32 program's scores on ``bits`` (rows x 2048 bool), computed here."""
+    import torch
+
+    model: Any = torch.export.load(str(program)).module()
+    rows = torch.from_numpy(bits.astype(np.float32))
+    with torch.inference_mode():  # in chunks the program's batch dimension allows
+        out = [
+            model(rows[i : i + mlp.MAX_BATCH_SIZE]) for i in range(0, len(rows), mlp.MAX_BATCH_SIZE)
+        ]
+    return np.asarray(torch.cat(out).numpy()).reshape(-1)
+
+
+def run_bitserve(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.ndarray[Any, Any]]:
+    """Seconds for ``infer_many`` over every row, and the scores."""
+    from bitserve_client import Client
+
+    with Client(server.url, timeout=60) as client:
+        t0 = time.perf_counter()
+        result = client.infer_many(
+            mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=CONCURRENCY, progress=False
+        )
+        seconds = time.perf_counter() - t0
+    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
+
+
+def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.ndarray[Any, Any]]:
+    """Seconds for every row posted as float32 bytes, 64 rows a request, and the scores."""
+    starts = range(0, len(bits), mlp.BATCH)
+    scores: list[bytes] = [b""] * len(starts)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+
+        def one(k: int) -> None:
+            rows = bits[starts[k] : starts[k] + mlp.BATCH].astype(np.float32)
+            r = client.post("/predict", content=rows.tobytes())
+            r.raise_for_status()
+            scores[k] = r.content
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            list(pool.map(one, range(len(starts))))
+        seconds = time.perf_counter() - t0
+    return seconds, np.frombuffer(b"".join(scores), np.float32)
+
+
+def gpu_sweep(root: Path, per_gpu: list[int]) -> list[tuple[str, list[str]]]:
+    """bitserve on CUDA with ``k`` workers per GPU for each ``k`` (a GPU host's rule)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if not gpus:
+        raise SystemExit("--workers-per-gpu needs a CUDA device")
+    return [
+        (f"bitserve --workers {k * gpus} ({k} per GPU)",
+         perf.bitserve(root, "--workers", str(k * gpus), "--device", "cuda"))
+        for k in per_gpu
+    ]  # fmt: skip
+
+
+def main() -> None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workers-per-gpu", default=None, help="e.g. 1,2,4: a GPU host's sweep")
+    known, rest = pre.parse_known_args()
+    args = parse_args(__doc__.splitlines()[0], rest)
+    sweep = [int(k) for k in known.workers_per_gpu.split(",")] if known.workers_per_gpu else []
+    rounds, rows = (1, 20 * mlp.BATCH) if args.smoke else (3, 1000 * mlp.BATCH)
+    rng = np.random.default_rng(0)
+    bits = rng.random((rows, mlp.BITS)) < 0.5
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-mlp-") as tmp:
+        program = mlp.write_repository(Path(tmp))
+        expected = reference(program, bits)
+        servers = [
+            (DEFAULTS, perf.bitserve(Path(tmp))),
+            (WORKERS_1, perf.bitserve(Path(tmp), "--workers", "1")),
+            (FASTAPI, [*perf.module("benchmarks.overhead.fastapi_mlp"), "--program", str(program)]),
+        ]
+        if sweep:
+            servers = [servers[0], *gpu_sweep(Path(tmp), sweep)]
+        with perf.start(servers) as running:
+            warm = bits[: 4 * mlp.BATCH]
+            for r in running:  # warm-up: every worker's connections and allocator pools
+                (run_fastapi if r.label == FASTAPI else run_bitserve)(r, warm)
+            for k in range(rounds):
+                for r in running[k % len(running) :] + running[: k % len(running)]:
+                    # Each round starts with the next server: no one is always first.
+                    run = run_fastapi if r.label == FASTAPI else run_bitserve
+                    seconds, got = run(r, bits)
+                    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+                    results.setdefault(r.label, []).append(rows / seconds)
+                    print(f"{r.label}: {rows / seconds:,.0f} rows/s", flush=True)
+
+    def med(label: str) -> float:
+        return statistics.median(results[label])
+
+    table = markdown_table(
+        ["server", "rows/s (median)", "rounds"],
+        [[label, med(label), ", ".join(f"{x:,.0f}" for x in results[label])] for label in results],
+    )
+    if sweep:
+        targets = markdown_table(
+            ["measure", "value", "target"],
+            [[f"{label} / {DEFAULTS}", med(label) / med(DEFAULTS), "reported"]
+             for label in results if label != DEFAULTS],
+        )  # fmt: skip
+    else:
+        targets = markdown_table(
+            ["measure", "value", "target"],
+            [
+                [f"{DEFAULTS} / {FASTAPI}", med(DEFAULTS) / med(FASTAPI), ">= 1.5"],
+                [f"{WORKERS_1} / {FASTAPI}", med(WORKERS_1) / med(FASTAPI), "reported"],
+                [f"{DEFAULTS} / {WORKERS_1}", med(DEFAULTS) / med(WORKERS_1), ">= 0.95"],
+            ],
+        )
+    body = f"""
+A 2048-bit fingerprint MLP (2048 -> 256 -> 1, `torch.export`), {rows:,} random fingerprints,
+{mlp.BATCH} rows a request, {CONCURRENCY} requests in flight; {rounds} interleaved round(s),
+the client on the same {os.cpu_count()} cores as the server. bitserve gets the rows bit-packed
+(256 bytes each) through `bitserve_client`'s `infer_many`; the hand-written endpoint gets them
+as float32 (8,192 bytes each). Every score is checked against the program run in the
+benchmark.
+
+{table}
+
+{targets}
+"""
+    report(
+        "mlp_gpu" if sweep else "mlp",
+        "A light model at high rates: the fingerprint MLP through infer_many",
+        body,
+        smoke=args.smoke,
+        devices=args.device,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""``bitserve score``: the command line of :func:`service.ray.job.score_files`.
+
+    bitserve score --model-repository R --model M INPUT OUTPUT/ [--address ADDR] [...]
+
+Without ``--address`` it starts a Ray of its own, embedded in the process (this machine's CPUs
+and GPUs), even where a local cluster runs; with it (``auto``: the local cluster), it joins that
+cluster. Ray Data's own progress bars show the reads, the scoring and the writes. Run
+it again with the same arguments to resume: rows already in OUTPUT are skipped.
+
+This module imports Ray only when the command runs (``bitserve --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Add the ``score`` command to the ``bitserve`` subcommands."""
+    p = sub.add_parser(
+        "score",
+        help="score Parquet files of packed rows on Ray Data (needs the ray extra)",
+        description="Score every row of INPUT (a Parquet file or a folder of them; a path "
+        "or a URI such as s3://) with a model of a repository, on Ray Data: one actor per "
+        "GPU, or CPU actors. Each input file NAME.parquet gets an output folder OUTPUT/NAME/ "
+        "of files <start>-<stop>.parquet (its rows start..stop-1): the model's outputs, one "
+        "column each, beside every column that is not an input. Resumable: run it again "
+        "and the rows already written are skipped.",
+    )
+    p.add_argument(
+        "--model-repository",
+        required=True,
+        metavar="DIR",
+        help="the model repository (every node must see it at this path)",
+    )
+    p.add_argument("--model", required=True, help="the model's name")
+    p.add_argument(
+        "--model-version",
+        dest="version",
+        default=None,
+        metavar="V",
+        help="the model version [default: the highest]",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="a Ray cluster to join (e.g. auto, ray://head:10001, 10.0.0.1:6379) "
+        "[default: start Ray in this process]",
+    )
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a fixed number of scoring actors [default: one per GPU; without "
+        "GPUs from 1 up to the CPUs less one]",
+    )
+    p.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        metavar="G",
+        help="GPUs per actor [default: 1 on a cluster with GPUs, else 0]",
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=float,
+        default=None,
+        metavar="C",
+        help="CPUs per actor, its torch threads [default 1]",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="device for models whose config says auto [default: the actor's GPU, else cpu]",
+    )
+    p.add_argument(
+        "--bitorder",
+        choices=["big", "little"],
+        default=None,
+        help="bit order of the packed columns [default: the model's]",
+    )
+    p.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="also write the input columns (by default they are left out)",
+    )
+    p.add_argument(
+        "--rows-per-task",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows a read task reads [default 262144]",
+    )
+    p.add_argument(
+        "--resources",
+        default=None,
+        metavar="JSON",
+        help="custom Ray resources per actor, e.g. '{\"scorer\": 1}'",
+    )
+    p.add_argument("input", metavar="INPUT", help="a Parquet file or folder (path or URI)")
+    p.add_argument("output", metavar="OUTPUT", help="the output folder (path or URI)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``bitserve score``; the exit status: 0 done, 1 failed, 2 bad usage."""
+    for flag, value in (("--actors", args.actors), ("--rows-per-task", args.rows_per_task)):
+        if value is not None and value < 1:
+            print(f"bitserve score: {flag} must be at least 1", file=sys.stderr)
+            return 2
+    extra: dict[str, Any] = {}
+    if args.resources is not None:
+        try:
+            extra["resources"] = json.loads(args.resources)
+        except ValueError as e:
+            print(f"bitserve score: --resources: not JSON: {e}", file=sys.stderr)
+            return 2
+    if args.rows_per_task is not None:
+        extra["rows_per_task"] = args.rows_per_task
+    try:
+        import ray
+    except ImportError:
+        print("bitserve score: needs Ray: pip install 'bitserve[ray]'", file=sys.stderr)
+        return 1
+    from service.ray.job import IncompleteOutput, score_files
+    from service.ray.scorer import ScoringError
+
+    if args.address is None:  # a new Ray of its own, even where a local cluster runs
+        ray.init(address="local", include_dashboard=False)
+    else:
+        ray.init(address=args.address)
+    try:
+        report = score_files(
+            args.input,
+            args.output,
+            args.model_repository,
+            args.model,
+            version=args.version,
+            keep_inputs=args.keep_inputs,
+            bitorder=args.bitorder,
+            device=args.device,
+            actors=args.actors,
+            num_gpus=args.num_gpus,
+            num_cpus=args.num_cpus,
+            **extra,
+        )
+    except (ScoringError, IncompleteOutput, ValueError) as e:
+        print(f"bitserve score: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(
+        f"{report.output}: {report.scored} row(s) scored, {report.skipped} already there, "
+        f"{report.files} file(s), {report.seconds:.1f} s ({report.rows_per_s:,.0f} rows/s)"
+    )
+    return 0

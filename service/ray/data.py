@@ -1,0 +1,148 @@
+"""Ray Data: score any Dataset of packed rows with a model of a repository.
+
+:func:`score` adds one ``map_batches`` stage of :class:`~service.ray.scorer.BatchScorer` actors
+to a Dataset: the model resident once per actor, one actor per GPU on a GPU cluster
+(``num_gpus=1``), CPU actors otherwise, batches of the model's ``max_batch_size`` rows in
+Ray's NumPy batch format (no pandas)::
+
+    import ray
+    from service.ray import score
+
+    ds = ray.data.read_parquet("s3://library/fingerprints/")   # id, fp (256 B a row)
+    score(ds, "models/", "fingerprint").write_parquet("s3://library/scores/")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.ray.scorer import BatchScorer, read_config
+
+if TYPE_CHECKING:
+    import ray.data
+
+
+@dataclass(frozen=True)
+class Actors:
+    """How the scoring actors are placed.
+
+    Attributes:
+        min_actors, max_actors: the actor pool's size (Ray Data grows it with the work).
+        num_gpus: GPUs per actor (1 on a GPU cluster; 0 on CPUs).
+        num_cpus: CPUs per actor (its torch threads).
+    """
+
+    min_actors: int
+    max_actors: int
+    num_gpus: float
+    num_cpus: float
+
+
+def plan_actors(
+    resources: Mapping[str, float],
+    *,
+    actors: int | None = None,
+    num_gpus: float | None = None,
+    num_cpus: float | None = None,
+) -> Actors:
+    """The actors for a cluster of ``resources`` (``ray.cluster_resources()``).
+
+    On a cluster with GPUs: one actor per GPU (``num_gpus=1``, ``num_cpus=1``), a fixed pool.
+    Without: CPU actors of ``num_cpus`` (default 1) each, a pool of 1 up to the cluster's CPUs
+    less one per actor-sized share for the reads and writes (at least 1).
+
+    Args:
+        resources: the cluster's total resources.
+        actors: a fixed number of actors instead.
+        num_gpus, num_cpus: per actor, instead of the defaults.
+
+    Raises:
+        ValueError: a negative or zero count.
+    """
+    gpus = float(resources.get("GPU", 0))
+    cpus = float(resources.get("CPU", 1))
+    if num_gpus is None:
+        num_gpus = 1.0 if gpus >= 1 else 0.0
+    if num_cpus is None:
+        num_cpus = 1.0
+    if num_gpus < 0 or num_cpus <= 0:
+        raise ValueError(f"num_gpus must be >= 0 and num_cpus > 0 (got {num_gpus}, {num_cpus})")
+    if actors is not None:
+        if actors < 1:
+            raise ValueError(f"actors must be at least 1 (got {actors})")
+        return Actors(actors, actors, num_gpus, num_cpus)
+    if num_gpus > 0:
+        n = max(1, int(gpus // num_gpus))
+        return Actors(n, n, num_gpus, num_cpus)
+    # Keep a share of the CPUs for the read and write tasks that feed and drain the actors.
+    n = max(1, int((cpus - 1) // num_cpus))
+    return Actors(1, n, 0.0, num_cpus)
+
+
+def score(
+    ds: ray.data.Dataset,
+    repository: str | Path,
+    model: str,
+    *,
+    version: str | None = None,
+    bitorder: str | None = None,
+    keep_inputs: bool = False,
+    device: str = "auto",
+    actors: int | None = None,
+    num_gpus: float | None = None,
+    num_cpus: float | None = None,
+    **ray_remote_args: Any,
+) -> ray.data.Dataset:
+    """``ds`` with every row scored by ``model`` (lazily, as every Dataset transform).
+
+    Args:
+        ds: rows with one column per model input (one item's packed bytes a row; see
+            :mod:`service.ray.scorer`) and any others, which pass through.
+        repository: the model repository folder; every node must see it at this path.
+        model: the model's name.
+        version: the version; None: the highest (read once, here, so every actor loads the
+            same one).
+        bitorder: the packed columns' bit order; None: the model's.
+        keep_inputs: keep the input columns in the result.
+        device: the device for a config that says ``auto`` (each actor's own GPU by default).
+        actors, num_gpus, num_cpus: see :func:`plan_actors`.
+        ray_remote_args: passed on to ``map_batches`` (``resources``, ``scheduling_strategy``,
+            ``memory``, ...).
+
+    Returns:
+        the pass-through columns and one column per model output (see
+        :meth:`BatchScorer.__call__`).
+
+    Raises:
+        ScoringError: no such model or version, or an invalid config (checked here, before
+            any actor starts).
+    """
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    root = Path(repository).resolve()
+    version, cfg = read_config(root, model, version)
+    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    plan = plan_actors(resources, actors=actors, num_gpus=num_gpus, num_cpus=num_cpus)
+    return ds.map_batches(
+        BatchScorer,
+        fn_constructor_kwargs={
+            "repository": str(root),
+            "model": model,
+            "version": version,
+            "device": device,
+            "bitorder": bitorder,
+            "keep_inputs": keep_inputs,
+        },
+        batch_size=max(cfg.max_batch_size, 1),
+        batch_format="numpy",
+        zero_copy_batch=True,
+        compute=ActorPoolStrategy(min_size=plan.min_actors, max_size=plan.max_actors),
+        num_gpus=plan.num_gpus,
+        num_cpus=plan.num_cpus,
+        udf_modifying_row_count=False,
+        **ray_remote_args,
+    )
