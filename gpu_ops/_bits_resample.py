@@ -187,7 +187,7 @@ def shape_out(out: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     return out.reshape(*lead, *out.shape[1:])
 
 
-def pieces_of(shape: responses.Shape) -> int | None:
-    """Polynomial pieces of an on-the-fly response (None: not piecewise polynomial)."""
-    got = responses.PIECES.get(shape.spec.name)
+def pieces_of(response: str) -> int | None:
+    """Polynomial pieces of an on-the-fly response, by name (None: not piecewise polynomial)."""
+    got = responses.PIECES.get(response)
     return None if got is None else len(got[1])

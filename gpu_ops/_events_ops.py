@@ -10,7 +10,8 @@ op                          computes
 ``bit_counts``              set bits per row of packed (R, nbytes): int64 (R,)
 ``events_band_forward``     out (M, N, A): each event adds its stored weights to the windows
                             that hold it
-``events_otf_forward``      the same, the response evaluated per event (on the fly)
+``events_otf_forward``      the same, the response (named, or a table) evaluated per event
+                            (on the fly)
 ``prefix_forward``          out (M, N, A) of a piecewise polynomial response (boxcar,
                             triangle, epanechnikov) by prefix sums over the events
 ==========================  ==================================================================
@@ -127,7 +128,7 @@ def _torch_events_otf(
     packed: Tensor, x: Tensor, c: Tensor, first: Tensor, last: Tensor, param: Tensor,
     response: str, big: bool,
 ) -> Tensor:  # fmt: skip
-    """out (M, N, A) float32 (float64 param: float64): the named response on the events.
+    """out (M, N, A) float32 (float64 param: float64): the response on the events.
 
     Args:
         packed: (M, N, nbytes) uint8.
@@ -135,15 +136,16 @@ def _torch_events_otf(
         c: (N, A) float64, sorted along each row (the kernels' coarse points, a causal
             response's centring shift included).
         first, last: (N, A) int64, each window ``[first, last)`` in fine points.
-        param: 0-d, the response's parameter.
-        response: a name from :data:`gpu_ops.responses.NAMED`.
+        param: 0-d, the response's parameter; for "tabulated" the table (2, K).
+        response: a name from :data:`gpu_ops.responses.NAMED`, or "tabulated" (see
+            :class:`gpu_ops.responses.KernelResponse`).
         big: the bit order.
     """
     ct = _out_dtype(param)
     f = _events_torch.unpacked(packed, x.numel(), big, ct)
-    spec = responses.named(response)
+    resp = responses.KernelResponse(response, param)
     win = _resample_torch.Windows.given(first, last, x.numel())
-    return _resample_torch.otf_forward(f, x, c, spec, param, None, win).to(ct)
+    return _resample_torch.otf_forward(f, x, c, resp, None, win).to(ct)
 
 
 @events_otf_forward.register_kernel("cpu")
@@ -154,8 +156,8 @@ def _(
     lib = _resample_c.kernels()
     if lib is None or _wide(param):
         return _torch_events_otf(packed, x, c, first, last, param, response, big)
-    spec = responses.named(response)
-    win = _resample_c.Windows.given(x, c, first, last, spec.code, float(param))
+    resp = responses.KernelResponse(response, param)
+    win = _resample_c.Windows.given(x, c, first, last, resp)
     return _resample_c.events_otf(lib, packed.contiguous(), big, win, x.numel())
 
 
@@ -232,8 +234,8 @@ if _triton_events is not None:
     ) -> Tensor:  # fmt: skip
         if _wide(param):
             return _torch_events_otf(packed, x, c, first, last, param, response, big)
-        code = responses.named(response).code
-        return _ev.events_otf(packed.contiguous(), big, x, c, first, last, code, float(param))
+        resp = responses.KernelResponse(response, param)
+        return _ev.events_otf(packed.contiguous(), big, x, c, first, last, resp)
 
     @prefix_forward.register_kernel("cuda")
     def _(packed: Tensor, x: Tensor, c: Tensor, bounds: Tensor, coef: Tensor, big: bool) -> Tensor:

@@ -360,14 +360,77 @@ void bs_backward_w(const float *g, const float *f, const int32_t *starts, float 
     }
 }
 
-/* --- on the fly: the weights of a named response computed per window --------------------- *
+/* --- on the fly: the weights of a response computed per window -------------------------- *
  * Layouts: x (B,) double (sorted), c (N, A) double, first/last (N, A) int64 (each window is
  * [first, last), at most wmax points), f (M, N, B) float32. The offsets c - x are formed in
  * double (c and x may be large while the response is narrow), then the response is evaluated
  * in float32 into a per-thread buffer: the same numbers the Triton kernels use.
  * Response codes (gpu_ops.responses.NamedResponse.code): 0 gaussian, 1 boxcar, 2 triangle,
  * 3 lorentzian, 4 laplacian, 5 exponential, 6 alpha, 7 epanechnikov (all unit peak, at their
- * own origin: the callers move c for a centred causal response). */
+ * own origin: the callers move c for a centred causal response), and 8 a table
+ * (gpu_ops.responses.TABLE_CODE): K breakpoints tx, increasing, and their values ty,
+ * linear in between, evaluated in double from the double offsets. */
+
+#define TABLE 8
+#define NCODES 9
+
+/* The response the kernels evaluate: a named one's parameter, or a table. */
+typedef struct {
+    float p;              /* the named response's parameter */
+    const float *tx, *ty; /* the table (code TABLE): K breakpoints, then K values */
+    int64_t K;
+} resp_t;
+
+INLINE resp_t resp_of(float p, const float *table, int64_t K) {
+    const resp_t R = {p, table, table ? table + K : NULL, K};
+    return R;
+}
+
+/* The table's segment [tx[i], tx[i + 1]] holding offset d, walked to from the segment i
+ * (0 <= i <= K - 2): offsets visited in order cost a step or two each. Past either end it is
+ * the end segment: the windows decide what is inside, and a window's offset can only pass
+ * an end by a rounding. */
+INLINE int64_t table_walk(const resp_t *R, double d, int64_t i) {
+    while (i > 0 && d < R->tx[i]) i--;
+    while (i < R->K - 2 && d >= R->tx[i + 1]) i++;
+    return i;
+}
+
+/* The segment of offset d by bisection (the first guess of a walk). */
+static int64_t table_find(const resp_t *R, double d) {
+    int64_t lo = 0, hi = R->K - 2;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (R->tx[mid] <= d) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* The table at d on segment i (clamped to it), and its slope there. */
+INLINE float table_value(const resp_t *R, double d, int64_t i) {
+    const double x0 = R->tx[i], x1 = R->tx[i + 1], y0 = R->ty[i], y1 = R->ty[i + 1];
+    double t = (d - x0) / (x1 - x0);
+    t = t < 0.0 ? 0.0 : (t > 1.0 ? 1.0 : t);
+    return (float)(y0 + (y1 - y0) * t);
+}
+
+INLINE float table_slope(const resp_t *R, int64_t i) {
+    return (float)(((double)R->ty[i + 1] - R->ty[i]) / ((double)R->tx[i + 1] - R->tx[i]));
+}
+
+/* w[j] = table(c - xs[j]) for j < len (offsets decreasing in j); with dw, also the slope. */
+INLINE void table_response(const resp_t *R, const double *xs, double c, int64_t len, float *w,
+                           float *dw) {
+    if (len <= 0) return;
+    int64_t i = table_find(R, c - xs[0]);
+    for (int64_t j = 0; j < len; j++) {
+        const double d = c - xs[j];
+        i = table_walk(R, d, i);
+        w[j] = table_value(R, d, i);
+        if (dw) dw[j] = table_slope(R, i);
+    }
+}
 
 /* exp(x) for x <= 0, relative error ~2e-7: Cephes' expf polynomial after a ln 2 range
  * reduction, without calls or branches so that the loops below vectorise. Arguments below
@@ -425,16 +488,27 @@ INLINE void shape(const int code, int64_t len, float p, float *w) {
 }
 
 /* w[j] = r(c - xs[j]) for j < len. */
-INLINE void response(const int code, const double *xs, double c, int64_t len, float p,
+INLINE void response(const int code, const double *xs, double c, int64_t len, const resp_t *R,
                      float *w) {
+    if (code == TABLE) {
+        table_response(R, xs, c, len, w, NULL);
+        return;
+    }
     offsets(xs, c, len, w);
-    shape(code, len, p, w);
+    shape(code, len, R->p, w);
 }
 
-/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere). */
-INLINE void derivatives(const int code, const double *xs, double c, int64_t len, float p,
-                        float *dd, float *dp) {
-    const float ip = 1.0f / p;
+/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere;
+ * a table: its slope, and no parameter). */
+INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
+                        const resp_t *R, float *dd, float *dp) {
+    if (code == TABLE) {
+        float *w = dp; /* the values are not needed: dp holds them, then zeros */
+        table_response(R, xs, c, len, w, dd);
+        memset(dp, 0, sizeof(float) * (size_t)len);
+        return;
+    }
+    const float p = R->p, ip = 1.0f / p;
     offsets(xs, c, len, dd);
 #pragma omp simd
     for (int64_t j = 0; j < len; j++) {
@@ -484,15 +558,17 @@ INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
     }
 }
 
-typedef void (*response_fn)(const double *, double, int64_t, float, float *);
-typedef void (*derivatives_fn)(const double *, double, int64_t, float, float *, float *);
+typedef void (*response_fn)(const double *, double, int64_t, const resp_t *, float *);
+typedef void (*derivatives_fn)(const double *, double, int64_t, const resp_t *, float *,
+                               float *);
 #define RESPONSE(CODE)                                                                        \
-    static void response_##CODE(const double *xs, double c, int64_t len, float p, float *w) { \
-        response(CODE, xs, c, len, p, w);                                                     \
+    static void response_##CODE(const double *xs, double c, int64_t len, const resp_t *R,    \
+                                float *w) {                                                   \
+        response(CODE, xs, c, len, R, w);                                                     \
     }                                                                                         \
-    static void derivatives_##CODE(const double *xs, double c, int64_t len, float p,         \
+    static void derivatives_##CODE(const double *xs, double c, int64_t len, const resp_t *R, \
                                    float *dd, float *dp) {                                    \
-        derivatives(CODE, xs, c, len, p, dd, dp);                                             \
+        derivatives(CODE, xs, c, len, R, dd, dp);                                             \
     }
 RESPONSE(0)
 RESPONSE(1)
@@ -502,20 +578,24 @@ RESPONSE(4)
 RESPONSE(5)
 RESPONSE(6)
 RESPONSE(7)
-static const response_fn RESPONSES[8] = {response_0, response_1, response_2, response_3,
-                                         response_4, response_5, response_6, response_7};
-static const derivatives_fn DERIVATIVES[8] = {derivatives_0, derivatives_1, derivatives_2,
-                                              derivatives_3, derivatives_4, derivatives_5,
-                                              derivatives_6, derivatives_7};
+RESPONSE(8)
+static const response_fn RESPONSES[NCODES] = {response_0, response_1, response_2,
+                                              response_3, response_4, response_5,
+                                              response_6, response_7, response_8};
+static const derivatives_fn DERIVATIVES[NCODES] = {
+    derivatives_0, derivatives_1, derivatives_2, derivatives_3, derivatives_4,
+    derivatives_5, derivatives_6, derivatives_7, derivatives_8};
 
 static float *thread_buffer(int64_t n) {
     return (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
 }
 
 void bs_otf_forward(const float *f, const double *x, const double *c, const int64_t *first,
-                    const int64_t *last, float p, int code, float *out, int64_t M, int64_t N,
-                    int64_t A, int64_t B, int64_t wmax, int nthreads) {
+                    const int64_t *last, float p, int code, const float *table, int64_t K,
+                    float *out, int64_t M, int64_t N, int64_t A, int64_t B, int64_t wmax,
+                    int nthreads) {
     const response_fn r = RESPONSES[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         float *w = thread_buffer(wmax);
@@ -528,7 +608,7 @@ void bs_otf_forward(const float *f, const double *x, const double *c, const int6
                     for (int64_t m = 0; m < M; m++) o[m * N * A] = 0.0f;
                     continue;
                 }
-                r(x + lo, c[n * A + a], len, p, w);
+                r(x + lo, c[n * A + a], len, &R, w);
                 dots(f + n * B + lo, N * B, w, 0, len, o, N * A, M);
             }
         }
@@ -540,9 +620,11 @@ void bs_otf_forward(const float *f, const double *x, const double *c, const int6
  * g[m, n, a] * its weights there; each weight is evaluated once overall (the block cuts the
  * window), every output is written by one thread, in a fixed order. */
 void bs_otf_backward_f(const float *g, const double *x, const double *c, const int64_t *first,
-                       const int64_t *last, float p, int code, float *gf, int64_t M, int64_t N,
-                       int64_t A, int64_t B, int64_t BB, int nthreads) {
+                       const int64_t *last, float p, int code, const float *table, int64_t K,
+                       float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t BB,
+                       int nthreads) {
     const response_fn r = RESPONSES[code];
+    const resp_t R = resp_of(p, table, K);
     const int64_t nblk = (B + BB - 1) / BB;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -557,7 +639,7 @@ void bs_otf_backward_f(const float *g, const double *x, const double *c, const i
                     const int64_t fa = first[n * A + a], la = last[n * A + a];
                     const int64_t lo = fa > b0 ? fa : b0, hi = la < b1 ? la : b1;
                     if (lo >= hi) continue;
-                    r(x + lo, c[n * A + a], hi - lo, p, w);
+                    r(x + lo, c[n * A + a], hi - lo, &R, w);
                     for (int64_t m = 0; m < M; m++) {
                         const float gm = g[(m * N + n) * A + a];
                         float *dst = gf + (m * N + n) * B + lo;
@@ -576,9 +658,10 @@ void bs_otf_backward_f(const float *g, const double *x, const double *c, const i
  * output is written once. Not called for boxcar (its derivatives are zero). */
 void bs_otf_backward_cp(const float *f, const float *g, const double *x, const double *c,
                         const int64_t *first, const int64_t *last, float p, int code,
-                        float *gc, float *gp, int64_t M, int64_t N, int64_t A, int64_t B,
-                        int64_t wmax, int nthreads) {
+                        const float *table, int64_t K, float *gc, float *gp, int64_t M,
+                        int64_t N, int64_t A, int64_t B, int64_t wmax, int nthreads) {
     const derivatives_fn dr = DERIVATIVES[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         float *dd = thread_buffer(2 * wmax), *dp = dd + wmax;
@@ -589,7 +672,7 @@ void bs_otf_backward_cp(const float *f, const float *g, const double *x, const d
                 const int64_t lo = first[n * A + a], len = last[n * A + a] - lo;
                 double acc_c = 0.0, acc_p = 0.0;
                 if (len > 0) {
-                    dr(x + lo, c[n * A + a], len, p, dd, dp);
+                    dr(x + lo, c[n * A + a], len, &R, dd, dp);
                     dots(f + n * B + lo, N * B, dd, 0, len, sc, 1, M);
                     dots(f + n * B + lo, N * B, dp, 0, len, sp, 1, M);
                     for (int64_t m = 0; m < M; m++) {
@@ -711,7 +794,7 @@ void bs_events_band(const uint8_t *packed, int64_t nbytes, int big, const void *
  * responses of one event over its contiguous coarse range are evaluated as one vector. */
 INLINE void events_otf_row(const int code, const int32_t *ev, int64_t E, const double *x,
                            const double *c, const int64_t *first, const int64_t *last,
-                           float p, float *o, int64_t A, float *buf) {
+                           const resp_t *R, float *o, int64_t A, float *buf) {
     int64_t lo = 0, hi = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t b = ev[e];
@@ -720,22 +803,31 @@ INLINE void events_otf_row(const int code, const int32_t *ev, int64_t E, const d
         const int64_t len = hi - lo;
         if (len <= 0) continue;
         const double xb = x[b];
+        if (code == TABLE) { /* offsets increasing in a: one walk along the table */
+            int64_t i = table_find(R, c[lo] - xb);
+            for (int64_t j = 0; j < len; j++) {
+                const double d = c[lo + j] - xb;
+                i = table_walk(R, d, i);
+                o[lo + j] += table_value(R, d, i);
+            }
+            continue;
+        }
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) buf[j] = (float)(c[lo + j] - xb);
-        shape(code, len, p, buf);
+        shape(code, len, R->p, buf);
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) o[lo + j] += buf[j];
     }
 }
 
 typedef void (*events_otf_fn)(const int32_t *, int64_t, const double *, const double *,
-                              const int64_t *, const int64_t *, float, float *, int64_t,
-                              float *);
+                              const int64_t *, const int64_t *, const resp_t *, float *,
+                              int64_t, float *);
 #define EVENTS_OTF(CODE)                                                                      \
     static void events_otf_##CODE(const int32_t *ev, int64_t E, const double *x,             \
                                   const double *c, const int64_t *fi, const int64_t *la,      \
-                                  float p, float *o, int64_t A, float *buf) {                 \
-        events_otf_row(CODE, ev, E, x, c, fi, la, p, o, A, buf);                              \
+                                  const resp_t *R, float *o, int64_t A, float *buf) {         \
+        events_otf_row(CODE, ev, E, x, c, fi, la, R, o, A, buf);                              \
     }
 EVENTS_OTF(0)
 EVENTS_OTF(1)
@@ -745,14 +837,17 @@ EVENTS_OTF(4)
 EVENTS_OTF(5)
 EVENTS_OTF(6)
 EVENTS_OTF(7)
-static const events_otf_fn EVENTS_OTFS[8] = {events_otf_0, events_otf_1, events_otf_2,
-                                             events_otf_3, events_otf_4, events_otf_5,
-                                             events_otf_6, events_otf_7};
+EVENTS_OTF(8)
+static const events_otf_fn EVENTS_OTFS[NCODES] = {
+    events_otf_0, events_otf_1, events_otf_2, events_otf_3, events_otf_4,
+    events_otf_5, events_otf_6, events_otf_7, events_otf_8};
 
 void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double *x,
                    const double *c, const int64_t *first, const int64_t *last, float p, int code,
-                   float *out, int64_t M, int64_t N, int64_t A, int64_t B, int nthreads) {
+                   const float *table, int64_t K, float *out, int64_t M, int64_t N, int64_t A,
+                   int64_t B, int nthreads) {
     const events_otf_fn run = EVENTS_OTFS[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B > 0 ? B : 1));
@@ -763,7 +858,7 @@ void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double 
             float *o = out + r * A;
             memset(o, 0, sizeof(float) * (size_t)A);
             const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
-            run(ev, E, x, c + n * A, first + n * A, last + n * A, p, o, A, buf);
+            run(ev, E, x, c + n * A, first + n * A, last + n * A, &R, o, A, buf);
         }
         free(ev);
         free(buf);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,14 +33,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bs_backward_f_sorted.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
     lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
     f32 = ctypes.c_float
-    lib.bs_otf_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
-    lib.bs_otf_backward_f.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
+    resp: list[Any] = [f32, cint, ptr, i64]  # the parameter, the code, a table and its K
+    lib.bs_otf_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, *resp, ptr, *[i64] * 5, cint]
+    lib.bs_otf_backward_f.argtypes = [ptr, ptr, ptr, ptr, ptr, *resp, ptr, *[i64] * 5, cint]
     lib.bs_otf_backward_cp.argtypes = [
-        ptr, ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, ptr, *[i64] * 5, cint,
+        ptr, ptr, ptr, ptr, ptr, ptr, *resp, ptr, ptr, *[i64] * 5, cint,
     ]  # fmt: skip
     lib.bs_bit_counts.argtypes = [ptr, i64, i64, ptr, cint]
     lib.bs_events_band.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
-    lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, f32, cint, ptr,
+    lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, *resp, ptr,
                                   *[i64] * 4, cint]  # fmt: skip
     lib.bs_prefix.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 4, cint]
     for fn in (
@@ -129,38 +131,45 @@ class Windows:
     Args:
         x: (B,) float64 fine grid.
         c: (N, A) coarse points (any float dtype; offsets are formed in float64).
-        code: the response's ``NamedResponse.code``.
-        param: its parameter's value.
-        lo, hi: the window, ``lo <= c - x <= hi``, in units of x.
+        resp: the response (a named one at its parameter, or a float32 table).
+        support: its cut (None: the response's default; a table's are its ends).
     """
 
     def __init__(
-        self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, lo: float, hi: float
-    ) -> None:
+        self, x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse,
+        support: float | None,
+    ) -> None:  # fmt: skip
         self.x = x.contiguous()
         self.c = c.detach().to(torch.float64).contiguous()
         # wmax sizes the kernels' per-thread buffers (at least 1).
+        lo, hi = resp.window(support)
         self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
-        self.code, self.param = code, param
+        self._response(resp)
+
+    def _response(self, resp: responses.KernelResponse) -> None:
+        self.code, self.param = resp.code, resp.value
+        # A table goes to the kernels as its K breakpoints then its K values, float32.
+        self.table = resp.param.detach().float().contiguous() if resp.tabulated else None
 
     @classmethod
     def given(
         cls, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
-        code: int, param: float,
+        resp: responses.KernelResponse,
     ) -> Windows:  # fmt: skip
         """Windows ``[first, last)`` (N, A) int64 found elsewhere, of float64 c."""
         win = cls.__new__(cls)
         win.x, win.c = x.contiguous(), c.contiguous()
         win.first, win.last = first.contiguous(), last.contiguous()
         win.wmax = max(1, int((last - first).max())) if first.numel() else 1
-        win.code, win.param = code, param
+        win._response(resp)
         return win
 
-    def args(self) -> tuple[int, int, int, int, int, float, int]:
+    def args(self) -> tuple[int | float, ...]:
+        table, K = (0, 0) if self.table is None else (self.table.data_ptr(), self.table.shape[1])
         return (
             self.x.data_ptr(), self.c.data_ptr(), self.first.data_ptr(), self.last.data_ptr(),
-            self.param, self.code,
-        )  # type: ignore[return-value]  # fmt: skip
+            self.param, self.code, table, K,
+        )  # fmt: skip
 
 
 def otf_forward(lib: ctypes.CDLL, f: torch.Tensor, win: Windows) -> torch.Tensor:

@@ -11,8 +11,8 @@ Two modules compute it:
 - :class:`BandedResampler` stores the band, ``starts (N, A) int32`` and ``weights
   (N, A, W)``, never the dense ``T (N, A, B)``: ``out[n, a] = sum_j weights[n, a, j] *
   f[n, starts[n, a] + j]``. Any response (named, tabulated, a callable, or a dense T).
-- :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
-  weights inside the kernels; gradients also flow to c and the parameter.
+- :class:`OnTheFlyResampler` stores x, c and a named response's parameter (or a table) and
+  evaluates the weights inside the kernels; gradients also flow to c and the parameter.
 
 Both also take bit-packed inputs, ``forward_bits(packed)`` (:mod:`gpu_ops._bits_resample`):
 the band, an event scatter or prefix sums, whichever costs least for each input's density.
@@ -226,7 +226,7 @@ class BandedResampler(_resampler_base.Resampler):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         normalize: bool = False,
-        center: str = "median",
+        center: str | None = None,
         border: str = "none",
         scale: float = 1.0,
         recording: tuple[float, float] | None = None,

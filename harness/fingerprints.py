@@ -95,7 +95,8 @@ def write_slow_fingerprint_model(root: Path, rounds: int, name: str = "slow_fing
     the 2048 bits), after ``rounds`` 300x300 matrix products a batch (TorchScript); its config
     takes batches of 25 rows. Returns ``root``."""
     import torch
-    from tests.repo_utils import torchscript
+
+    from harness.repo_utils import torchscript
 
     class Slow(torch.nn.Module):
         def __init__(self) -> None:

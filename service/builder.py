@@ -14,14 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service.config import (
-    DEFAULT_MAX_BATCH_BYTES,
-    ConfigError,
-    ModelConfig,
-    VersionSource,
-    model_names,
-    model_versions,
-)
+from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig
+from service.layout import VersionSource, model_names, model_versions
 from service.model_files import load_version
 from service.pipeline import Pipeline, resolve_device
 

@@ -1,10 +1,8 @@
-"""The model repository on disk: ``config.toml`` models and layout scanning.
+"""A model version's ``config.toml``: its keys as pydantic models, read and validated.
 
-A repository is a folder with one sub-folder per model. A model folder holds either a
-``config.toml`` (one version, ``"1"``) or numbered version folders ``1/``, ``2/``, ... each with
-its own ``config.toml``. Files named in a config are relative to the folder of that config and
-may not leave the model's folder. Reading and checking those files (the operator's tensors,
-the model program) is :mod:`service.model_files`, the one path ``serve`` and ``check-repo`` share.
+Where the files are (the repository's layout, a version's folder) is :mod:`service.layout`;
+reading and checking the files a config names (the operator's tensors, the model program) is
+:mod:`service.model_files`.
 
 Every problem is reported as ``<file>: <key>: <message>``, e.g.
 ``models/foo/config.toml: inputs[0].shape: Input should be greater than or equal to 1``.
@@ -12,13 +10,10 @@ Every problem is reported as ``<file>: <key>: <message>``, e.g.
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 import tomllib
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,8 +31,6 @@ from pydantic import (
 from service.devices import parse_device
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
 from service.text import clean_reason, safe_text
-
-log = logging.getLogger(__name__)
 
 
 def library_error(
@@ -60,7 +53,6 @@ DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
 """Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
 """Default of the ``max_batch_bytes`` setting (and ``check-repo --max-batch-bytes``)."""
-_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
 
 def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
@@ -230,17 +222,18 @@ class OperatorConfig(_Strict):
     """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
     normalize: bool = False
     """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
-    center: Literal["median", "peak", "none"] = "median"
-    """Where a causal response (exponential, alpha) is centred: on its median (Elephant's
-    default), its peak, or not at all (strictly causal)."""
+    center: Literal["median", "peak", "none"] | None = None
+    """Where a causal response (exponential, alpha) or a table is centred: on its median
+    (Elephant's default), its peak, or not at all (strictly causal; a table as given).
+    Default: a named response on its median, a table as given."""
     border: Literal["none", "correct"] = "none"
     """``"correct"``: divide by the response's mass inside the recording (Elephant's
     border_correction)."""
     scale: float = Field(default=1.0, allow_inf_nan=False)
     """A constant factor on the output."""
     on_the_fly: bool = False
-    """Evaluate a named response inside the kernels instead of storing the band: O(N A)
-    memory whatever the width (wide kernels), at some compute per call."""
+    """Evaluate the response (named or tabulated) inside the kernels instead of storing the
+    band: O(N A) memory whatever the width (wide kernels), at some compute per call."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -256,10 +249,6 @@ class OperatorConfig(_Strict):
             raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
-            if self.on_the_fly:
-                raise ValueError("on_the_fly needs a named response (a table is stored)")
-            if self.center != "median":
-                raise ValueError("center applies to named responses; a table is used as given")
         else:
             param, has_support, has_sigma = named_responses()[self.response]
             widths = {param, "sigma"} if has_sigma else {param}
@@ -518,150 +507,3 @@ def patched(
     if not patch:
         return data, source
     return {**data, **patch}, f"{source} + config override"
-
-
-def valid_model_name(name: str) -> bool:
-    """Whether ``name`` may name a model: ``[A-Za-z0-9_.-]``, no leading dot, <= 128 chars."""
-    return _NAME_RE.fullmatch(name) is not None
-
-
-def valid_version(version: str) -> bool:
-    """Whether ``version`` is a version folder name: a positive integer without leading zeros."""
-    return re.fullmatch(r"[1-9][0-9]{0,17}", version) is not None
-
-
-@dataclass(frozen=True)
-class VersionSource:
-    """Where one model version lives."""
-
-    name: str
-    version: str
-    folder: Path
-    """The folder of its ``config.toml``; the config's file names are relative to it."""
-    model_folder: Path
-    source: str
-    """The config's path as shown in messages (relative to the repository's parent)."""
-
-    @property
-    def shown_folder(self) -> str:
-        """The version's folder as messages name it (``repo/model`` or ``repo/model/2``)."""
-        return self.source.removesuffix(f"/{CONFIG_FILE}")
-
-    def error(self, where: str, what: str, exc: BaseException) -> ConfigError:
-        """:func:`library_error` for a file of this version (its folder shown as named)."""
-        return library_error(where, what, exc, self.folder, self.shown_folder)
-
-    @property
-    def config_path(self) -> Path:
-        """The version's ``config.toml``."""
-        return self.folder / CONFIG_FILE
-
-    def resolve(self, file: str, key: str) -> Path:
-        """A file named by the config, refused when it resolves outside the model's folder.
-
-        Raises:
-            ConfigError: naming ``key`` when it escapes (through symlinks), loops, or is not
-                a regular file.
-        """
-        where = f"{self.source}: {key}: "
-        return self._inside(
-            self.folder / file,
-            loop=f"{where}{file!r} is a symlink loop",
-            outside=f"{where}{file!r} resolves outside the model",
-            missing=f"{where}file {file!r} not found",
-        )
-
-    def checked_config_path(self) -> Path:
-        """The version's ``config.toml``, refused when it resolves outside the model's folder.
-
-        A ``config.toml`` (or version folder) symlinked from elsewhere would make the server
-        read, and report on, a file the repository does not hold.
-
-        Raises:
-            ConfigError: it leaves the model's folder, loops, or is not a regular file.
-        """
-        return self._inside(
-            self.config_path,
-            loop=f"{self.source}: is a symlink loop",
-            outside=f"{self.source}: resolves outside the model's folder",
-            missing=f"{self.source}: missing",
-        )
-
-    def _inside(self, path: Path, *, loop: str, outside: str, missing: str) -> Path:
-        """``path`` resolved, when it is a regular file inside the model's folder; else a
-        ConfigError with the message for what is wrong."""
-        try:
-            resolved = path.resolve()
-            inside = resolved.is_relative_to(self.model_folder.resolve())
-        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
-            raise ConfigError([loop]) from None
-        if not inside:
-            raise ConfigError([outside])
-        if not resolved.is_file():
-            raise ConfigError([missing])
-        return resolved
-
-
-def model_versions(root: Path, name: str) -> dict[str, VersionSource]:
-    """The versions of model ``name`` in repository ``root``, by version string.
-
-    Raises:
-        ConfigError: the name is not allowed, the folder is missing or outside ``root``, or
-            its layout is ambiguous (a top-level ``config.toml`` and version folders both).
-    """
-    shown = f"{root.name}/{safe_text(name)}"
-    if not valid_model_name(name):
-        raise ConfigError(
-            [f"{shown}: invalid model name (allowed: [A-Za-z0-9_.-], no leading dot)"]
-        )
-    folder = root / name
-    try:
-        if not folder.is_dir():
-            raise ConfigError([f"{shown}: no such model folder"])
-        if not folder.resolve().is_relative_to(root.resolve()):
-            raise ConfigError([f"{shown}: resolves outside the repository"])
-        numbered = sorted(
-            (p for p in folder.iterdir() if p.is_dir() and valid_version(p.name)),
-            key=lambda p: int(p.name),
-        )
-    except (OSError, RuntimeError) as exc:  # unreadable folder, symlink loop
-        raise ConfigError([f"{shown}: cannot read the folder ({type(exc).__name__})"]) from None
-    top = folder / CONFIG_FILE
-    if top.is_file():
-        if numbered:
-            versions = [p.name for p in numbered]
-            raise ConfigError([f"{shown}: has both {CONFIG_FILE} and version folders {versions}"])
-        return {"1": VersionSource(name, "1", folder, folder, f"{shown}/{CONFIG_FILE}")}
-    if not numbered:
-        raise ConfigError([f"{shown}: no {CONFIG_FILE} and no numbered version folder"])
-    out: dict[str, VersionSource] = {}
-    problems = []
-    for p in numbered:
-        src = f"{shown}/{p.name}/{CONFIG_FILE}"
-        if not (p / CONFIG_FILE).is_file():
-            problems.append(f"{src}: missing")
-        else:
-            out[p.name] = VersionSource(name, p.name, p, folder, src)
-    if problems:
-        raise ConfigError(problems)
-    return out
-
-
-def model_names(root: Path) -> list[str]:
-    """Sub-folder names of ``root`` that look like models (hidden entries are skipped), sorted."""
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def repository_models(root: Path | None) -> list[str]:
-    """The models a server serves from ``root``: the built-in ``demo`` without a repository,
-    else every sub-folder with a valid model name (others are logged and skipped). The one
-    answer for a single server and for the ``--workers`` supervisor."""
-    if root is None:
-        return ["demo"]
-    names = []
-    for name in model_names(root):
-        if valid_model_name(name):
-            names.append(name)
-        else:
-            log.warning("skipping %r: not a valid model name", name)
-    return names

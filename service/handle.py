@@ -6,6 +6,7 @@ A handle holds no state of its own: whether a version serves is the repository's
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from service.statistics import ModelStats
 Result = list[np.ndarray[Any, Any]]
 
 
+@dataclass(eq=False)
 class ModelHandle:
     """One loaded model version.
 
@@ -31,29 +33,23 @@ class ModelHandle:
         batcher: the queue in front of ``pipeline.run``.
         versions: every version of the model loaded with this one (for metadata).
         stats: its statistics (the batcher's and the pipeline's, which count its queue
-            waits and batches; the data plane counts its requests); fresh ones by default.
+            waits and batches; the data plane counts its requests).
     """
 
-    def __init__(
-        self,
-        name: str,
-        version: str,
-        cfg: ModelConfig,
-        pipeline: Pipeline,
-        batcher: Batcher[Bound, Result],
-        versions: list[str],
-        stats: ModelStats | None = None,
-    ) -> None:
-        self.name = name
-        self.version = version
-        self.cfg = cfg
-        self.pipeline = pipeline
-        self.batcher = batcher
-        self.versions = versions
-        self.signature = Signature(name, cfg, pipeline.output_shapes)
-        self.stats = stats if stats is not None else ModelStats(name, version)
-        self.headers = HeaderCache()
-        """Binary V2 request headers decoded before for this version (REST decodes here)."""
+    name: str
+    version: str
+    cfg: ModelConfig
+    pipeline: Pipeline
+    batcher: Batcher[Bound, Result]
+    versions: list[str]
+    stats: ModelStats
+    signature: Signature = field(init=False)
+    """What the wire accepts and what comes back, compiled once."""
+    headers: HeaderCache = field(init=False, default_factory=HeaderCache)
+    """Binary V2 request headers decoded before for this version (REST decodes here)."""
+
+    def __post_init__(self) -> None:
+        self.signature = Signature(self.name, self.cfg, self.pipeline.output_shapes)
 
     async def submit(
         self,

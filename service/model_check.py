@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from service.backends import Dim, ModelFile, TensorSpec
-from service.config import ConfigError, ModelConfig, VersionSource, library_error
+from service.config import ConfigError, ModelConfig, library_error
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
+from service.layout import VersionSource
 from service.protocol.types import DATATYPES
 from service.signature import Bound, WireInput
 from service.text import safe_text

@@ -64,15 +64,17 @@ def build_operator(
     """The banded response operator of ``op``, built once on ``device``: a stored band, or
     with ``on_the_fly`` the response evaluated in the kernels (nothing stored)."""
     dtype = COMPUTE_DTYPES[op.dtype]
-    if op.on_the_fly:
-        kw: dict[str, Any] = {**op.options, **op.parameters}
-        return OnTheFlyResampler(
-            tensors["x"], tensors["c"], op.response, op.support, device=device, **kw
-        )
-    # Windows and weights are found in float64 (from_response converts), then stored in dtype.
     x, c = tensors["x"], tensors["c"]
+    table = None
     if op.response == "tabulated":
         table = (tensors["response_x"].double(), tensors["response_y"].double())
+    if op.on_the_fly:  # computes in float32 (the inputs may come in any dtype)
+        if table is not None:
+            return OnTheFlyResampler(x, c, table, device=device, **op.options)
+        kw: dict[str, Any] = {**op.options, **op.parameters}
+        return OnTheFlyResampler(x, c, op.response, op.support, device=device, **kw)
+    # Windows and weights are found in float64 (from_response converts), then stored in dtype.
+    if table is not None:
         return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
     return BandedResampler.from_response(

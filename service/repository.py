@@ -24,16 +24,18 @@ from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
+)
+from service.config_override import ConfigOverride
+from service.devices import DeviceExecutors
+from service.errors import InvalidInput, ModelNotFound, ModelNotReady
+from service.handle import ModelHandle, Result
+from service.layout import (
     VersionSource,
     model_versions,
     repository_models,
     valid_model_name,
     valid_version,
 )
-from service.config_override import ConfigOverride
-from service.devices import DeviceExecutors
-from service.errors import InvalidInput, ModelNotFound, ModelNotReady
-from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device

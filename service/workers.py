@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from service.cluster import ready_path
-from service.config import repository_models
 from service.control import ControlState
 from service.devices import cuda_count, parse_device
+from service.layout import repository_models
 from service.settings import Settings
 from service.worker_process import WorkerSpec, bind_port, run_worker
 

@@ -27,13 +27,12 @@ from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import model_config_pb2 as mc
 from service.protocol.request import (
     InputChecker,
-    SharedMemoryRegions,
     check_input_head,
     check_request_fields,
     check_requested_output,
-    shared_input,
 )
 from service.protocol.response import binary_payload
+from service.protocol.shared import SharedMemoryRegions, shared_input
 from service.protocol.tensors import element_count, from_binary
 from service.protocol.types import (
     BYTES,

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from service.protocol.request import InputChecker, SharedMemoryRegions, decode_infer_request
+from service.protocol.request import InputChecker, decode_infer_request
+from service.protocol.shared import SharedMemoryRegions
 from service.protocol.tensors import from_binary
 from service.protocol.types import BYTES, InferRequest, RequestInput, RequestOutput
 

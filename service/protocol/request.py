@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import orjson
 
 from service.errors import InvalidInput
+from service.protocol.shared import SharedMemoryRegions, shared_input, shared_output
 from service.protocol.tensors import (
     check_datatype,
     check_shape,
@@ -39,7 +39,6 @@ from service.protocol.types import (
     InferRequest,
     RequestInput,
     RequestOutput,
-    SharedOutput,
 )
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -71,21 +70,6 @@ class RawInputSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
-
-
-class SharedMemoryRegions(Protocol):
-    """What the decoder asks of the registered shared memory regions
-    (``service.shared_memory.SystemSharedMemory``)."""
-
-    def read(self, region: object, offset: object, byte_size: object, what: str) -> memoryview:
-        """A copy of ``byte_size`` bytes at ``offset`` of ``region``, bounds checked;
-        InvalidInput naming the region otherwise."""
-        ...
-
-    def output(self, region: object, offset: object, byte_size: object, what: str) -> SharedOutput:
-        """Where an output of ``byte_size`` bytes at ``offset`` of ``region`` goes, bounds
-        checked; InvalidInput naming the region otherwise."""
-        ...
 
 
 class InputChecker(Protocol):
@@ -351,37 +335,10 @@ def check_requested_output(
     if checked_params.get("classification"):
         raise InvalidInput(f"{what}: the classification extension is not supported")
     binary = _bool_param(checked_params, "binary_data", what)
-    shared = None
-    if _shared_region(checked_params, what, shm) is not None:
-        assert shm is not None
-        if binary:
-            raise InvalidInput(f"{what}: can't set both 'shared_memory_region' and 'binary_data'")
-        shared = shm.output(*_shared_place(checked_params), what)
+    shared = shared_output(checked_params, what, shm)
+    if shared is not None and binary:
+        raise InvalidInput(f"{what}: can't set both 'shared_memory_region' and 'binary_data'")
     return RequestOutput(checked, binary, checked_params, shared)
-
-
-def shared_input(
-    params: Mapping[str, Any],
-    datatype: str,
-    shape: tuple[int, ...],
-    what: str,
-    shm: SharedMemoryRegions | None,
-) -> np.ndarray[Any, Any] | None:
-    """An input's data from the shared memory region its parameters name (a copy, its size
-    checked against the shape before it is read), or None when they name none (every
-    transport's decoder asks this before it looks for the data elsewhere).
-
-    Raises:
-        InvalidInput: an unknown region, a range outside it, client shared memory disabled,
-            a size that does not fit the shape, or an object that shrank.
-    """
-    region = _shared_region(params, what, shm)
-    if region is None:
-        return None
-    assert shm is not None
-    data = shm.read(*_shared_place(params), what)  # at most the region's registered size
-    size_of = f"shared_memory_byte_size of region '{region}'"
-    return from_binary(data, datatype, shape, what, size_of)
 
 
 def _decode_header(
@@ -468,34 +425,6 @@ def _decode_input(
         )
     data = from_binary(rest[offset : offset + size], datatype, shape, what, "binary_data_size")
     return RequestInput(name, datatype, shape, data, params), size
-
-
-def _shared_region(
-    params: Mapping[str, Any], what: str, shm: SharedMemoryRegions | None
-) -> object | None:
-    """The shared memory region a tensor names in its parameters, or None when it names
-    none."""
-    region: object = params.get("shared_memory_region")
-    if region is None:
-        for key in ("shared_memory_byte_size", "shared_memory_offset"):
-            if key in params:
-                raise InvalidInput(f"{what}: parameter {key!r} without 'shared_memory_region'")
-        return None
-    if shm is None:
-        raise InvalidInput(
-            f"{what}: names shared memory region {str(region)[:64]!r}, but client shared "
-            "memory is disabled on this server (bitserve serve --allow-client-shm)"
-        )
-    return region
-
-
-def _shared_place(params: Mapping[str, Any]) -> tuple[object, object, object]:
-    """A tensor's region, offset and byte size, as its parameters give them."""
-    return (
-        params.get("shared_memory_region"),
-        params.get("shared_memory_offset"),
-        params.get("shared_memory_byte_size"),
-    )
 
 
 def _decode_outputs(raw: object, shm: SharedMemoryRegions | None) -> list[RequestOutput] | None:

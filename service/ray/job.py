@@ -488,7 +488,11 @@ def score_files(
         len(files), total, skipped, output, total - skipped, len(tasks),
     )  # fmt: skip
     if tasks:
-        ds = ray.data.read_datasource(_datasource(fs_in, files, tasks, block_rows))
+        # Blocks of about block_rows rows: Ray's default aims at 200 blocks or more and splits
+        # smaller ones, whose per-task cost then outweighs a batch's work.
+        blocks = max(len(tasks), math.ceil((total - skipped) / block_rows))
+        source = _datasource(fs_in, files, tasks, block_rows)
+        ds = ray.data.read_datasource(source, override_num_blocks=blocks)
         ds = score(ds, root, model, version=version, keep_inputs=keep_inputs, **score_args)
         ds.write_datasink(_datasink(fs_out, folders))
     after = [_settle(fs_out, folder, f.rows) for f, folder in zip(files, folders, strict=True)]

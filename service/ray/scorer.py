@@ -35,11 +35,10 @@ from service.config import (
     ConfigError,
     InputConfig,
     ModelConfig,
-    VersionSource,
     load_config,
-    model_versions,
 )
 from service.errors import InvalidInput
+from service.layout import VersionSource, model_versions
 from service.protocol.types import DATATYPES, InferRequest, RequestInput
 from service.signature import Signature
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -89,31 +90,23 @@ class _Delegate(Response):
         await self.route(scope, receive, send, self.target, rid)
 
 
+@dataclass
 class Endpoints:
     """The route handlers, bound to the server's two planes.
 
-    Args:
+    Attributes:
         dataplane: the server's data plane.
         control: the server's control plane.
         metrics: the metrics ``/metrics`` renders.
-        infer: the fast path's infer route (``POST .../infer`` is handed to it).
+        infer_route: the fast path's infer route (``POST .../infer`` is handed to it).
         body_timeout_s: the most seconds a control body may take to arrive.
     """
 
-    def __init__(
-        self,
-        dataplane: DataPlane,
-        control: ControlPlane,
-        metrics: Metrics,
-        infer: InferRoute,
-        *,
-        body_timeout_s: float | None = 60.0,
-    ) -> None:
-        self.dataplane = dataplane
-        self.control = control
-        self.metrics = metrics
-        self.infer_route = infer
-        self.body_timeout_s = body_timeout_s
+    dataplane: DataPlane
+    control: ControlPlane
+    metrics: Metrics
+    infer_route: InferRoute
+    body_timeout_s: float | None = 60.0
 
     async def live(self) -> Response:
         return json_response({"live": True})

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 DOCKERD_LOG = Path("/tmp/bitserve-dockerd.log")
+_STARTED: list[subprocess.Popen[bytes]] = []  # the dockerd this process started
 _START_LOCK = Path("/tmp/bitserve-dockerd.lock")
 _ENV = {**os.environ, "DOCKER_BUILDKIT": "0"}
 
@@ -71,6 +72,10 @@ def engine() -> str | None:
             proc = subprocess.Popen(
                 [dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        # dockerd outlives the test session on purpose (the next session reuses it): hold
+        # the Popen for the life of the process, so that its collection does not warn
+        # (ResourceWarning, an error under the suite's filterwarnings) while tests run.
+        _STARTED.append(proc)
         deadline = time.monotonic() + 60
         while (problem := _answers()) is not None:
             if proc.poll() is not None or time.monotonic() > deadline:

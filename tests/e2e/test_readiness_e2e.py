@@ -30,13 +30,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _wait_for(server: BitserveServer, status: int, timeout: float = 120.0) -> httpx.Response:
-    """``/v2/health/ready`` once it answers ``status`` (the models load after start)."""
+    """``/v2/health/ready`` once it answers ``status`` with every worker started (the models
+    load after start; the worker that answers may have loaded while a peer still starts)."""
     deadline = time.monotonic() + timeout
     while True:
         r = httpx.get(server.url + "/v2/health/ready", timeout=10)
         index = httpx.post(server.url + "/v2/repository/index", json={}, timeout=10).json()
         loaded = all(e["state"] in ("READY", "UNAVAILABLE") for e in index)
-        if (r.status_code == status and loaded) or time.monotonic() > deadline:
+        starting = r.status_code == 503 and "starting or catching up" in r.json()["error"]
+        if (r.status_code == status and loaded and not starting) or time.monotonic() > deadline:
             return r
         time.sleep(0.2)
 

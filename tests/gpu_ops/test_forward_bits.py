@@ -228,7 +228,8 @@ def test_triton_kernels_match_the_float64_reference(name: str, big: bool) -> Non
     inverse = order.argsort(dim=1).expand(2, -1, -1)
     first, last, _ = responses.windows(x, moved, *shape.window(p))
     xd, md = x.to(device), moved.to(device)
-    out = ke.events_otf(packed, big, xd, md, first.to(device), last.to(device), shape.spec.code, p)
+    resp = responses.KernelResponse(name, torch.tensor(p))
+    out = ke.events_otf(packed, big, xd, md, first.to(device), last.to(device), resp)
     assert_close(out.cpu().gather(-1, inverse), ref, 1e-5)
     got = responses.pieces(name, p)
     if got is not None:

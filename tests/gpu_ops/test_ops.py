@@ -92,6 +92,18 @@ def _cases(device: str) -> Iterator[Case]:
             yield "on_the_fly_forward", (f, x, cd, p, name, None)
             yield "on_the_fly_backward_f", (g, *common, B)
             yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # A table (2, K) for the parameter: no gradient of its own (c and f have theirs).
+    xs = torch.tensor([-4.0, -1.0, 0.5, 3.0], dtype=torch.float64)
+    ys = torch.tensor([0.2, 1.0, 0.4, 0.1], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        table = torch.stack([xs, ys]).to(device, dtype)
+        cd = c.to(dtype, copy=True).requires_grad_()
+        f = torch.randn(2, N, B, generator=gen, dtype=dtype).to(device).requires_grad_()
+        g = torch.randn(2, N, A, generator=gen, dtype=dtype).to(device)
+        common = (x, cd.detach(), table, "tabulated", None)
+        yield "on_the_fly_forward", (f, x, cd, table, "tabulated", None)
+        yield "on_the_fly_backward_f", (g, *common, B)
+        yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
     # The bit-input paths: no autograd (the input is bits), every bit order and dtype.
     bits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
     bits = bits.to(device)
@@ -109,6 +121,11 @@ def _cases(device: str) -> Iterator[Case]:
             )
             big = dtype == torch.float32
             yield "events_otf_forward", (bits, x, c_sorted, first, last, p, name, big)
+            if name == "gaussian":  # a table on the events, in the same windows' dtype
+                table = torch.stack([xs, ys]).to(device, dtype)
+                first, last, _ = responses.windows(x, c_sorted, -4.0, 3.0)
+                args = (bits, x, c_sorted, first, last, table, "tabulated", big)
+                yield "events_otf_forward", args
             got = responses.pieces(name, value * 3)
             if got is not None:
                 bounds = piece_bounds(x, c_sorted, got[0].to(device))

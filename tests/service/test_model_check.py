@@ -17,8 +17,9 @@ from harness.repo_utils import model_toml, tensor
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
 from service.builder import build_version, check_repository
-from service.config import ConfigError, model_versions, parse_config
+from service.config import ConfigError, parse_config
 from service.errors import InvalidInput
+from service.layout import model_versions
 from service.model_check import handed_dtypes
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
