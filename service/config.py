@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from service.devices import parse_device
+from service.priority import MAX_PRIORITY_LEVELS, LevelPolicy, check_levels
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
 from service.text import clean_reason, safe_text
 
@@ -308,18 +309,6 @@ class OutputConfig(_Strict):
     """Shape of one item without the batch dimension; checked by the dry run at load."""
 
 
-class LevelPolicy(_Strict):
-    """One priority level's queue (a ``[priority_queue_policy.N]`` table, Triton's
-    ``dynamic_batching.priority_queue_policy``)."""
-
-    max_queue_size: int = Field(default=0, ge=0)
-    """Requests of this level allowed to wait (within ``max_queue_size`` for all levels);
-    beyond it the answer is 503 with Retry-After. 0 = no bound of its own."""
-
-
-MAX_PRIORITY_LEVELS = 100
-
-
 class ModelConfig(_Strict):
     """A model's ``config.toml``."""
 
@@ -370,7 +359,7 @@ class ModelConfig(_Strict):
     def _consistent(self) -> ModelConfig:
         if self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model] or both")
-        self._check_priorities()
+        check_levels(self.priority_levels, self.default_priority_level, self.priority_queue_policy)
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -390,26 +379,6 @@ class ModelConfig(_Strict):
                     f"inputs[{i}].shape is {self.inputs[i].shape}"
                 )
         return self
-
-    def _check_priorities(self) -> None:
-        levels = self.priority_levels
-        if not levels:
-            if self.default_priority_level or self.priority_queue_policy:
-                raise ValueError(
-                    "default_priority_level and priority_queue_policy need priority_levels > 0"
-                )
-            return
-        if not 1 <= self.default_priority_level <= levels:
-            raise ValueError(
-                f"default_priority_level must be in [1, {levels}] (priority_levels), got "
-                f"{self.default_priority_level}"
-            )
-        outside = sorted(k for k in self.priority_queue_policy if not 1 <= k <= levels)
-        if outside:
-            raise ValueError(
-                f"priority_queue_policy levels must be in [1, {levels}] (priority_levels), got "
-                f"{outside}"
-            )
 
     @property
     def operator_input(self) -> int | None:

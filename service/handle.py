@@ -14,6 +14,7 @@ import numpy as np
 from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
+from service.priority import level_of
 from service.protocol.header_cache import HeaderCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats
@@ -79,9 +80,7 @@ class ModelHandle:
         """The priority level (1 the highest) of a request that asked for ``priority``: as
         in Triton, 0, none or a priority past ``priority_levels`` is the default level; 1
         for a model without levels."""
-        if priority and priority <= self.cfg.priority_levels:
-            return priority
-        return self.cfg.default_priority_level or 1
+        return level_of(priority, self.cfg.priority_levels, self.cfg.default_priority_level)
 
     def metadata(self) -> dict[str, Any]:
         """V2 model metadata; a packed input is advertised in its wire form (UINT8)."""

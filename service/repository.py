@@ -39,6 +39,7 @@ from service.layout import (
 from service.metrics import Metrics
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device
+from service.priority import level_limits
 from service.settings import Settings
 from service.signature import Bound, Signature
 from service.statistics import Statistics
@@ -321,7 +322,7 @@ class ModelRepository:
                     metrics=self.metrics,
                     stats=stats,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
-                    level_limits=level_limits(cfg),
+                    level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
                     version=v,
                     tracer=self._batch_tracer(name, v, pipeline),
                 )
@@ -470,14 +471,6 @@ def _check_override_io(
     if override is not None and (override.inputs is not None or override.outputs is not None):
         sig = Signature(name, cfg, pipe.output_shapes)
         override.check_io(source, sig.input_config(), sig.output_config())
-
-
-def level_limits(cfg: ModelConfig) -> list[int]:
-    """Each priority level's own queue bound, level 1 first (0: none); one entry for a
-    model without levels."""
-    policy = cfg.priority_queue_policy
-    levels = range(1, max(cfg.priority_levels, 1) + 1)
-    return [policy[k].max_queue_size if k in policy else 0 for k in levels]
 
 
 def _shown(name: str) -> str:

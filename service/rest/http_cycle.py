@@ -5,6 +5,9 @@ application as it arrives, writes ``100 Continue`` when the body is first asked 
 frames the response. A response goes out in one write: its head is held until the first body
 bytes (or the end of the response) and sent with them. Response header names and values are
 checked (no CR, LF or other control characters: a header must not be able to forge another).
+A connection lost before the response is complete tells the request's handler
+(:func:`service.rest.disconnect.client_gone`): a request still queued for its batch is
+dropped, never computed.
 """
 
 from __future__ import annotations

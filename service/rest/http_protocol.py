@@ -34,9 +34,6 @@ What a connection owns, beyond parsing:
   request is the new one answered 503 and closed.
 - **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason.
 - **One write per response** (:class:`~service.rest.http_cycle.Exchange`).
-- **Requests dropped when their client goes away.** A connection lost before a request's
-  response is complete tells the request's handler (:func:`service.rest.disconnect.client_gone`):
-  a request still queued for its batch is dropped, never computed.
 - **Pipelining.** Requests sent back to back are answered in order; reading pauses while one
   waits its turn, and while a request holds more than 64 KiB of body its application has not
   taken yet.
