@@ -20,7 +20,7 @@ op                          computes
 device       kernel
 ===========  ==============================================================================
 CPU          compiled C (:mod:`gpu_ops._resample_c`); torch where none is built
-CUDA         Triton (:mod:`gpu_ops._triton.events`), registered when Triton imports
+CUDA         Triton (:mod:`gpu_ops._triton.events`), registered when Triton is installed
 any other    plain torch (:mod:`gpu_ops._events_torch`): the event ops unpack and run the
              band kernels (the same sums), the prefix op sums over the fine grid
 fake / meta  shapes and dtypes only
@@ -35,16 +35,21 @@ ops trust their arguments: :mod:`gpu_ops._bits_resample` checks them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from gpu_ops import _events_torch, _resample_c, _resample_torch, responses
+from gpu_ops._lazy_triton import triton_kernels
 from gpu_ops._library import Op
 
-try:  # Triton is optional: without it CUDA tensors take the torch kernels.
+# Triton is optional (without it CUDA tensors take the torch kernels) and imported at the
+# first CUDA call (gpu_ops._lazy_triton).
+if TYPE_CHECKING:
     from gpu_ops._triton import events as _triton_events
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton_events = None  # type: ignore[assignment]
+else:
+    _triton_events = triton_kernels("events")
 
 
 def _out_dtype(*ts: Tensor) -> torch.dtype:
