@@ -12,6 +12,8 @@ op                          computes
                             that hold it
 ``events_otf_forward``      the same, the response (named, or a table) evaluated per event
                             (on the fly)
+``events_lattice_forward``  the same on a lattice (:mod:`gpu_ops._lattice`): the response
+                            tabulated once per geometry, each event adds a run of the table
 ``prefix_forward``          out (M, N, A) of a piecewise polynomial response (boxcar,
                             triangle, epanechnikov) by prefix sums over the events
 ==========================  ==================================================================
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from gpu_ops import _events_torch, _resample_c, _resample_torch, responses
+from gpu_ops import _events_torch, _lattice, _resample_c, _resample_torch, responses
 from gpu_ops._lazy_triton import triton_kernels
 from gpu_ops._library import Op
 
@@ -172,6 +174,53 @@ def _(
     response: str, big: bool,
 ) -> Tensor:  # fmt: skip
     return c.new_empty((packed.shape[0], *c.shape), dtype=_out_dtype(param))
+
+
+# --- event scatter on a lattice (on the fly, the response tabulated once) -----------------------
+
+events_lattice_forward = Op(
+    "events_lattice_forward(Tensor packed, Tensor first, Tensor last, Tensor tables, "
+    "Tensor tid, int jmin, bool walk, SymInt num_fine, bool big) -> Tensor"
+)
+
+
+@events_lattice_forward.register_kernel(None)
+def _torch_events_lattice(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    """out (M, N, A) float32: the events with their weights from the lattice's tables.
+
+    Args:
+        packed: (M, N, nbytes) uint8.
+        first, last: (N, A) int64, each window ``[first, last)`` (coarse points sorted).
+        tables: (T, step, J) float32; tid: (N,) int64; jmin, walk: see
+            :class:`gpu_ops._lattice.Lattice` (the torch kernel reads the windows either way).
+        num_fine: B.
+        big: the bit order.
+    """
+    bits = _events_torch.unpacked(packed, num_fine, big, torch.float32)
+    return _lattice.forward(bits, first, last, tables, tid, jmin)
+
+
+@events_lattice_forward.register_kernel("cpu")
+def _(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    lib = _resample_c.kernels()
+    if lib is None:
+        return _torch_events_lattice(packed, first, last, tables, tid, jmin, walk, num_fine, big)
+    args = (first.contiguous(), last.contiguous(), tables.float().contiguous(), tid.contiguous())
+    return _resample_c.events_lattice(lib, packed.contiguous(), big, *args, jmin, walk, num_fine)
+
+
+@events_lattice_forward.register_fake
+def _(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    return tables.new_empty((packed.shape[0], *first.shape), dtype=torch.float32)
 
 
 # --- prefix sums --------------------------------------------------------------------------------
