@@ -9,7 +9,7 @@ picks the kernel by device and the ops work under ``torch.compile`` (no graph br
 device       kernel
 ===========  ===============================================================================
 CPU          the compiled C unpacker and NumPy's packbits (:mod:`gpu_ops._bits_c`)
-CUDA         fused Triton kernels (:mod:`gpu_ops._triton.bits`), registered when Triton imports
+CUDA         fused Triton kernels (:mod:`gpu_ops._triton.bits`), registered when Triton is installed
 any other    chunked torch lookups (:mod:`gpu_ops._bits_torch`): also CUDA without Triton
 fake / meta  shapes only (``register_fake``), for compile and export
 ===========  ===============================================================================
@@ -23,17 +23,21 @@ No autograd: bits are integers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from gpu_ops import _bits_c, _bits_torch
+from gpu_ops._lazy_triton import triton_kernels
 from gpu_ops._library import Op
 
-try:  # Triton is optional: without it CUDA tensors take the torch kernels.
+# Triton is optional (without it CUDA tensors take the torch kernels) and imported at the
+# first CUDA call (gpu_ops._lazy_triton).
+if TYPE_CHECKING:
     from gpu_ops._triton import bits as _triton_bits
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton_bits = None  # type: ignore[assignment]
+else:
+    _triton_bits = triton_kernels("bits")
 
 Kernel = Callable[[Tensor, Tensor, int, str], None]
 
@@ -156,17 +160,17 @@ def _(x: Tensor, dim: int, bitorder: str, out: Tensor) -> None:
 # --- CUDA -------------------------------------------------------------------------------------
 
 if _triton_bits is not None:
-    _triton_pack, _triton_unpack = _triton_bits.pack_into, _triton_bits.unpack_into
+    _tb = _triton_bits
 
     @packbits.register_kernel("cuda")
     def _(x: Tensor, dim: int, bitorder: str) -> Tensor:
-        return _pack(_triton_pack, x, dim, bitorder)
+        return _pack(_tb.pack_into, x, dim, bitorder)
 
     @unpackbits.register_kernel("cuda")
     def _(x: Tensor, dim: int, count: int, bitorder: str, dtype: torch.dtype) -> Tensor:
-        return _unpack(_triton_unpack, x, dim, count, bitorder, dtype)
+        return _unpack(_tb.unpack_into, x, dim, count, bitorder, dtype)
 
     @unpackbits_into.register_kernel("cuda")
     def _(x: Tensor, dim: int, bitorder: str, out: Tensor) -> None:
         if out.numel():
-            _triton_unpack(x, _as_bytes(out), dim, bitorder)
+            _tb.unpack_into(x, _as_bytes(out), dim, bitorder)

@@ -12,6 +12,8 @@ op                          computes
                             that hold it
 ``events_otf_forward``      the same, the response (named, or a table) evaluated per event
                             (on the fly)
+``events_lattice_forward``  the same on a lattice (:mod:`gpu_ops._lattice`): the response
+                            tabulated once per geometry, each event adds a run of the table
 ``prefix_forward``          out (M, N, A) of a piecewise polynomial response (boxcar,
                             triangle, epanechnikov) by prefix sums over the events
 ==========================  ==================================================================
@@ -20,7 +22,7 @@ op                          computes
 device       kernel
 ===========  ==============================================================================
 CPU          compiled C (:mod:`gpu_ops._resample_c`); torch where none is built
-CUDA         Triton (:mod:`gpu_ops._triton.events`), registered when Triton imports
+CUDA         Triton (:mod:`gpu_ops._triton.events`), registered when Triton is installed
 any other    plain torch (:mod:`gpu_ops._events_torch`): the event ops unpack and run the
              band kernels (the same sums), the prefix op sums over the fine grid
 fake / meta  shapes and dtypes only
@@ -35,16 +37,21 @@ ops trust their arguments: :mod:`gpu_ops._bits_resample` checks them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from gpu_ops import _events_torch, _resample_c, _resample_torch, responses
+from gpu_ops import _events_torch, _lattice, _resample_c, _resample_torch, responses
+from gpu_ops._lazy_triton import triton_kernels
 from gpu_ops._library import Op
 
-try:  # Triton is optional: without it CUDA tensors take the torch kernels.
+# Triton is optional (without it CUDA tensors take the torch kernels) and imported at the
+# first CUDA call (gpu_ops._lazy_triton).
+if TYPE_CHECKING:
     from gpu_ops._triton import events as _triton_events
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton_events = None  # type: ignore[assignment]
+else:
+    _triton_events = triton_kernels("events")
 
 
 def _out_dtype(*ts: Tensor) -> torch.dtype:
@@ -167,6 +174,53 @@ def _(
     response: str, big: bool,
 ) -> Tensor:  # fmt: skip
     return c.new_empty((packed.shape[0], *c.shape), dtype=_out_dtype(param))
+
+
+# --- event scatter on a lattice (on the fly, the response tabulated once) -----------------------
+
+events_lattice_forward = Op(
+    "events_lattice_forward(Tensor packed, Tensor first, Tensor last, Tensor tables, "
+    "Tensor tid, int jmin, bool walk, SymInt num_fine, bool big) -> Tensor"
+)
+
+
+@events_lattice_forward.register_kernel(None)
+def _torch_events_lattice(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    """out (M, N, A) float32: the events with their weights from the lattice's tables.
+
+    Args:
+        packed: (M, N, nbytes) uint8.
+        first, last: (N, A) int64, each window ``[first, last)`` (coarse points sorted).
+        tables: (T, step, J) float32; tid: (N,) int64; jmin, walk: see
+            :class:`gpu_ops._lattice.Lattice` (the torch kernel reads the windows either way).
+        num_fine: B.
+        big: the bit order.
+    """
+    bits = _events_torch.unpacked(packed, num_fine, big, torch.float32)
+    return _lattice.forward(bits, first, last, tables, tid, jmin)
+
+
+@events_lattice_forward.register_kernel("cpu")
+def _(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    lib = _resample_c.kernels()
+    if lib is None:
+        return _torch_events_lattice(packed, first, last, tables, tid, jmin, walk, num_fine, big)
+    args = (first.contiguous(), last.contiguous(), tables.float().contiguous(), tid.contiguous())
+    return _resample_c.events_lattice(lib, packed.contiguous(), big, *args, jmin, walk, num_fine)
+
+
+@events_lattice_forward.register_fake
+def _(
+    packed: Tensor, first: Tensor, last: Tensor, tables: Tensor, tid: Tensor, jmin: int,
+    walk: bool, num_fine: int, big: bool,
+) -> Tensor:  # fmt: skip
+    return tables.new_empty((packed.shape[0], *first.shape), dtype=torch.float32)
 
 
 # --- prefix sums --------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from gpu_ops import (
     _bits_resample,
     _events_ops,
     _events_torch,
+    _lattice,
+    _resample_c,
     _resample_ops,
     _resample_torch,
     _resampler_base,
@@ -39,6 +41,9 @@ class _Geometry:
             (P, 3) for the prefix path; None for other responses.
         gain: the output's constant factor (scale, normalisation).
         inverse_mass: (N, A) in the caller's order: 1 / the mass inside (``border``); None.
+        lattice: the response tabulated on x's and c's lattice, for the event path's
+            compiled kernel (:mod:`gpu_ops._lattice`); None: no lattice, or no such kernel
+            here (the event path then evaluates the response per event).
     """
 
     key: tuple[int, ...]
@@ -51,6 +56,7 @@ class _Geometry:
     coef: torch.Tensor | None
     gain: float
     inverse_mass: torch.Tensor | None
+    lattice: _lattice.Lattice | None
 
 
 def _version(t: torch.Tensor) -> int:
@@ -176,6 +182,14 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         p: torch.Tensor = getattr(self, self.spec.param)
         return p
 
+    @property
+    def on_lattice(self) -> bool:
+        """Whether :meth:`forward_bits`' event path adds runs of a table of the response
+        (x and each row of c evenly spaced, a whole number of fine steps apart; on the CPU,
+        in float32: see :mod:`gpu_ops._lattice`) instead of evaluating it per event."""
+        with torch.no_grad():
+            return self._geometry().lattice is not None
+
     def _kernel(self) -> responses.KernelResponse:
         """The response as the ops take it (detached)."""
         return responses.KernelResponse(self.response, self.param.detach())
@@ -230,7 +244,10 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         span = float(self.x[-1] - self.x[0])
         width = (hi - lo) / span * (B - 1) if span > 0 else float(B)
         pieces = _bits_resample.pieces_of(self.response)
-        return _bits_resample.plan(packed3, B, A, min(width, B), on_the_fly=True, pieces=pieces)
+        lattice = self._geometry().lattice is not None
+        return _bits_resample.plan(
+            packed3, B, A, min(width, B), on_the_fly=True, pieces=pieces, lattice=lattice
+        )
 
     def _check_bits_path(self, path: str) -> torch.dtype:
         if path not in ("auto", "band") and self._needs_grad():
@@ -246,7 +263,13 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         """The event or prefix path on ``items (M, N, nbytes)``: (M, N, A)."""
         geo = self._geometry()
         out: torch.Tensor
-        if name == "event":
+        if name == "event" and geo.lattice is not None:
+            lat = geo.lattice
+            out = _events_ops.events_lattice_forward(
+                items, geo.first, geo.last, lat.tables, lat.tid, lat.jmin, lat.walk,
+                self.num_fine, big,
+            )  # fmt: skip
+        elif name == "event":
             out = _events_ops.events_otf_forward(
                 items, self.x, geo.c, geo.first, geo.last, self.param.detach(),
                 self.response, big,
@@ -289,12 +312,24 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             inverse_mass = None
             if self.shape.options.border == "correct":
                 inverse_mass = self._inverse_mass()
+            lattice = None
+            if self._lattice_kernel():
+                lattice = _lattice.find(self.x, c_sorted, first, last, resp, (lo, hi))
             self._geo = _Geometry(
                 key, resp.value, c_sorted, first.contiguous(), last.contiguous(),
                 None if identity else torch.argsort(order, dim=1), bounds, coef,
-                float(self._gain()), inverse_mass,
+                float(self._gain()), inverse_mass, lattice,
             )  # fmt: skip
         return self._geo
+
+    def _lattice_kernel(self) -> bool:
+        """The lattice's compiled kernel runs here: on the CPU, in float32, where built (on
+        CUDA the event kernel evaluates the response per event: arithmetic is cheap there)."""
+        return (
+            self.x.device.type == "cpu"
+            and self.param.dtype != torch.float64
+            and _resample_c.kernels() is not None
+        )
 
     def _windows(self) -> _resample_torch.Windows:
         """The windows of the current c and parameter (as the kernels find them)."""

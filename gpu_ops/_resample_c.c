@@ -705,18 +705,33 @@ INLINE unsigned drop_bit(unsigned v, int j, const int big) {
     return big ? v & ~(0x80u >> j) : v & (v - 1);
 }
 
-/* The events (set bits at b < B) of one row, in increasing order, into ev; their number. */
+/* The events (set bits at b < B) of one row, in increasing order, into ev; their number.
+ * Eight bytes at a time while all their bits are below B (a set bit costs a count of
+ * leading or trailing zeros, and a word's loop exits once, not each byte's), then byte by
+ * byte. "big" reads the word byte-swapped, so bits from the top down are the events in
+ * order. */
 static int64_t row_events(const uint8_t *row, int64_t nbytes, int big, int64_t B, int32_t *ev) {
     int64_t n = 0, k = 0;
-    for (; k < nbytes; k++) {
-        if (k + 8 <= nbytes && (k & 7) == 0) { /* skip empty 8-byte words at once */
-            uint64_t word;
-            memcpy(&word, row + k, 8);
-            if (word == 0) {
-                k += 7;
-                continue;
+    const int64_t below = B / 8 < nbytes ? B / 8 : nbytes; /* bytes whose bits are all < B */
+    for (; k + 8 <= below; k += 8) {
+        uint64_t w;
+        memcpy(&w, row + k, 8);
+        const int32_t base = (int32_t)(k * 8);
+        if (big) {
+            w = __builtin_bswap64(w);
+            while (w) {
+                const int j = __builtin_clzll(w);
+                ev[n++] = base + j;
+                w ^= 0x8000000000000000ull >> j;
+            }
+        } else {
+            while (w) {
+                ev[n++] = base + __builtin_ctzll(w);
+                w &= w - 1;
             }
         }
+    }
+    for (; k < nbytes; k++) {
         unsigned v = row[k];
         while (v) {
             const int j = next_bit(v, big);
@@ -862,6 +877,130 @@ void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double 
         }
         free(ev);
         free(buf);
+    }
+}
+
+/* On a lattice: x evenly spaced, x[b] = x0 + b dx, and each row's sorted coarse points a whole
+ * number `step` of fine points apart, c[a] = c0 + a step dx. The offset c[a] - x[b] is then
+ * c0 - x0 + (a step - b) dx: with b = q step + s (0 <= s < step), a function of s and
+ * j = a - q alone, so the response is tabulated once per geometry, table[s][j - jmin]
+ * (step x J float32; one table per distinct c0, tid (N,) picks a row's). Each event adds one
+ * contiguous run of its phase's row to the outputs: no response evaluated, one vector add
+ * per event. q and s follow the events (increasing b): a division only where an event moves
+ * to another coarse step. The coarse points an event reaches are its windows' [lo, hi)
+ * (walk: the windows found from the exact offsets, which a rounding may tip at a tie), or,
+ * where the caller found those windows to be the lattice's own and zeroed the tables outside
+ * them ("baked"), the whole run j in [jmin, jmin + J), the same for every event of one coarse
+ * step q. Baked, the events of one step are summed a chunk of the run at a time in vector
+ * registers (each event: one load and one add per vector), then the chunk is added to the
+ * outputs once. Rows of the tables are J floats padded with zeros to a multiple of 16 (whole
+ * vectors, aligned rows): a padding zero lands on an output as a harmless + 0.
+ * The caller checked that every (a, b) reached falls inside the table. */
+INLINE void lattice_step(const int64_t b, const int64_t step, int64_t *prev, int64_t *q,
+                         int64_t *s) {
+    *s += b - *prev;
+    *prev = b;
+    if (*s >= step) {
+        const int64_t t = *s / step;
+        *q += t;
+        *s -= t * step;
+    }
+}
+
+static void lattice_walk(const int32_t *ev, int64_t E, const float *T, int64_t step, int64_t J,
+                         int64_t jmin, const int64_t *fi, const int64_t *la, float *restrict o,
+                         int64_t A, int32_t *ph, int32_t *qs) {
+    (void)ph;
+    (void)qs;
+    int64_t lo = 0, hi = 0, q = 0, s = 0, prev = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t b = ev[e];
+        lattice_step(b, step, &prev, &q, &s);
+        while (hi < A && fi[hi] <= b) hi++;
+        while (lo < hi && la[lo] <= b) lo++;
+        const int64_t len = hi - lo;
+        const float *restrict v = T + s * J + (lo - q - jmin);
+        float *restrict dst = o + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) dst[j] += v[j];
+    }
+}
+
+#define LATTICE_CHUNK 4 /* vectors summed in registers per pass over a step's events */
+
+/* acc[k] = sum over the events [e0, e1) of their rows' vectors k of the chunk at j0 (nv of
+ * them: a constant where called, so the unused accumulators vanish). */
+INLINE void lattice_sum(const int nv, const float *T, const int32_t *ph, int64_t e0, int64_t e1,
+                        int64_t j0, vf *acc) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t e = e0; e < e1; e++) {
+        const float *v = T + ph[e] + j0;
+        a0 += *(const vfu *)v;
+        if (nv > 1) a1 += *(const vfu *)(v + VL);
+        if (nv > 2) a2 += *(const vfu *)(v + 2 * VL);
+        if (nv > 3) a3 += *(const vfu *)(v + 3 * VL);
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
+}
+
+static void lattice_baked(const int32_t *ev, int64_t E, const float *T, int64_t step, int64_t J,
+                          int64_t jmin, const int64_t *fi, const int64_t *la, float *restrict o,
+                          int64_t A, int32_t *ph, int32_t *qs) {
+    (void)fi;
+    (void)la;
+    int64_t q = 0, s = 0, prev = 0;
+    for (int64_t e = 0; e < E; e++) { /* each event's step and its row's offset */
+        lattice_step(ev[e], step, &prev, &q, &s);
+        qs[e] = (int32_t)q;
+        ph[e] = (int32_t)(s * J);
+    }
+    for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
+        for (e1 = e0 + 1; e1 < E && qs[e1] == qs[e0];) e1++;
+        const int64_t base = qs[e0] + jmin; /* the output of j = jmin */
+        for (int64_t j0 = 0; j0 < J; j0 += LATTICE_CHUNK * VL) {
+            const int64_t left = (J - j0) / VL;
+            const int nv = left < LATTICE_CHUNK ? (int)left : LATTICE_CHUNK;
+            vf acc[LATTICE_CHUNK];
+            switch (nv) {
+            case 1: lattice_sum(1, T, ph, e0, e1, j0, acc); break;
+            case 2: lattice_sum(2, T, ph, e0, e1, j0, acc); break;
+            case 3: lattice_sum(3, T, ph, e0, e1, j0, acc); break;
+            default: lattice_sum(4, T, ph, e0, e1, j0, acc); break;
+            }
+            const int64_t at = base + j0;
+            if (at >= 0 && at + nv * VL <= A) {
+                for (int k = 0; k < nv; k++) *(vfu *)(o + at + k * VL) += acc[k];
+            } else { /* a step near either end: the outputs inside [0, A) */
+                const float *sum = (const float *)acc;
+                for (int64_t l = 0; l < nv * VL; l++)
+                    if (at + l >= 0 && at + l < A) o[at + l] += sum[l];
+            }
+        }
+    }
+}
+
+void bs_events_lattice(const uint8_t *packed, int64_t nbytes, int big, const float *tables,
+                       const int64_t *tid, int64_t step, int64_t J, int64_t jmin, int walk,
+                       const int64_t *first, const int64_t *last, float *out, int64_t M,
+                       int64_t N, int64_t A, int64_t B, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        const size_t cap = (size_t)(B > 0 ? B : 1);
+        int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * 3 * cap), *ph = ev + cap, *qs = ph + cap;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * N; r++) {
+            const int64_t n = r % N;
+            float *o = out + r * A;
+            memset(o, 0, sizeof(float) * (size_t)A);
+            const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
+            const float *T = tables + tid[n] * step * J;
+            (walk ? lattice_walk : lattice_baked)(ev, E, T, step, J, jmin, first + n * A,
+                                                  last + n * A, o, A, ph, qs);
+        }
+        free(ev);
     }
 }
 

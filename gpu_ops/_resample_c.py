@@ -44,10 +44,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, *resp, ptr,
                                   *[i64] * 4, cint]  # fmt: skip
     lib.bs_prefix.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 4, cint]
+    lib.bs_events_lattice.argtypes = [ptr, i64, cint, ptr, ptr, i64, i64, i64, cint, ptr, ptr,
+                                      ptr, *[i64] * 4, cint]  # fmt: skip
     for fn in (
         lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w,
         lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp, lib.bs_bit_counts,
-        lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix,
+        lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix, lib.bs_events_lattice,
     ):  # fmt: skip
         fn.restype = None
     return lib
@@ -280,5 +282,33 @@ def prefix(
     lib.bs_prefix(
         packed.data_ptr(), nbytes, int(big), x.data_ptr(), c.data_ptr(), bounds.data_ptr(),
         coef.data_ptr(), P, out.data_ptr(), M, N, A, x.numel(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def events_lattice(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, first: torch.Tensor, last: torch.Tensor,
+    tables: torch.Tensor, tid: torch.Tensor, jmin: int, walk: bool, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32: the events of ``packed (M, N, nbytes)`` (bits ``b < B``) on a
+    lattice.
+
+    Args:
+        first, last: (N, A) int64 contiguous, the windows (coarse points sorted per row).
+        tables: (T, step, J) float32 contiguous, ``tables[t, s, j - jmin]`` the response at
+            the offset of phase s and coarse distance j (see :mod:`gpu_ops._lattice`).
+        tid: (N,) int64, each row's table.
+        jmin: the first j of the tables.
+        walk: each event reaches the coarse points of its windows (else: the tables' whole
+            run, zero outside the windows).
+    """
+    M, N, nbytes = packed.shape
+    A = first.shape[1]
+    _, step, J = tables.shape
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_events_lattice(
+        packed.data_ptr(), nbytes, int(big), tables.data_ptr(), tid.data_ptr(), step, J, jmin,
+        int(walk), first.data_ptr(), last.data_ptr(), out.data_ptr(), M, N, A, B,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out

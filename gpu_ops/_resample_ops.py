@@ -21,7 +21,7 @@ op                              computes
 device       kernel
 ===========  ==============================================================================
 CPU          the compiled C kernels (:mod:`gpu_ops._resample_c`); torch where none built
-CUDA         Triton kernels (:mod:`gpu_ops._triton`), registered when Triton imports
+CUDA         Triton kernels (:mod:`gpu_ops._triton`), registered when Triton is installed
 any other    chunked torch (:mod:`gpu_ops._resample_torch`): also CUDA without Triton
 fake / meta  shapes and dtypes only, for compile and export
 ===========  ==============================================================================
@@ -40,20 +40,23 @@ raises.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gpu_ops import _resample_c, _resample_torch, responses
+from gpu_ops._lazy_triton import triton_kernels
 from gpu_ops._library import Op
 
-try:  # Triton is optional: without it CUDA tensors take the torch kernels.
+# Triton is optional (without it CUDA tensors take the torch kernels) and imported at the
+# first CUDA call (gpu_ops._lazy_triton).
+if TYPE_CHECKING:
     from gpu_ops._triton import resample as _triton_band
     from gpu_ops._triton import resample_otf as _triton_otf
-except ImportError:  # pragma: no cover - depends on the environment
-    _triton_band = None  # type: ignore[assignment]
-    _triton_otf = None  # type: ignore[assignment]
+else:
+    _triton_band = triton_kernels("resample")
+    _triton_otf = triton_kernels("resample_otf")
 
 
 def _wide(*ts: Tensor) -> bool:

@@ -45,10 +45,9 @@ class OutOfRange(nn.Module):
     """A forward that raises on every input it is given here: it looks up row
     ``first bit + 100`` of a 10-row table (an index error in every format).
 
-    The index comes from one bit per item, not a reduction: an AOTInductor kernel that
-    fails inside an OpenMP parallel region aborts the whole process (a C++ exception
-    cannot leave the region), which no server can report; a pointwise kernel over a batch
-    of at most 8 items runs serially and raises."""
+    The index comes from one bit per item, not a reduction: a pointwise AOTInductor kernel
+    over a batch of at most 8 items runs serially and raises (:class:`AbortsInParallel` is
+    the one whose kernel aborts the process)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +55,23 @@ class OutOfRange(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.table[x[:, 0].long() + 100]
+
+
+class AbortsInParallel(nn.Module):
+    """:class:`OutOfRange`'s bad lookup for every bit of every item, summed per item.
+
+    AOTInductor compiles it into a reduction that runs inside an OpenMP parallel region,
+    where its failed index check cannot throw: the C++ runtime calls ``std::terminate`` and
+    the process that runs it aborts (SIGABRT), at any batch size, when compiled with more
+    than one torch thread for inputs of 2048 bits. The other formats raise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.arange(10, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[x.long() + 100].sum(1, keepdim=True)
 
 
 class StaticBatch(nn.Module):

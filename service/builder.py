@@ -14,7 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig
+from service.dry_run_child import dry_run_in_child
 from service.layout import VersionSource, model_names, model_versions
 from service.model_files import load_version
 from service.pipeline import Pipeline, resolve_device
@@ -29,8 +32,13 @@ def build_version(
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     patch: Mapping[str, Any] | None = None,
     warmup: bool = True,
+    isolate: bool = True,
 ) -> tuple[ModelConfig, Pipeline]:
     """:func:`load_version`, then the pipeline on its device with its dry run.
+
+    A model whose failing call can abort the process (``ModelFile.dry_run_in_child``: an
+    AOTInductor package) is first built and dry-run in a child process
+    (:mod:`service.dry_run_child`): a crash there is a refusal, not this process's end.
 
     Args:
         name: the model's name.
@@ -40,6 +48,8 @@ def build_version(
         max_batch_bytes: see :func:`load_version`.
         patch: see :func:`load_version`.
         warmup: also run the full batch a second time (``--warmup``).
+        isolate: make the dry run of such a model in a child process first (the child
+            itself builds with False).
 
     Raises:
         ConfigError: every problem, each naming the file and the key.
@@ -48,6 +58,18 @@ def build_version(
         src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes, patch=patch
     )
     device = resolve_device(cfg.device, default_device, source=src.source)
+    model = artifacts.model
+    if isolate and model is not None and model.dry_run_in_child:
+        dry_run_in_child(
+            name,
+            src,
+            model.path.name,
+            default_device=default_device,
+            threads=torch.get_num_threads(),
+            max_operator_bytes=max_operator_bytes,
+            max_batch_bytes=max_batch_bytes,
+            patch=patch,
+        )
     pipe = Pipeline(name, cfg, artifacts, device, warmup=warmup, source=src.source)
     return cfg, pipe
 
@@ -76,11 +98,11 @@ def check_model(
     except ConfigError as exc:
         return exc.problems
     problems: list[str] = []
-    limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
     for src in versions.values():
         try:
             build_version(name, src, default_device=device, patch={"device": device},
-                          warmup=False, **limits)  # fmt: skip
+                          warmup=False, max_operator_bytes=max_operator_bytes,
+                          max_batch_bytes=max_batch_bytes)  # fmt: skip
         except ConfigError as exc:
             problems += exc.problems
         except Exception as exc:  # a bug of ours: still one line, never a traceback

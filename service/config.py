@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from service.devices import parse_device
+from service.priority import MAX_PRIORITY_LEVELS, LevelPolicy, check_levels
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
 from service.text import clean_reason, safe_text
 
@@ -323,6 +324,15 @@ class ModelConfig(_Strict):
     the batches ahead of it would take longer (at the pace of recent batches). Triton's
     ``dynamic_batching.default_queue_policy.default_timeout_microseconds`` with
     ``timeout_action: REJECT``. 0 = no bound (requests wait their turn, however long)."""
+    priority_levels: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """Priority levels, 1 the highest (Triton's ``dynamic_batching.priority_levels``): a
+    request's ``parameters.priority`` picks its level; requests of a higher level are batched
+    first, FIFO within a level. 0 = no levels (every request FIFO)."""
+    default_priority_level: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """The level of a request whose priority is 0, absent or above ``priority_levels`` (as in
+    Triton); must be 1 .. ``priority_levels`` when there are levels, else 0."""
+    priority_queue_policy: dict[int, LevelPolicy] = Field(default_factory=dict)
+    """Per level (``[priority_queue_policy.1]``, ...): its own queue bound."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     inputs: list[InputConfig] = Field(min_length=1, max_length=64)
@@ -349,6 +359,7 @@ class ModelConfig(_Strict):
     def _consistent(self) -> ModelConfig:
         if self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model] or both")
+        check_levels(self.priority_levels, self.default_priority_level, self.priority_queue_policy)
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -129,6 +129,9 @@ class Pipeline:
         self.stats: ModelStats | None = None
         """Where each batch's phase durations go (set by the repository once built: the
         warm-up runs are not counted)."""
+        self.last_phases_ns: tuple[int, int, int] | None = None
+        """The last batch's ``compute_input``, ``compute_infer`` and ``compute_output`` ns
+        (the device's own times on CUDA): the phases of a traced batch."""
         self._events: list[Any] = []
         self.source = source
         self.inputs: list[InputConfig] = list(cfg.inputs)
@@ -422,6 +425,7 @@ class Pipeline:
             if events:  # the host only queued the work; the device's own times
                 t0, t1, t2, t3 = (0, *(int(events[0].elapsed_time(e) * 1e6) for e in events[1:]))
             self.stats.executed(total, len(requests), t1 - t0, t2 - t1, t3 - t2)
+        self.last_phases_ns = (t1 - t0, t2 - t1, t3 - t2)
         results: list[list[np.ndarray[Any, Any]]] = []
         row = 0
         for r in requests:

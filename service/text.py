@@ -32,11 +32,21 @@ def clean_reason(exc: BaseException, folder: Path | None = None, shown: str = ""
         if line.lstrip().startswith(_TRACE_MARKS):
             break
         lines.append(" ".join(line.split()))
-    text = " ".join(lines)
+    kind = type(exc).__name__
+    # TorchScript repeats the class in its last line
+    text = clean_text(" ".join(lines), folder, shown, limit=None).removeprefix(f"{kind}: ")
+    return f"{kind}: {safe_text(text, 300)}" if text else kind
+
+
+def clean_text(
+    text: str, folder: Path | None = None, shown: str = "", *, limit: int | None = 300
+) -> str:
+    """One line of a library's message for a client: whitespace folded, the model folder
+    ``folder`` shown as ``shown``, any other absolute path as ``<server path>``, cut to
+    ``limit`` characters (None: not cut, nor escaped)."""
+    text = " ".join(text.split())
     if folder is not None:
         for root in {str(folder), str(folder.resolve())}:
             text = text.replace(root, shown or folder.name)
     text = _ABS_PATH.sub("<server path>", text)
-    kind = type(exc).__name__
-    text = text.removeprefix(f"{kind}: ")  # TorchScript repeats the class in its last line
-    return f"{kind}: {safe_text(text, 300)}" if text else kind
+    return text if limit is None else safe_text(text, limit)

@@ -1,8 +1,8 @@
 """Triton kernels. Importing a kernel module requires ``triton``; this package itself does not.
 
-The op modules (``gpu_ops._bits_ops``, ``gpu_ops._resample_ops``) import the kernel modules
-in a ``try`` and register them as the ops' CUDA kernels when Triton imports; without it, CUDA
-tensors take the torch kernels.
+The op modules (``gpu_ops._bits_ops``, ``gpu_ops._resample_ops``, ``gpu_ops._events_ops``)
+register them as the ops' CUDA kernels when Triton is installed and import them at the first
+CUDA call (``gpu_ops._lazy_triton``); without Triton, CUDA tensors take the torch kernels.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """AOTInductor packages (``.pt2`` from ``torch._inductor.aoti_compile_and_package``).
 
 A package holds a shared library compiled for one kind of device (its ``AOTI_DEVICE_KEY``):
-it is read and checked on the host, and loaded with ``torch._inductor.aoti_load_package``
-onto the device (a CPU package runs only on the CPU, a CUDA one only on CUDA devices).
+it is read and checked on the host, and loaded onto the device (a CPU package runs only on
+the CPU, a CUDA one only on CUDA devices) with the C++ loader that
+``torch._inductor.aoti_load_package`` uses (:class:`CompiledModel`).
 
 Its signature is read from the package itself. AOTInductor generates, for every input, a
 check of its dtype and of each dimension (static sizes, the bounds of dynamic ones) into the
@@ -11,6 +12,11 @@ package's C++ wrapper; the compiled library runs those checks only under
 serves). Without the checks a tensor of the wrong dtype or shape reads out of bounds, so
 bitserve reads the same checks from the wrapper's source at load and holds the config to
 them there: a package whose wrapper it cannot read is refused.
+
+The kernels' own checks (an index out of range) do run. One that fails inside an OpenMP
+parallel region cannot throw out of it, and the C++ runtime aborts the process: a package's
+dry run is therefore made first in a child process (:mod:`service.dry_run_child`), where
+such a crash is a refusal instead of the server's end.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class AOTIPackage(ModelFile):
     # a .pt2 that holds data/aotinductor/ (see service.backends.format_of)
     suffixes: ClassVar[tuple[str, ...]] = ()
     dtype_from_file = True
+    # A generated kernel's check that fails inside an OpenMP region calls std::terminate.
+    dry_run_in_child = True
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -78,10 +86,36 @@ class AOTIPackage(ModelFile):
                 f"the package is compiled for {self.device_key}, not {device.type}; compile "
                 f"it with the program and example inputs on {device.type} to serve it there"
             )
-        from torch._inductor import aoti_load_package
-
         index = device.index if device.index is not None else -1
-        return aoti_load_package(str(self.path), device_index=index)
+        return CompiledModel(self.path, index)
+
+
+class CompiledModel:
+    """A package's compiled model on its device, called with one tensor per input
+    (positionally); it returns what the program returns (a tensor, a tuple, a dict).
+
+    What ``torch._inductor.aoti_load_package`` returns, less its cost: that function imports
+    ``torch._inductor`` and ``torch._dynamo`` (about 1.5 s and 100 MiB in a fresh process,
+    paid by every worker, Ray actor and dry-run child that loads a package) and reads the
+    package's call spec again at every call. Both use the same C++ loader.
+
+    Args:
+        path: the package.
+        device_index: the CUDA device's index; -1 for the CPU (or the current device).
+    """
+
+    def __init__(self, path: Path, device_index: int) -> None:
+        import torch.utils._pytree as pytree
+
+        self._unflatten = pytree.tree_unflatten
+        self._loader = torch._C._aoti.AOTIModelPackageLoader(
+            str(path), "model", False, 1, device_index
+        )
+        self._out_spec = pytree.treespec_loads(self._loader.get_call_spec()[1])
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Run the model on ``inputs``, each batch first in the dtype the package checks."""
+        return self._unflatten(self._loader.boxed_run(list(inputs)), self._out_spec)
 
 
 def _read_checks(source: str) -> tuple[TensorSpec, ...]:

@@ -47,7 +47,7 @@ from service.errors import (
 from service.observability import printable_path, request_id_var
 from service.protocol import choose_encoding, encode_infer_response
 from service.rest.errors import error_parts
-from service.rest.fastpath import Held, InferRoute, match_infer
+from service.rest.fastpath import CLIENT_GONE, Held, InferRoute, match_infer
 from service.rest.gateway import Gateway, request_log
 from service.rest.gateway import log as gateway_log
 from service.rest.http_cycle import STATUS_LINES
@@ -112,8 +112,8 @@ class ExpressLanes:
         keep_alive: bool,
     ) -> ExpressRequest | None:
         """The express request for a parsed head, or None: the general way."""
-        if method != b"POST":
-            return None
+        if method != b"POST" or self.dataplane.tracing is not None:
+            return None  # tracing on: a request may be traced (the general way's spans)
         target = self._target(url)
         if target is None:
             return None
@@ -184,7 +184,6 @@ class ExpressRequest:
         "complete",
         "conn",
         "declared",
-        "gone",
         "handle",
         "head",
         "header_length",
@@ -233,7 +232,6 @@ class ExpressRequest:
         """The response has been written (or the request handed over, or its client gone)."""
         self.answered = False
         """Its batch's answer (or error) has come."""
-        self.gone = False
         self.handle: ModelHandle | None = None
         self.request: InferRequest | None = None
         self.outputs: tuple[int, ...] = ()
@@ -312,16 +310,22 @@ class ExpressRequest:
             self.body_incomplete()  # started after the read that brought its head
 
     def lost(self) -> None:
-        """The client went away."""
+        """The client went away: a request still queued is dropped, never computed (as the
+        general way drops it: counted as cancelled, logged 499, left out of the
+        statistics); an answer still to come goes nowhere."""
         if self.complete:
             return
-        if not self.started:
-            self.complete = True  # never started: nothing to tell
-        elif self.pending is None:
-            self._hand_over().lost()  # reading its body: the general way tells of it
+        self.complete = True
+        handle = self.handle
+        if not self.started or handle is None or self.answered:
+            return  # never started, or its answer is written
+        if self.pending is None:  # reading its body
+            self.lane.dataplane.metrics.cancelled(handle.name, handle.version).inc()
+            self.t0_ns = self.lane.dataplane.started()
         else:
-            self.gone = True
-            self.complete = True  # its answer, when its batch computes it, goes nowhere
+            handle.batcher.cancel(self.pending)
+        self.answered = True
+        self._finish("Cancelled", CLIENT_GONE, b"", b"", b"")
 
     # --- the request ----------------------------------------------------------------------
 
@@ -341,6 +345,7 @@ class ExpressRequest:
                 bound.size,
                 _Answer(self),
                 timeout_us=request.timeout_us,
+                level=handle.level_of(request.parameters.get("priority")),
                 request_id=self.request_id,
             )
         except ServiceError:
@@ -353,9 +358,6 @@ class ExpressRequest:
     def computed(self, result: tuple[Result, BatchInfo]) -> None:
         """Its batch's outputs: the response is framed and written now."""
         self.answered = True
-        if self.gone:
-            self._finish("success", 200, b"", b"", b"")  # counted; nobody to answer
-            return
         handle, request = self.handle, self.request
         assert handle is not None
         assert request is not None
@@ -431,7 +433,7 @@ class ExpressRequest:
             request_log.info("%s %s %d %.1fms", "POST", self.target[2], status, ms)
             request_id_var.reset(token)
         if self.complete:
-            return  # the client went away
+            return  # the client went away: nothing to write
         conn = self.conn
         close = b"" if self.keep_alive or closes else b"connection: close\r\n"
         conn.transport.write(b"".join((line, conn.default_headers(), lines, close, b"\r\n", body)))

@@ -45,20 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import sys
-import termios
 import urllib.parse
-from collections import OrderedDict, deque
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import httptools
 
 from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
-from service.observability import Tally
 from service.rest.errors import error_bytes
 from service.rest.http_cycle import App, Exchange, Message, Request
+from service.rest.sockets import Waiting, unread_bytes
 from service.text import safe_text
 
 if TYPE_CHECKING:
@@ -75,38 +72,6 @@ class _HeadTooLarge(Exception):
     """Raised in a parser callback to stop parsing a head past a bound (431)."""
 
 
-class _Waiting:
-    """One server's connections waiting for a request head, oldest first, in two classes:
-    those that were never answered (slowloris holds only these) and those that were (a
-    keep-alive client between requests). The first are evicted first; evictions are counted
-    and logged at most every 10 s."""
-
-    def __init__(self) -> None:
-        self.fresh: OrderedDict[HttpProtocol, None] = OrderedDict()
-        self.served: OrderedDict[HttpProtocol, None] = OrderedDict()
-        self.evicted = Tally(
-            log,
-            logging.WARNING,
-            "connection cap %d reached: closed connection(s) waiting for a head",
-        )
-
-    def add(self, conn: HttpProtocol, *, served: bool) -> None:
-        """Add ``conn`` as the newest of its class."""
-        self.remove(conn)
-        (self.served if served else self.fresh)[conn] = None
-
-    def remove(self, conn: HttpProtocol) -> None:
-        self.fresh.pop(conn, None)
-        self.served.pop(conn, None)
-
-    def oldest(self) -> HttpProtocol | None:
-        """The connection to evict first, if any."""
-        for group in (self.fresh, self.served):
-            if group:
-                return next(iter(group))
-        return None
-
-
 class HttpProtocol(asyncio.Protocol):
     """One HTTP/1.1 connection (see the module docstring); uvicorn makes one per connection.
 
@@ -120,7 +85,7 @@ class HttpProtocol(asyncio.Protocol):
     max_head_bytes: int = 64 << 10
     max_headers: int = 100
     max_connections: int = 0  # 0: no cap
-    waiting: _Waiting = _Waiting()  # one per server: protocol_class makes a fresh one
+    waiting: Waiting[HttpProtocol] = Waiting(log)  # one per server: protocol_class makes one
 
     def __init__(
         self,
@@ -472,7 +437,7 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_timer = None
         if self.active is not None or self._head_begun:
             return
-        if _unread_bytes(self.transport):
+        if unread_bytes(self.transport):
             # A request arrived as the timer fired (the loop runs due timers before it reads
             # the sockets): closing now would reset it. Its bytes are read next.
             self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
@@ -493,41 +458,10 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
 
-def _unread_bytes(transport: asyncio.Transport) -> int:
-    """Bytes in the socket's receive queue that the loop has not read yet (0 if unknown)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        out = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-    except (OSError, ValueError):
-        return 0
-    return int.from_bytes(out, sys.byteorder, signed=True)
-
-
 def _address(value: object) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])
     return None
-
-
-def max_connections(wanted: int) -> int:
-    """``wanted``, lowered to leave file descriptors for files, pipes and the models' threads
-    under the process's ``RLIMIT_NOFILE`` (a cap above it would fail in ``accept`` instead)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    fit = max(16, soft - 64)
-    if fit < wanted:
-        log.warning(
-            "max_connections %d lowered to %d to fit the file-descriptor limit %d",
-            wanted,
-            fit,
-            soft,
-        )
-    return min(wanted, fit)
 
 
 def protocol_class(
@@ -546,6 +480,6 @@ def protocol_class(
             "max_head_bytes": max_header_bytes,
             "max_headers": max_headers,
             "max_connections": max_connections,
-            "waiting": _Waiting(),
+            "waiting": Waiting(log),
         },
     )

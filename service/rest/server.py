@@ -48,7 +48,8 @@ def uvicorn_config(
     settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
 ) -> uvicorn.Config:
     """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
-    from service.rest.http_protocol import max_connections, protocol_class
+    from service.rest.http_protocol import protocol_class
+    from service.rest.sockets import max_connections
 
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,

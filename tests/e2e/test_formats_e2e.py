@@ -3,10 +3,12 @@
 One repository holds a fingerprint MLP (float32, 2048 bits -> 1 score) in each format
 (torch.export, AOTInductor, TorchScript, ONNX), each once as it should be and once with each
 defect a user brings: a static batch, a config shape that does not fit, a dtype the model
-does not take, a wrong output declaration, a forward that raises. ``bitserve check-repo`` and
-a real ``bitserve serve`` (``--no-strict-readiness``, so the good models serve beside the
-bad) must agree on every one of them, word for word; the good ones answer as the module does
-in float64, with bit-packed bytes sent in either bit order (RDKit's own bytes included).
+does not take, a wrong output declaration, a forward that raises; and an AOTInductor package
+whose kernel aborts the process that runs it. ``bitserve check-repo`` and a real ``bitserve
+serve`` (``--no-strict-readiness``, so the good models serve beside the bad) must agree on
+every one of them, word for word, and both must live through the abort; the good ones answer
+as the module does in float64, with bit-packed bytes sent in either bit order (RDKit's own
+bytes included).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import numpy as np
 import pytest
 import torch
 
-from harness.model_formats import FORMAT_FILES, OutOfRange, fingerprint_mlp, reference, write_model
+from harness.model_formats import (
+    FORMAT_FILES,
+    AbortsInParallel,
+    OutOfRange,
+    fingerprint_mlp,
+    reference,
+    write_model,
+)
 from harness.repo_utils import model_toml, tensor
 from harness.server import BitserveServer, bitserve_command, start_server
 
@@ -31,6 +40,7 @@ pytestmark = pytest.mark.e2e
 MAX_BATCH = 8
 FORMATS = tuple(FORMAT_FILES)
 DEFECTS = ("static_batch", "wrong_shape", "wrong_dtype", "wrong_output", "raises")
+ABORTS = "aoti_aborts"  # one more model: a package whose kernel calls std::terminate
 
 
 def config(fmt: str, *, shape: int = 2048, dtype: str | None = None, out: str = "FP32") -> str:
@@ -76,6 +86,8 @@ def repository(module: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory
                 "wrong_output": config(fmt, out="INT32"),
             }.get(defect, config(fmt))
             (folder / "config.toml").write_text(text)
+    write_model(root / ABORTS / "model.pt2", "aoti", AbortsInParallel().eval(), MAX_BATCH)
+    (root / ABORTS / "config.toml").write_text(config("aoti"))
     return root
 
 
@@ -112,7 +124,7 @@ def test_check_repo_and_serve_agree_on_every_format_and_defect(
     check_lines: list[str], server: BitserveServer
 ) -> None:
     index = _index(server)
-    assert set(index) == {f"{f}_{d}" for f in FORMATS for d in ("good", *DEFECTS)}
+    assert set(index) == {f"{f}_{d}" for f in FORMATS for d in ("good", *DEFECTS)} | {ABORTS}
     for fmt in FORMATS:
         assert index[f"{fmt}_good"] == ("READY", ""), fmt
         assert not any(f"/{fmt}_good/" in line for line in check_lines)
@@ -128,6 +140,31 @@ def test_check_repo_and_serve_agree_on_every_format_and_defect(
             assert not any(path in reason for path in ("/tmp", "site-packages")), reason
     # Everything check-repo printed is about a model that serve refused.
     assert all(index[line.split("/")[1]][0] == "UNAVAILABLE" for line in check_lines)
+
+
+def test_a_package_that_aborts_is_refused_and_the_server_lives(
+    check_lines: list[str], server: BitserveServer, module: torch.nn.Module
+) -> None:
+    """Its dry run runs in a child process first: the abort is that process's end only."""
+    expected = (
+        f"repo/{ABORTS}/config.toml: model.file: model.pt2: the compiled model crashed during "
+        "the dry run (SIGABRT; it threw c10::Error: index out of bounds: 0 <= "
+    )
+    mine = [line for line in check_lines if line.startswith(f"repo/{ABORTS}/")]
+    assert len(mine) == 1, check_lines
+    assert mine[0].startswith(expected), mine[0]
+    state, reason = _index(server)[ABORTS]
+    assert (state, reason) == ("UNAVAILABLE", mine[0])
+    r = httpx.post(f"{server.url}/v2/repository/models/{ABORTS}/load", timeout=120)
+    assert r.status_code == 400
+    assert r.json()["error"] == f"failed to load '{ABORTS}': {mine[0]}"
+    assert server.process.poll() is None  # a load and a reload later, still serving
+    from bitserve_client import Client
+
+    bits = np.random.default_rng(7).random((3, 2048)) < 0.1
+    with Client(server.url) as client:
+        got = client.infer("aoti_good", {"fp": bits})["score"]
+    np.testing.assert_allclose(got, reference(module, bits), rtol=1e-5, atol=1e-5)
 
 
 # The refusals as a user reads them (torch.export and ONNX state their signatures).

@@ -26,6 +26,7 @@ from gpu_ops import (
     _bits_c,
     _bits_ops,
     _events_ops,
+    _lattice,
     _resample_c,
     _resample_ops,
     responses,
@@ -49,6 +50,7 @@ OPS = {
     "events_band_forward": _events_ops.events_band_forward,
     "events_otf_forward": _events_ops.events_otf_forward,
     "prefix_forward": _events_ops.prefix_forward,
+    "events_lattice_forward": _events_ops.events_lattice_forward,
 }
 Case = tuple[str, tuple[Any, ...]]
 
@@ -104,6 +106,18 @@ def _cases(device: str) -> Iterator[Case]:
         yield "on_the_fly_forward", (f, x, cd, table, "tabulated", None)
         yield "on_the_fly_backward_f", (g, *common, B)
         yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # The event path on a lattice: tables (T, step, J), rows' tables, both walks.
+    lx = torch.arange(B, dtype=torch.float64, device=device) * 0.5
+    lc = (torch.arange(A, dtype=torch.float64, device=device) * 2.5 + 0.1).expand(N, A)
+    first = torch.searchsorted(lx, lc - 3.0)
+    last = torch.searchsorted(lx, lc + 3.0, side="right")
+    gauss = responses.KernelResponse("gaussian", torch.tensor(1.0))
+    lat = _lattice.find(lx, lc.contiguous(), first, last, gauss, (-3.0, 3.0))
+    assert lat is not None
+    lbits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
+    for walk in (False, True):
+        args = (lbits.to(device), first, last, lat.tables, lat.tid, lat.jmin, walk, B, walk)
+        yield "events_lattice_forward", args
     # The bit-input paths: no autograd (the input is bits), every bit order and dtype.
     bits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
     bits = bits.to(device)
@@ -150,7 +164,10 @@ def test_kernels_are_registered_per_device() -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Meta"), name
         # The op's own body: every device without a kernel of its own.
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeExplicitAutograd")
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == HAS_TRITON, name
+        # The lattice is the CPU's way to the event path (on CUDA the event kernel evaluates
+        # the response per event): its CUDA tensors take the op's own torch body.
+        cuda = HAS_TRITON and name != "events_lattice_forward"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == cuda, name
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import tempfile
 from collections.abc import AsyncIterator
@@ -296,4 +297,77 @@ async def test_the_tiny_model_through_its_real_pipeline() -> None:
                 counts = np.frombuffer(raw.split(b"\r\n\r\n", 1)[1][n:], np.float32)
                 expected = np.unpackbits(packed.reshape(-1)).reshape(-1, 8).sum(1)
                 np.testing.assert_array_equal(counts, expected)
+            assert server.handed_over == 0
+
+
+def _tiny_request(packed: np.ndarray[Any, Any], rid: str, **parameters: Any) -> bytes:
+    header: dict[str, Any] = {
+        "inputs": [
+            {
+                "name": "bits",
+                "datatype": "UINT8",
+                "shape": list(packed.shape),
+                "parameters": {"binary_data_size": packed.nbytes},
+            }
+        ],
+        "outputs": [{"name": "count", "parameters": {"binary_data": True}}],
+    }
+    if parameters:
+        header["parameters"] = parameters
+    return request("tiny", header, packed.tobytes(), extra=f"X-Request-ID: {rid}\r\n")
+
+
+async def test_a_queued_request_whose_client_leaves_is_dropped() -> None:
+    """As the general way drops it (issue 22): never computed, counted as cancelled, left out
+    of the statistics, logged 499."""
+    access = logging.getLogger("service.rest.gateway.access")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    access.addHandler(handler)
+    level, access.level = access.level, logging.INFO
+    try:
+        await _client_leaves()
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert any(line.startswith("POST /v2/models/tiny/infer 499 ") for line in lines), lines
+
+
+async def _client_leaves() -> None:
+    from benchmarks.overhead import tiny
+    from harness.probes import metric
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = tiny.write_repository(Path(tmp))
+        app = create_app(Settings(model_repository=repo, grpc_port=0, log_level="warning"))
+        async with serving(app) as server:
+            packed = np.array([[[7]]], dtype=np.uint8)
+            await server.both([_tiny_request(packed, "warm")])  # batches run inline by now
+            stats = app.state.repository.get("tiny").stats
+            computed = stats.snapshot().inference_count
+            conn, client = server.connect(express=True)
+            client.send(_tiny_request(packed, "left"))  # queued: its batch runs next turn
+            assert isinstance(conn.active, ExpressRequest)
+            client.hang_up()
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+            assert client.responses == []
+            assert stats.snapshot().inference_count == computed
+            text = app.state.metrics.render().decode()
+            labels = {"model": "tiny", "version": "1"}
+            assert metric(text, "bitserve_requests_cancelled_total", 0.0, **labels) == 1
+            outcome = {"model": "tiny", "outcome": "Cancelled"}
+            assert metric(text, "bitserve_requests_total", 0.0, **outcome) == 1
+            assert stats.snapshot().fail_count == 0
+            # A client that leaves while sending its body: dropped before its queue.
+            conn, client = server.connect(express=True)
+            client.send(_tiny_request(packed, "half")[:-1])
+            assert isinstance(conn.active, ExpressRequest)
+            client.hang_up()
+            await asyncio.sleep(0.01)
+            text = app.state.metrics.render().decode()
+            assert metric(text, "bitserve_requests_cancelled_total", 0.0, **labels) == 2
+            assert stats.snapshot().inference_count == computed
+            assert client.responses == []
             assert server.handed_over == 0
