@@ -103,11 +103,9 @@ def _torch_events_band(
     """out (M, N, A) float32 (float64 weights: float64) from packed (M, N, nbytes).
 
     ``starts (N, A)`` int32, non-decreasing along each row, in ``[0, B - W]``; ``weights
-    (N, A, W)``.
+    (N, A, W)``. Without an event kernel: the band on the unpacked bits (the same sums).
     """
-    ct = _out_dtype(weights)
-    f = _events_torch.unpacked(packed, num_fine, big, ct)
-    return _resample_torch.forward(f, starts, weights).to(ct)
+    return _torch_banded_bits(packed, starts, weights, num_fine, big)
 
 
 @events_band_forward.register_kernel("cpu")
@@ -120,7 +118,8 @@ def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool)
 
 
 @events_band_forward.register_fake
-def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
+def _band_fake(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
+    """The stored band's bit ops' fake kernel: (M, N, A) in the output dtype."""
     return weights.new_empty((packed.shape[0], *starts.shape), dtype=_out_dtype(weights))
 
 
@@ -160,9 +159,7 @@ def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool)
     return _resample_c.forward_bits(lib, packed.contiguous(), big, s, w, num_fine)
 
 
-@banded_bits_forward.register_fake
-def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
-    return weights.new_empty((packed.shape[0], *starts.shape), dtype=_out_dtype(weights))
+banded_bits_forward.register_fake(_band_fake)
 
 
 # --- event scatter, on the fly ------------------------------------------------------------------
