@@ -19,7 +19,9 @@ measured density (its set bits, one pass over the bytes) and the response, by
 :func:`choose`, whose cost model is calibrated on the kernels (see
 ``benchmarks/bench_elephant.py``); ``path=`` forces one. Per item, not per batch: an item's
 result then depends on the item alone, not on what else a server batched with it (every
-path is deterministic).
+path is deterministic). Where the band costs less per item than counting and choosing would
+(a light operator: a few fine points and coarse points), every item takes the band and
+nothing is counted: the choice then follows from the operator's shape alone.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ _EVENT_NS = {False: 15.0, True: 21.0}  # fixed per event: stored, on the fly
 _PAIR_NS = 3.5
 _LATTICE_NS = (6.0, 0.05)  # per event, per coarse point it reaches
 _PREFIX_NS = 5.0
+# Counting an item's set bits and choosing its path cost a few microseconds of host time
+# (a kernel call, a sync on CUDA, Python per item): where the band costs less than this per
+# item whatever the density, every item takes the band without being counted.
+_CHOICE_NS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -157,8 +163,13 @@ def plan(
     packed3: torch.Tensor, B: int, A: int, width: float, *, on_the_fly: bool,
     pieces: int | None, lattice: bool = False,
 ) -> Plan:  # fmt: skip
-    """Each item's cheapest path (see :func:`choose`)."""
-    N = packed3.shape[1]
+    """Each item's cheapest path (see :func:`choose`); every item's is the band, uncounted,
+    where the band costs less per item than counting and choosing would (``_CHOICE_NS``:
+    the choice then depends on the operator's shape alone, never on the data)."""
+    M, N = packed3.shape[:2]
+    band = choose(0, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces).costs["band"]
+    if band < _CHOICE_NS:
+        return Plan(("band",) * M, (-1,) * M)
     events = item_events(packed3)
     paths = [
         choose(e, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces, lattice=lattice).path

@@ -73,6 +73,9 @@ class ControlPlane:
         self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.logging = LogSettings(log_level)
         self.cluster = cluster
+        self.models_changed: Callable[[], None] | None = None
+        """Called after every load and unload applied in this process (the server process
+        settles its heap then: ``service.heap``)."""
         # One applier per kind of change: what applying it means in this process.
         self._appliers: dict[type[Change], Callable[[Any], Awaitable[Any]]] = {
             LoadModel: self._load,
@@ -137,7 +140,11 @@ class ControlPlane:
 
     async def apply(self, change: Change) -> Any:
         """Apply a change in this process only (a peer's, or one replayed from the record)."""
-        return await self._appliers[type(change)](change)
+        try:
+            return await self._appliers[type(change)](change)
+        finally:
+            if self.models_changed is not None and isinstance(change, LoadModel | UnloadModel):
+                self.models_changed()
 
     # --- the model repository -------------------------------------------------------------
 

@@ -167,6 +167,37 @@ def test_the_choice_follows_density_and_width() -> None:
     assert plan.path == min(plan.costs, key=plan.costs.__getitem__)
 
 
+def test_a_light_operator_takes_the_band_without_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the band costs less per item than counting and choosing (a few fine points, a
+    coarse point or two), every item takes it whatever its bits, and nothing is counted; a
+    larger operator still counts."""
+    from gpu_ops import _bits_resample
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.arange(8, dtype=torch.float64)
+    tiny = BandedResampler.from_response(x, torch.tensor([[3.5]]), "boxcar", half_width=4.0)
+    otf = OnTheFlyResampler(x, torch.tensor([[3.5]]), "boxcar", half_width=4.0)
+    bits = torch.rand(5, 1, 8, generator=gen) < 0.5
+    bits[0] = False  # an empty item: the event path's case at any size
+    packed = packbits(bits, dim=-1)
+    big = BandedResampler.from_response(
+        torch.arange(4000, dtype=torch.float64), coarse(2, 50, gen), "gaussian", sigma=3.0
+    )
+
+    def counted(packed3: torch.Tensor) -> list[int]:
+        raise AssertionError("counted")
+
+    monkeypatch.setattr(_bits_resample, "item_events", counted)
+    with torch.no_grad():
+        for op in (tiny, otf):
+            assert op.plan_bits(packed).paths == ("band",) * 5
+            out = op.forward_bits(packed)
+            assert torch.equal(out, op(bits.float()))  # the band itself
+            assert_close(out, bits.double().sum(-1, keepdim=True), 1e-6)  # a count of ones
+        with pytest.raises(AssertionError, match="counted"):
+            big.plan_bits(torch.zeros(1, 2, 500, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("kind", ["stored", "on_the_fly"])
 def test_each_item_takes_its_own_path_and_gets_the_same_bits_in_any_batch(kind: str) -> None:
     """A server batches requests together: an item's result must not depend on the others."""

@@ -15,19 +15,16 @@ import pytest
 
 from harness.fingerprints import MODEL, fingerprint_table, write_fingerprint_repository
 from service.ray.data import Actors, plan_actors
-from service.ray.job import (
+from service.ray.inputs import (
     FILE_TAG,
     ROW_TAG,
     Segment,
-    _read_segments,
-    _runs,
     check_schema,
-    coverage,
     list_inputs,
-    output_name,
     plan_reads,
-    write_run,
+    read_segments,
 )
+from service.ray.outputs import _runs, coverage, output_name, write_run
 from service.ray.scorer import ColumnForm, ScoringError, read_config
 
 pytest.importorskip("ray")
@@ -134,7 +131,7 @@ def test_read_segments_tag_rows(tmp_path: Path) -> None:
     table = fingerprint_table(25)
     pq.write_table(table, path, row_group_size=10)
     segments = [Segment(3, 0, 2, 10), Segment(3, 1, 10, 13), Segment(3, 2, 21, 25)]
-    blocks = list(_read_segments(LOCAL, str(path), (10, 10, 5), segments, block_rows=3))
+    blocks = list(read_segments(LOCAL, str(path), (10, 10, 5), segments, block_rows=3))
     got = pa.concat_tables(blocks)
     rows = [*range(2, 13), *range(21, 25)]
     assert got.column(ROW_TAG).to_pylist() == rows
