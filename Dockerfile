@@ -29,7 +29,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gpu_ops ./gpu_ops
 COPY service ./service
-RUN /opt/bitserve/bin/pip install --constraint /tmp/image-constraints.txt ".[server]" \
+RUN /opt/bitserve/bin/pip install --constraint /tmp/image-constraints.txt ".[server,tracing]" \
  && /opt/bitserve/bin/python -c "import torch, service, gpu_ops; print('torch', torch.__version__)"
 
 # --- runtime: the same base, the venv, a non-root user ----------------------------------------

@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,tracing,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
 	touch $(STAMP)
 
 venv: $(STAMP)

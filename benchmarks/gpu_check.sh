@@ -38,7 +38,8 @@ fi
 # 1. CUDA tests of gpu_ops: the Triton kernels against the references, opcheck of every
 #    torch.ops.bitserve op on CUDA tensors, compile/export, the CUDA staging pool; forward_bits'
 #    three paths (band, event scatter, prefix sums) on CUDA against the float64 reference
-#    (tests/gpu_ops/test_forward_bits.py, the "cuda" cases).
+#    (tests/gpu_ops/test_forward_bits.py, the "cuda" cases); a tabulated response on the fly,
+#    every kernel and bits path on CUDA (tests/gpu_ops/test_tabulated_otf.py).
 timeout "$(cap 170)" "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" \
   -W error -m "not e2e" tests/gpu_ops 2>&1 | tee "$OUT/tests.txt"
 # The server's CUDA tests (the pipeline's CUDA timing, the NVML gauges) where its packages are.

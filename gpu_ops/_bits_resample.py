@@ -5,7 +5,9 @@ tolerance) and reads each packed byte once. Three paths compute it:
 
 - ``band``: unpack into the compute dtype, then the band kernels. Cost ~ M N A W (every fine
   point of every window), whatever the density; best for dense inputs and narrow windows, and
-  the path whenever the operator's own tensors need gradients (the bits have none).
+  the path whenever the operator's own tensors need gradients (the bits have none). A stored
+  band on the CPU reads the bits itself (``banded_bits_forward``: each row unpacked into a
+  per-thread buffer, then the same dot kernels).
 - ``event``: each set bit adds its response to the coarse points whose window holds it. Cost
   ~ the events times the coarse points per window, plus one pass over the bytes.
 - ``prefix``: for piecewise polynomial responses (boxcar, triangle, epanechnikov, on the fly),
@@ -17,7 +19,9 @@ measured density (its set bits, one pass over the bytes) and the response, by
 :func:`choose`, whose cost model is calibrated on the kernels (see
 ``benchmarks/bench_elephant.py``); ``path=`` forces one. Per item, not per batch: an item's
 result then depends on the item alone, not on what else a server batched with it (every
-path is deterministic).
+path is deterministic). Where the band costs less per item than counting and choosing would
+(a light operator: a few fine points and coarse points), every item takes the band and
+nothing is counted: the choice then follows from the operator's shape alone.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ PATHS = ("band", "event", "prefix")
 #   inputs of the batch as weight loads are; on the fly each weight is also evaluated once
 #   per batch;
 # - event, per row: its packed bytes scanned, then per event a fixed cost and one per coarse
-#   point whose window holds it (a gathered or an evaluated weight);
+#   point whose window holds it (a gathered or an evaluated weight; on a lattice, see
+#   gpu_ops._lattice, a float of a tabulated run added: measured on the demo workload of
+#   benchmarks/bench_elephant.py, 10% density, sigma 1-200 ms);
 # - prefix, per row: its bytes, then per event and per coarse point one step per piece.
 _UNPACK_NS = (0.1, 0.5)  # (alone, the batch's share)
 _FMA_NS = (0.08, 0.31)  # (shared, per input / M)
@@ -47,7 +53,12 @@ _EVAL_NS = 0.8
 _SCAN_NS = 0.5
 _EVENT_NS = {False: 15.0, True: 21.0}  # fixed per event: stored, on the fly
 _PAIR_NS = 3.5
+_LATTICE_NS = (6.0, 0.05)  # per event, per coarse point it reaches
 _PREFIX_NS = 5.0
+# Counting an item's set bits and choosing its path cost a few microseconds of host time
+# (a kernel call, a sync on CUDA, Python per item): where the band costs less than this per
+# item whatever the density, every item takes the band without being counted.
+_CHOICE_NS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ def choose(
     on_the_fly: bool,
     pieces: int | None,
     batch: int = 1,
+    lattice: bool = False,
 ) -> Choice:
     """The cheapest path for ``events`` set bits in ``rows`` rows of ``num_fine`` bits.
 
@@ -93,6 +105,7 @@ def choose(
         on_the_fly: weights computed per use (else stored).
         pieces: the response's polynomial pieces (prefix path), None when it has none.
         batch: items in the call (M): the band shares its weight loads among them.
+        lattice: the event path adds tabulated runs (:mod:`gpu_ops._lattice`).
     """
     B, A, W, M = num_fine, num_coarse, max(width, 1.0), max(batch, 1)
     unpack = _UNPACK_NS[0] + _UNPACK_NS[1] * (1 - 1 / M)
@@ -100,7 +113,8 @@ def choose(
     costs = {"band": rows * (B * unpack + A * W * per_weight)}
     scan = rows * math.ceil(B / 8) * _SCAN_NS
     coarse_per_event = min(float(A), A * W / B)  # coarse points whose window holds a point
-    costs["event"] = scan + events * (_EVENT_NS[on_the_fly] + coarse_per_event * _PAIR_NS)
+    per_event, per_pair = _LATTICE_NS if lattice else (_EVENT_NS[on_the_fly], _PAIR_NS)
+    costs["event"] = scan + events * (per_event + coarse_per_event * per_pair)
     if pieces is not None:
         costs["prefix"] = scan + (events + rows * A) * pieces * _PREFIX_NS
     return Choice(min(costs, key=costs.__getitem__), events, costs)
@@ -146,12 +160,21 @@ def item_events(packed3: torch.Tensor) -> list[int]:
 
 
 def plan(
-    packed3: torch.Tensor, B: int, A: int, width: float, *, on_the_fly: bool, pieces: int | None
-) -> Plan:
-    """Each item's cheapest path (see :func:`choose`)."""
-    N = packed3.shape[1]
+    packed3: torch.Tensor, B: int, A: int, width: float, *, on_the_fly: bool,
+    pieces: int | None, lattice: bool = False,
+) -> Plan:  # fmt: skip
+    """Each item's cheapest path (see :func:`choose`); every item's is the band, uncounted,
+    where the band costs less per item than counting and choosing would (``_CHOICE_NS``:
+    the choice then depends on the operator's shape alone, never on the data)."""
+    M, N = packed3.shape[:2]
+    band = choose(0, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces).costs["band"]
+    if band < _CHOICE_NS:
+        return Plan(("band",) * M, (-1,) * M)
     events = item_events(packed3)
-    paths = [choose(e, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces).path for e in events]
+    paths = [
+        choose(e, N, B, A, width, on_the_fly=on_the_fly, pieces=pieces, lattice=lattice).path
+        for e in events
+    ]
     return Plan(tuple(paths), tuple(events))
 
 
@@ -187,7 +210,7 @@ def shape_out(out: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     return out.reshape(*lead, *out.shape[1:])
 
 
-def pieces_of(shape: responses.Shape) -> int | None:
-    """Polynomial pieces of an on-the-fly response (None: not piecewise polynomial)."""
-    got = responses.PIECES.get(shape.spec.name)
+def pieces_of(response: str) -> int | None:
+    """Polynomial pieces of an on-the-fly response, by name (None: not piecewise polynomial)."""
+    got = responses.PIECES.get(response)
     return None if got is None else len(got[1])

@@ -199,6 +199,51 @@ void bs_forward(const float *f, const void *w, int wdt, const int32_t *starts, f
     }
 }
 
+/* The stored band on bit-packed rows, packed (M, N, nbytes) uint8 (bits b < B): each row n's
+ * M inputs are unpacked into a per-thread buffer of floats (M x ceil(B / 8) * 8, from a
+ * 256-entry table of 8 floats per byte), then its coarse points take exactly bs_forward's
+ * dots: the same sums in the same order as the band on unpacked floats, with no (M, N, B)
+ * float tensor written to memory and read back. Tasks are whole rows (the caller takes
+ * bs_forward where rows are fewer than threads). */
+void bs_forward_bits(const uint8_t *packed, int64_t nbytes, int big, const void *w, int wdt,
+                     const int32_t *starts, float *out, int64_t M, int64_t N, int64_t A,
+                     int64_t B, int64_t W, int nthreads) {
+    float lut[256][8];
+    for (int v = 0; v < 256; v++)
+        for (int j = 0; j < 8; j++) lut[v][j] = (float)((v >> (big ? 7 - j : j)) & 1);
+    const int64_t nb = (B + 7) / 8, Bp = nb * 8, os = N * A;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *f = (float *)malloc(sizeof(float) * (size_t)(M * Bp > 0 ? M * Bp : 1));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(W > 0 ? W : 1));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t m = 0; m < M; m++) {
+                const uint8_t *row = packed + (m * N + n) * nbytes;
+                float *dst = f + m * Bp;
+                for (int64_t k = 0; k < nb; k++) memcpy(dst + 8 * k, lut[row[k]], sizeof lut[0]);
+            }
+            for (int64_t a = 0; a < A; a++) {
+                const void *wa = wrow(w, wdt, n * A + a, W);
+                const float *fr = f + starts[n * A + a];
+                float *o = out + n * A + a;
+                if (wdt != 0 && M > 4) { /* as forward_points: half weights widened once */
+                    for (int64_t j = 0; j < W; j++) buf[j] = wload(wa, wdt, j);
+                    dots(fr, Bp, buf, 0, W, o, os, M);
+                } else if (wdt == 0) {
+                    dots(fr, Bp, wa, 0, W, o, os, M);
+                } else if (wdt == 1) {
+                    dots(fr, Bp, wa, 1, W, o, os, M);
+                } else {
+                    dots(fr, Bp, wa, 2, W, o, os, M);
+                }
+            }
+        }
+        free(f);
+        free(buf);
+    }
+}
+
 /* --- grad_f, any start order: scan every window per block of fine points ---------------- */
 
 INLINE void scan_block(const int wdt, const float *g, const void *w, const int32_t *starts,
@@ -360,14 +405,77 @@ void bs_backward_w(const float *g, const float *f, const int32_t *starts, float 
     }
 }
 
-/* --- on the fly: the weights of a named response computed per window --------------------- *
+/* --- on the fly: the weights of a response computed per window -------------------------- *
  * Layouts: x (B,) double (sorted), c (N, A) double, first/last (N, A) int64 (each window is
  * [first, last), at most wmax points), f (M, N, B) float32. The offsets c - x are formed in
  * double (c and x may be large while the response is narrow), then the response is evaluated
  * in float32 into a per-thread buffer: the same numbers the Triton kernels use.
  * Response codes (gpu_ops.responses.NamedResponse.code): 0 gaussian, 1 boxcar, 2 triangle,
  * 3 lorentzian, 4 laplacian, 5 exponential, 6 alpha, 7 epanechnikov (all unit peak, at their
- * own origin: the callers move c for a centred causal response). */
+ * own origin: the callers move c for a centred causal response), and 8 a table
+ * (gpu_ops.responses.TABLE_CODE): K breakpoints tx, increasing, and their values ty,
+ * linear in between, evaluated in double from the double offsets. */
+
+#define TABLE 8
+#define NCODES 9
+
+/* The response the kernels evaluate: a named one's parameter, or a table. */
+typedef struct {
+    float p;              /* the named response's parameter */
+    const float *tx, *ty; /* the table (code TABLE): K breakpoints, then K values */
+    int64_t K;
+} resp_t;
+
+INLINE resp_t resp_of(float p, const float *table, int64_t K) {
+    const resp_t R = {p, table, table ? table + K : NULL, K};
+    return R;
+}
+
+/* The table's segment [tx[i], tx[i + 1]] holding offset d, walked to from the segment i
+ * (0 <= i <= K - 2): offsets visited in order cost a step or two each. Past either end it is
+ * the end segment: the windows decide what is inside, and a window's offset can only pass
+ * an end by a rounding. */
+INLINE int64_t table_walk(const resp_t *R, double d, int64_t i) {
+    while (i > 0 && d < R->tx[i]) i--;
+    while (i < R->K - 2 && d >= R->tx[i + 1]) i++;
+    return i;
+}
+
+/* The segment of offset d by bisection (the first guess of a walk). */
+static int64_t table_find(const resp_t *R, double d) {
+    int64_t lo = 0, hi = R->K - 2;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (R->tx[mid] <= d) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* The table at d on segment i (clamped to it), and its slope there. */
+INLINE float table_value(const resp_t *R, double d, int64_t i) {
+    const double x0 = R->tx[i], x1 = R->tx[i + 1], y0 = R->ty[i], y1 = R->ty[i + 1];
+    double t = (d - x0) / (x1 - x0);
+    t = t < 0.0 ? 0.0 : (t > 1.0 ? 1.0 : t);
+    return (float)(y0 + (y1 - y0) * t);
+}
+
+INLINE float table_slope(const resp_t *R, int64_t i) {
+    return (float)(((double)R->ty[i + 1] - R->ty[i]) / ((double)R->tx[i + 1] - R->tx[i]));
+}
+
+/* w[j] = table(c - xs[j]) for j < len (offsets decreasing in j); with dw, also the slope. */
+INLINE void table_response(const resp_t *R, const double *xs, double c, int64_t len, float *w,
+                           float *dw) {
+    if (len <= 0) return;
+    int64_t i = table_find(R, c - xs[0]);
+    for (int64_t j = 0; j < len; j++) {
+        const double d = c - xs[j];
+        i = table_walk(R, d, i);
+        w[j] = table_value(R, d, i);
+        if (dw) dw[j] = table_slope(R, i);
+    }
+}
 
 /* exp(x) for x <= 0, relative error ~2e-7: Cephes' expf polynomial after a ln 2 range
  * reduction, without calls or branches so that the loops below vectorise. Arguments below
@@ -425,16 +533,27 @@ INLINE void shape(const int code, int64_t len, float p, float *w) {
 }
 
 /* w[j] = r(c - xs[j]) for j < len. */
-INLINE void response(const int code, const double *xs, double c, int64_t len, float p,
+INLINE void response(const int code, const double *xs, double c, int64_t len, const resp_t *R,
                      float *w) {
+    if (code == TABLE) {
+        table_response(R, xs, c, len, w, NULL);
+        return;
+    }
     offsets(xs, c, len, w);
-    shape(code, len, p, w);
+    shape(code, len, R->p, w);
 }
 
-/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere). */
-INLINE void derivatives(const int code, const double *xs, double c, int64_t len, float p,
-                        float *dd, float *dp) {
-    const float ip = 1.0f / p;
+/* dd[j] = dr/dd and dp[j] = dr/dp at d = c - xs[j], j < len (boxcar: zero almost everywhere;
+ * a table: its slope, and no parameter). */
+INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
+                        const resp_t *R, float *dd, float *dp) {
+    if (code == TABLE) {
+        float *w = dp; /* the values are not needed: dp holds them, then zeros */
+        table_response(R, xs, c, len, w, dd);
+        memset(dp, 0, sizeof(float) * (size_t)len);
+        return;
+    }
+    const float p = R->p, ip = 1.0f / p;
     offsets(xs, c, len, dd);
 #pragma omp simd
     for (int64_t j = 0; j < len; j++) {
@@ -484,15 +603,17 @@ INLINE void derivatives(const int code, const double *xs, double c, int64_t len,
     }
 }
 
-typedef void (*response_fn)(const double *, double, int64_t, float, float *);
-typedef void (*derivatives_fn)(const double *, double, int64_t, float, float *, float *);
+typedef void (*response_fn)(const double *, double, int64_t, const resp_t *, float *);
+typedef void (*derivatives_fn)(const double *, double, int64_t, const resp_t *, float *,
+                               float *);
 #define RESPONSE(CODE)                                                                        \
-    static void response_##CODE(const double *xs, double c, int64_t len, float p, float *w) { \
-        response(CODE, xs, c, len, p, w);                                                     \
+    static void response_##CODE(const double *xs, double c, int64_t len, const resp_t *R,    \
+                                float *w) {                                                   \
+        response(CODE, xs, c, len, R, w);                                                     \
     }                                                                                         \
-    static void derivatives_##CODE(const double *xs, double c, int64_t len, float p,         \
+    static void derivatives_##CODE(const double *xs, double c, int64_t len, const resp_t *R, \
                                    float *dd, float *dp) {                                    \
-        derivatives(CODE, xs, c, len, p, dd, dp);                                             \
+        derivatives(CODE, xs, c, len, R, dd, dp);                                             \
     }
 RESPONSE(0)
 RESPONSE(1)
@@ -502,20 +623,24 @@ RESPONSE(4)
 RESPONSE(5)
 RESPONSE(6)
 RESPONSE(7)
-static const response_fn RESPONSES[8] = {response_0, response_1, response_2, response_3,
-                                         response_4, response_5, response_6, response_7};
-static const derivatives_fn DERIVATIVES[8] = {derivatives_0, derivatives_1, derivatives_2,
-                                              derivatives_3, derivatives_4, derivatives_5,
-                                              derivatives_6, derivatives_7};
+RESPONSE(8)
+static const response_fn RESPONSES[NCODES] = {response_0, response_1, response_2,
+                                              response_3, response_4, response_5,
+                                              response_6, response_7, response_8};
+static const derivatives_fn DERIVATIVES[NCODES] = {
+    derivatives_0, derivatives_1, derivatives_2, derivatives_3, derivatives_4,
+    derivatives_5, derivatives_6, derivatives_7, derivatives_8};
 
 static float *thread_buffer(int64_t n) {
     return (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
 }
 
 void bs_otf_forward(const float *f, const double *x, const double *c, const int64_t *first,
-                    const int64_t *last, float p, int code, float *out, int64_t M, int64_t N,
-                    int64_t A, int64_t B, int64_t wmax, int nthreads) {
+                    const int64_t *last, float p, int code, const float *table, int64_t K,
+                    float *out, int64_t M, int64_t N, int64_t A, int64_t B, int64_t wmax,
+                    int nthreads) {
     const response_fn r = RESPONSES[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         float *w = thread_buffer(wmax);
@@ -528,7 +653,7 @@ void bs_otf_forward(const float *f, const double *x, const double *c, const int6
                     for (int64_t m = 0; m < M; m++) o[m * N * A] = 0.0f;
                     continue;
                 }
-                r(x + lo, c[n * A + a], len, p, w);
+                r(x + lo, c[n * A + a], len, &R, w);
                 dots(f + n * B + lo, N * B, w, 0, len, o, N * A, M);
             }
         }
@@ -540,9 +665,11 @@ void bs_otf_forward(const float *f, const double *x, const double *c, const int6
  * g[m, n, a] * its weights there; each weight is evaluated once overall (the block cuts the
  * window), every output is written by one thread, in a fixed order. */
 void bs_otf_backward_f(const float *g, const double *x, const double *c, const int64_t *first,
-                       const int64_t *last, float p, int code, float *gf, int64_t M, int64_t N,
-                       int64_t A, int64_t B, int64_t BB, int nthreads) {
+                       const int64_t *last, float p, int code, const float *table, int64_t K,
+                       float *gf, int64_t M, int64_t N, int64_t A, int64_t B, int64_t BB,
+                       int nthreads) {
     const response_fn r = RESPONSES[code];
+    const resp_t R = resp_of(p, table, K);
     const int64_t nblk = (B + BB - 1) / BB;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -557,7 +684,7 @@ void bs_otf_backward_f(const float *g, const double *x, const double *c, const i
                     const int64_t fa = first[n * A + a], la = last[n * A + a];
                     const int64_t lo = fa > b0 ? fa : b0, hi = la < b1 ? la : b1;
                     if (lo >= hi) continue;
-                    r(x + lo, c[n * A + a], hi - lo, p, w);
+                    r(x + lo, c[n * A + a], hi - lo, &R, w);
                     for (int64_t m = 0; m < M; m++) {
                         const float gm = g[(m * N + n) * A + a];
                         float *dst = gf + (m * N + n) * B + lo;
@@ -576,9 +703,10 @@ void bs_otf_backward_f(const float *g, const double *x, const double *c, const i
  * output is written once. Not called for boxcar (its derivatives are zero). */
 void bs_otf_backward_cp(const float *f, const float *g, const double *x, const double *c,
                         const int64_t *first, const int64_t *last, float p, int code,
-                        float *gc, float *gp, int64_t M, int64_t N, int64_t A, int64_t B,
-                        int64_t wmax, int nthreads) {
+                        const float *table, int64_t K, float *gc, float *gp, int64_t M,
+                        int64_t N, int64_t A, int64_t B, int64_t wmax, int nthreads) {
     const derivatives_fn dr = DERIVATIVES[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         float *dd = thread_buffer(2 * wmax), *dp = dd + wmax;
@@ -589,7 +717,7 @@ void bs_otf_backward_cp(const float *f, const float *g, const double *x, const d
                 const int64_t lo = first[n * A + a], len = last[n * A + a] - lo;
                 double acc_c = 0.0, acc_p = 0.0;
                 if (len > 0) {
-                    dr(x + lo, c[n * A + a], len, p, dd, dp);
+                    dr(x + lo, c[n * A + a], len, &R, dd, dp);
                     dots(f + n * B + lo, N * B, dd, 0, len, sc, 1, M);
                     dots(f + n * B + lo, N * B, dp, 0, len, sp, 1, M);
                     for (int64_t m = 0; m < M; m++) {
@@ -622,18 +750,33 @@ INLINE unsigned drop_bit(unsigned v, int j, const int big) {
     return big ? v & ~(0x80u >> j) : v & (v - 1);
 }
 
-/* The events (set bits at b < B) of one row, in increasing order, into ev; their number. */
+/* The events (set bits at b < B) of one row, in increasing order, into ev; their number.
+ * Eight bytes at a time while all their bits are below B (a set bit costs a count of
+ * leading or trailing zeros, and a word's loop exits once, not each byte's), then byte by
+ * byte. "big" reads the word byte-swapped, so bits from the top down are the events in
+ * order. */
 static int64_t row_events(const uint8_t *row, int64_t nbytes, int big, int64_t B, int32_t *ev) {
     int64_t n = 0, k = 0;
-    for (; k < nbytes; k++) {
-        if (k + 8 <= nbytes && (k & 7) == 0) { /* skip empty 8-byte words at once */
-            uint64_t word;
-            memcpy(&word, row + k, 8);
-            if (word == 0) {
-                k += 7;
-                continue;
+    const int64_t below = B / 8 < nbytes ? B / 8 : nbytes; /* bytes whose bits are all < B */
+    for (; k + 8 <= below; k += 8) {
+        uint64_t w;
+        memcpy(&w, row + k, 8);
+        const int32_t base = (int32_t)(k * 8);
+        if (big) {
+            w = __builtin_bswap64(w);
+            while (w) {
+                const int j = __builtin_clzll(w);
+                ev[n++] = base + j;
+                w ^= 0x8000000000000000ull >> j;
+            }
+        } else {
+            while (w) {
+                ev[n++] = base + __builtin_ctzll(w);
+                w &= w - 1;
             }
         }
+    }
+    for (; k < nbytes; k++) {
         unsigned v = row[k];
         while (v) {
             const int j = next_bit(v, big);
@@ -711,7 +854,7 @@ void bs_events_band(const uint8_t *packed, int64_t nbytes, int big, const void *
  * responses of one event over its contiguous coarse range are evaluated as one vector. */
 INLINE void events_otf_row(const int code, const int32_t *ev, int64_t E, const double *x,
                            const double *c, const int64_t *first, const int64_t *last,
-                           float p, float *o, int64_t A, float *buf) {
+                           const resp_t *R, float *o, int64_t A, float *buf) {
     int64_t lo = 0, hi = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t b = ev[e];
@@ -720,22 +863,31 @@ INLINE void events_otf_row(const int code, const int32_t *ev, int64_t E, const d
         const int64_t len = hi - lo;
         if (len <= 0) continue;
         const double xb = x[b];
+        if (code == TABLE) { /* offsets increasing in a: one walk along the table */
+            int64_t i = table_find(R, c[lo] - xb);
+            for (int64_t j = 0; j < len; j++) {
+                const double d = c[lo + j] - xb;
+                i = table_walk(R, d, i);
+                o[lo + j] += table_value(R, d, i);
+            }
+            continue;
+        }
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) buf[j] = (float)(c[lo + j] - xb);
-        shape(code, len, p, buf);
+        shape(code, len, R->p, buf);
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) o[lo + j] += buf[j];
     }
 }
 
 typedef void (*events_otf_fn)(const int32_t *, int64_t, const double *, const double *,
-                              const int64_t *, const int64_t *, float, float *, int64_t,
-                              float *);
+                              const int64_t *, const int64_t *, const resp_t *, float *,
+                              int64_t, float *);
 #define EVENTS_OTF(CODE)                                                                      \
     static void events_otf_##CODE(const int32_t *ev, int64_t E, const double *x,             \
                                   const double *c, const int64_t *fi, const int64_t *la,      \
-                                  float p, float *o, int64_t A, float *buf) {                 \
-        events_otf_row(CODE, ev, E, x, c, fi, la, p, o, A, buf);                              \
+                                  const resp_t *R, float *o, int64_t A, float *buf) {         \
+        events_otf_row(CODE, ev, E, x, c, fi, la, R, o, A, buf);                              \
     }
 EVENTS_OTF(0)
 EVENTS_OTF(1)
@@ -745,14 +897,17 @@ EVENTS_OTF(4)
 EVENTS_OTF(5)
 EVENTS_OTF(6)
 EVENTS_OTF(7)
-static const events_otf_fn EVENTS_OTFS[8] = {events_otf_0, events_otf_1, events_otf_2,
-                                             events_otf_3, events_otf_4, events_otf_5,
-                                             events_otf_6, events_otf_7};
+EVENTS_OTF(8)
+static const events_otf_fn EVENTS_OTFS[NCODES] = {
+    events_otf_0, events_otf_1, events_otf_2, events_otf_3, events_otf_4,
+    events_otf_5, events_otf_6, events_otf_7, events_otf_8};
 
 void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double *x,
                    const double *c, const int64_t *first, const int64_t *last, float p, int code,
-                   float *out, int64_t M, int64_t N, int64_t A, int64_t B, int nthreads) {
+                   const float *table, int64_t K, float *out, int64_t M, int64_t N, int64_t A,
+                   int64_t B, int nthreads) {
     const events_otf_fn run = EVENTS_OTFS[code];
+    const resp_t R = resp_of(p, table, K);
 #pragma omp parallel num_threads(nthreads)
     {
         int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B > 0 ? B : 1));
@@ -763,10 +918,134 @@ void bs_events_otf(const uint8_t *packed, int64_t nbytes, int big, const double 
             float *o = out + r * A;
             memset(o, 0, sizeof(float) * (size_t)A);
             const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
-            run(ev, E, x, c + n * A, first + n * A, last + n * A, p, o, A, buf);
+            run(ev, E, x, c + n * A, first + n * A, last + n * A, &R, o, A, buf);
         }
         free(ev);
         free(buf);
+    }
+}
+
+/* On a lattice: x evenly spaced, x[b] = x0 + b dx, and each row's sorted coarse points a whole
+ * number `step` of fine points apart, c[a] = c0 + a step dx. The offset c[a] - x[b] is then
+ * c0 - x0 + (a step - b) dx: with b = q step + s (0 <= s < step), a function of s and
+ * j = a - q alone, so the response is tabulated once per geometry, table[s][j - jmin]
+ * (step x J float32; one table per distinct c0, tid (N,) picks a row's). Each event adds one
+ * contiguous run of its phase's row to the outputs: no response evaluated, one vector add
+ * per event. q and s follow the events (increasing b): a division only where an event moves
+ * to another coarse step. The coarse points an event reaches are its windows' [lo, hi)
+ * (walk: the windows found from the exact offsets, which a rounding may tip at a tie), or,
+ * where the caller found those windows to be the lattice's own and zeroed the tables outside
+ * them ("baked"), the whole run j in [jmin, jmin + J), the same for every event of one coarse
+ * step q. Baked, the events of one step are summed a chunk of the run at a time in vector
+ * registers (each event: one load and one add per vector), then the chunk is added to the
+ * outputs once. Rows of the tables are J floats padded with zeros to a multiple of 16 (whole
+ * vectors, aligned rows): a padding zero lands on an output as a harmless + 0.
+ * The caller checked that every (a, b) reached falls inside the table. */
+INLINE void lattice_step(const int64_t b, const int64_t step, int64_t *prev, int64_t *q,
+                         int64_t *s) {
+    *s += b - *prev;
+    *prev = b;
+    if (*s >= step) {
+        const int64_t t = *s / step;
+        *q += t;
+        *s -= t * step;
+    }
+}
+
+static void lattice_walk(const int32_t *ev, int64_t E, const float *T, int64_t step, int64_t J,
+                         int64_t jmin, const int64_t *fi, const int64_t *la, float *restrict o,
+                         int64_t A, int32_t *ph, int32_t *qs) {
+    (void)ph;
+    (void)qs;
+    int64_t lo = 0, hi = 0, q = 0, s = 0, prev = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t b = ev[e];
+        lattice_step(b, step, &prev, &q, &s);
+        while (hi < A && fi[hi] <= b) hi++;
+        while (lo < hi && la[lo] <= b) lo++;
+        const int64_t len = hi - lo;
+        const float *restrict v = T + s * J + (lo - q - jmin);
+        float *restrict dst = o + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) dst[j] += v[j];
+    }
+}
+
+#define LATTICE_CHUNK 4 /* vectors summed in registers per pass over a step's events */
+
+/* acc[k] = sum over the events [e0, e1) of their rows' vectors k of the chunk at j0 (nv of
+ * them: a constant where called, so the unused accumulators vanish). */
+INLINE void lattice_sum(const int nv, const float *T, const int32_t *ph, int64_t e0, int64_t e1,
+                        int64_t j0, vf *acc) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t e = e0; e < e1; e++) {
+        const float *v = T + ph[e] + j0;
+        a0 += *(const vfu *)v;
+        if (nv > 1) a1 += *(const vfu *)(v + VL);
+        if (nv > 2) a2 += *(const vfu *)(v + 2 * VL);
+        if (nv > 3) a3 += *(const vfu *)(v + 3 * VL);
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
+}
+
+static void lattice_baked(const int32_t *ev, int64_t E, const float *T, int64_t step, int64_t J,
+                          int64_t jmin, const int64_t *fi, const int64_t *la, float *restrict o,
+                          int64_t A, int32_t *ph, int32_t *qs) {
+    (void)fi;
+    (void)la;
+    int64_t q = 0, s = 0, prev = 0;
+    for (int64_t e = 0; e < E; e++) { /* each event's step and its row's offset */
+        lattice_step(ev[e], step, &prev, &q, &s);
+        qs[e] = (int32_t)q;
+        ph[e] = (int32_t)(s * J);
+    }
+    for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
+        for (e1 = e0 + 1; e1 < E && qs[e1] == qs[e0];) e1++;
+        const int64_t base = qs[e0] + jmin; /* the output of j = jmin */
+        for (int64_t j0 = 0; j0 < J; j0 += LATTICE_CHUNK * VL) {
+            const int64_t left = (J - j0) / VL;
+            const int nv = left < LATTICE_CHUNK ? (int)left : LATTICE_CHUNK;
+            vf acc[LATTICE_CHUNK];
+            switch (nv) {
+            case 1: lattice_sum(1, T, ph, e0, e1, j0, acc); break;
+            case 2: lattice_sum(2, T, ph, e0, e1, j0, acc); break;
+            case 3: lattice_sum(3, T, ph, e0, e1, j0, acc); break;
+            default: lattice_sum(4, T, ph, e0, e1, j0, acc); break;
+            }
+            const int64_t at = base + j0;
+            if (at >= 0 && at + nv * VL <= A) {
+                for (int k = 0; k < nv; k++) *(vfu *)(o + at + k * VL) += acc[k];
+            } else { /* a step near either end: the outputs inside [0, A) */
+                const float *sum = (const float *)acc;
+                for (int64_t l = 0; l < nv * VL; l++)
+                    if (at + l >= 0 && at + l < A) o[at + l] += sum[l];
+            }
+        }
+    }
+}
+
+void bs_events_lattice(const uint8_t *packed, int64_t nbytes, int big, const float *tables,
+                       const int64_t *tid, int64_t step, int64_t J, int64_t jmin, int walk,
+                       const int64_t *first, const int64_t *last, float *out, int64_t M,
+                       int64_t N, int64_t A, int64_t B, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        const size_t cap = (size_t)(B > 0 ? B : 1);
+        int32_t *ev = (int32_t *)malloc(sizeof(int32_t) * 3 * cap), *ph = ev + cap, *qs = ph + cap;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * N; r++) {
+            const int64_t n = r % N;
+            float *o = out + r * A;
+            memset(o, 0, sizeof(float) * (size_t)A);
+            const int64_t E = row_events(packed + r * nbytes, nbytes, big, B, ev);
+            const float *T = tables + tid[n] * step * J;
+            (walk ? lattice_walk : lattice_baked)(ev, E, T, step, J, jmin, first + n * A,
+                                                  last + n * A, o, A, ph, qs);
+        }
+        free(ev);
     }
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,20 +33,25 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bs_backward_f_sorted.argtypes = [ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, i64, cint]
     lib.bs_backward_w.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
     f32 = ctypes.c_float
-    lib.bs_otf_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
-    lib.bs_otf_backward_f.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, *[i64] * 5, cint]
+    resp: list[Any] = [f32, cint, ptr, i64]  # the parameter, the code, a table and its K
+    lib.bs_otf_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, *resp, ptr, *[i64] * 5, cint]
+    lib.bs_otf_backward_f.argtypes = [ptr, ptr, ptr, ptr, ptr, *resp, ptr, *[i64] * 5, cint]
     lib.bs_otf_backward_cp.argtypes = [
-        ptr, ptr, ptr, ptr, ptr, ptr, f32, cint, ptr, ptr, *[i64] * 5, cint,
+        ptr, ptr, ptr, ptr, ptr, ptr, *resp, ptr, ptr, *[i64] * 5, cint,
     ]  # fmt: skip
     lib.bs_bit_counts.argtypes = [ptr, i64, i64, ptr, cint]
     lib.bs_events_band.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
-    lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, f32, cint, ptr,
+    lib.bs_forward_bits.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
+    lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, *resp, ptr,
                                   *[i64] * 4, cint]  # fmt: skip
     lib.bs_prefix.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 4, cint]
+    lib.bs_events_lattice.argtypes = [ptr, i64, cint, ptr, ptr, i64, i64, i64, cint, ptr, ptr,
+                                      ptr, *[i64] * 4, cint]  # fmt: skip
     for fn in (
         lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w,
         lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp, lib.bs_bit_counts,
-        lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix,
+        lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix, lib.bs_events_lattice,
+        lib.bs_forward_bits,
     ):  # fmt: skip
         fn.restype = None
     return lib
@@ -129,38 +135,45 @@ class Windows:
     Args:
         x: (B,) float64 fine grid.
         c: (N, A) coarse points (any float dtype; offsets are formed in float64).
-        code: the response's ``NamedResponse.code``.
-        param: its parameter's value.
-        lo, hi: the window, ``lo <= c - x <= hi``, in units of x.
+        resp: the response (a named one at its parameter, or a float32 table).
+        support: its cut (None: the response's default; a table's are its ends).
     """
 
     def __init__(
-        self, x: torch.Tensor, c: torch.Tensor, code: int, param: float, lo: float, hi: float
-    ) -> None:
+        self, x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse,
+        support: float | None,
+    ) -> None:  # fmt: skip
         self.x = x.contiguous()
         self.c = c.detach().to(torch.float64).contiguous()
         # wmax sizes the kernels' per-thread buffers (at least 1).
+        lo, hi = resp.window(support)
         self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
-        self.code, self.param = code, param
+        self._response(resp)
+
+    def _response(self, resp: responses.KernelResponse) -> None:
+        self.code, self.param = resp.code, resp.value
+        # A table goes to the kernels as its K breakpoints then its K values, float32.
+        self.table = resp.param.detach().float().contiguous() if resp.tabulated else None
 
     @classmethod
     def given(
         cls, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
-        code: int, param: float,
+        resp: responses.KernelResponse,
     ) -> Windows:  # fmt: skip
         """Windows ``[first, last)`` (N, A) int64 found elsewhere, of float64 c."""
         win = cls.__new__(cls)
         win.x, win.c = x.contiguous(), c.contiguous()
         win.first, win.last = first.contiguous(), last.contiguous()
         win.wmax = max(1, int((last - first).max())) if first.numel() else 1
-        win.code, win.param = code, param
+        win._response(resp)
         return win
 
-    def args(self) -> tuple[int, int, int, int, int, float, int]:
+    def args(self) -> tuple[int | float, ...]:
+        table, K = (0, 0) if self.table is None else (self.table.data_ptr(), self.table.shape[1])
         return (
             self.x.data_ptr(), self.c.data_ptr(), self.first.data_ptr(), self.last.data_ptr(),
-            self.param, self.code,
-        )  # type: ignore[return-value]  # fmt: skip
+            self.param, self.code, table, K,
+        )  # fmt: skip
 
 
 def otf_forward(lib: ctypes.CDLL, f: torch.Tensor, win: Windows) -> torch.Tensor:
@@ -217,6 +230,41 @@ def bit_counts(lib: ctypes.CDLL, packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _band_on_bits(
+    fn: Any, packed: torch.Tensor, big: bool, starts: torch.Tensor,
+    weights: torch.Tensor, B: int,
+) -> torch.Tensor:  # fmt: skip
+    M, N, nbytes = packed.shape
+    _, A, W = weights.shape
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    fn(
+        packed.data_ptr(),
+        nbytes,
+        int(big),
+        weights.data_ptr(),
+        _WEIGHT_CODES[weights.dtype],
+        starts.data_ptr(),
+        out.data_ptr(),
+        M,
+        N,
+        A,
+        B,
+        W,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def forward_bits(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, starts: torch.Tensor,
+    weights: torch.Tensor, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32: the stored band on ``packed (M, N, nbytes)`` (bits ``b < B``),
+    each row unpacked into a per-thread buffer; ``starts (N, A)`` int32 and ``weights
+    (N, A, W)`` contiguous (float32, bfloat16 or float16)."""
+    return _band_on_bits(lib.bs_forward_bits, packed, big, starts, weights, B)
+
+
 def events_band(
     lib: ctypes.CDLL, packed: torch.Tensor, big: bool, starts: torch.Tensor,
     weights: torch.Tensor, B: int,
@@ -226,14 +274,7 @@ def events_band(
     ``starts (N, A)`` int32 must be non-decreasing along each row; ``weights (N, A, W)``
     contiguous float32, bfloat16 or float16.
     """
-    M, N, nbytes = packed.shape
-    _, A, W = weights.shape
-    out = torch.empty(M, N, A, dtype=torch.float32)
-    lib.bs_events_band(
-        packed.data_ptr(), nbytes, int(big), weights.data_ptr(), _WEIGHT_CODES[weights.dtype],
-        starts.data_ptr(), out.data_ptr(), M, N, A, B, W, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return _band_on_bits(lib.bs_events_band, packed, big, starts, weights, B)
 
 
 def events_otf(
@@ -271,5 +312,33 @@ def prefix(
     lib.bs_prefix(
         packed.data_ptr(), nbytes, int(big), x.data_ptr(), c.data_ptr(), bounds.data_ptr(),
         coef.data_ptr(), P, out.data_ptr(), M, N, A, x.numel(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def events_lattice(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, first: torch.Tensor, last: torch.Tensor,
+    tables: torch.Tensor, tid: torch.Tensor, jmin: int, walk: bool, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32: the events of ``packed (M, N, nbytes)`` (bits ``b < B``) on a
+    lattice.
+
+    Args:
+        first, last: (N, A) int64 contiguous, the windows (coarse points sorted per row).
+        tables: (T, step, J) float32 contiguous, ``tables[t, s, j - jmin]`` the response at
+            the offset of phase s and coarse distance j (see :mod:`gpu_ops._lattice`).
+        tid: (N,) int64, each row's table.
+        jmin: the first j of the tables.
+        walk: each event reaches the coarse points of its windows (else: the tables' whole
+            run, zero outside the windows).
+    """
+    M, N, nbytes = packed.shape
+    A = first.shape[1]
+    _, step, J = tables.shape
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    lib.bs_events_lattice(
+        packed.data_ptr(), nbytes, int(big), tables.data_ptr(), tid.data_ptr(), step, J, jmin,
+        int(walk), first.data_ptr(), last.data_ptr(), out.data_ptr(), M, N, A, B,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out

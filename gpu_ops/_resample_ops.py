@@ -11,8 +11,8 @@ op                              computes
 ``banded_forward``              out (M, N, A) = the stored band applied to f (M, N, B)
 ``banded_backward_f``           the transposed band applied to grad (M, N, A)
 ``banded_backward_w``           the weight gradient (N, A, W)
-``on_the_fly_forward``          out (M, N, A), the weights of a named response computed
-                                from (x, c, parameter) inside the kernel
+``on_the_fly_forward``          out (M, N, A), the weights of a named response (or a
+                                table) computed from (x, c, parameter) inside the kernel
 ``on_the_fly_backward_f``       its transposed band
 ``on_the_fly_backward_c_param`` the gradients w.r.t. c (N, A) and the parameter (0-d)
 ==============================  =========================================================
@@ -30,6 +30,12 @@ float64 operands (gradcheck) take the torch kernels on every device; for the on-
 that is f or the parameter (c is float64 in every on-the-fly module: its offsets to x are
 formed in float64 by every kernel). The ops trust their
 arguments (shapes, dtypes, start ranges): :mod:`gpu_ops.resample` checks them.
+
+The on-the-fly ops take ``(param, response, support)`` as
+:class:`gpu_ops.responses.KernelResponse` reads them: a name with its 0-d parameter, or
+``"tabulated"`` with the table ``(2, K)`` (breakpoints, then values) as ``param`` and no
+support. A table gets no gradient (it has no width; its values are data): asking for one
+raises.
 """
 
 from __future__ import annotations
@@ -195,25 +201,18 @@ def _torch_otf_forward(
         f: (M, N, B) float.
         x: (B,) float64, sorted.
         c: (N, A) float32 or float64 (float64: computed in float64), any order.
-        param: 0-d, the response's parameter, c's dtype.
-        response: a name from :data:`gpu_ops.responses.NAMED`.
+        param: 0-d, the response's parameter, c's dtype; a table (2, K) for "tabulated".
+        response: a name from :data:`gpu_ops.responses.NAMED`, or "tabulated".
         support: the cut in units of the parameter (None: the response's default).
     """
-    spec = responses.named(response)
-    return _resample_torch.otf_forward(f, x, c, spec, param, support).to(f.dtype)
-
-
-def _cut(param: Tensor, response: str, support: float | None) -> tuple[int, float, float, float]:
-    """(response code, parameter value, window ``lo``, ``hi``) for the compiled kernels."""
-    spec = responses.named(response)
-    value = float(param)
-    return spec.code, value, *spec.window(value, support)
+    resp = responses.KernelResponse(response, param)
+    return _resample_torch.otf_forward(f, x, c, resp, support).to(f.dtype)
 
 
 def _c_windows(
     x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None
 ) -> _resample_c.Windows:
-    return _resample_c.Windows(x, c, *_cut(param, response, support))
+    return _resample_c.Windows(x, c, responses.KernelResponse(response, param), support)
 
 
 @on_the_fly_forward.register_kernel("cpu")
@@ -246,8 +245,8 @@ def _torch_otf_backward_f(
     num_fine: int,
 ) -> Tensor:  # fmt: skip
     """grad_f (M, N, B) in grad's dtype: the transposed band, weights recomputed."""
-    spec = responses.named(response)
-    out = _resample_torch.otf_backward_f(grad, x, c, spec, param, support, num_fine)
+    resp = responses.KernelResponse(response, param)
+    out = _resample_torch.otf_backward_f(grad, x, c, resp, support, num_fine)
     return out.to(grad.dtype)
 
 
@@ -283,10 +282,18 @@ def _torch_otf_backward_c_param(
     grad: Tensor, f: Tensor, x: Tensor, c: Tensor, param: Tensor, response: str,
     support: float | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(grad_c (N, A) in c's dtype, grad_param 0-d in param's dtype) from grad and f."""
-    spec = responses.named(response)
-    gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, spec, param, support)
-    return gc.to(c.dtype), gp.to(param.dtype)
+    """(grad_c (N, A) in c's dtype, grad_param in param's dtype and shape) from grad and f
+    (a table's: zeros)."""
+    resp = responses.KernelResponse(response, param)
+    gc, gp = _resample_torch.otf_backward_c_param(grad, f, x, c, resp, support)
+    return gc.to(c.dtype), _param_grad(gp, param, response)
+
+
+def _param_grad(gp: Tensor, param: Tensor, response: str) -> Tensor:
+    """The parameter's gradient as the op returns it: a table's is zeros of its shape."""
+    if response == responses.TABULATED:
+        return torch.zeros_like(param)
+    return gp.to(param.dtype)
 
 
 @on_the_fly_backward_c_param.register_kernel("cpu")
@@ -300,7 +307,7 @@ def _(
         return _torch_otf_backward_c_param(*args)
     win = _c_windows(x, c, param, response, support)
     gc, gp = _resample_c.otf_backward_c_param(lib, _f32(f), _f32(grad), win)
-    return gc.to(c.dtype), gp.to(param.dtype)
+    return gc.to(c.dtype), _param_grad(gp, param, response)
 
 
 @on_the_fly_backward_c_param.register_fake
@@ -320,6 +327,8 @@ def _otf_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _otf_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     f, x, c, param = ctx.saved_tensors
     need_f, _, need_c, need_p = ctx.needs_input_grad[:4]
+    if need_p and ctx.response == responses.TABULATED:
+        raise ValueError("a tabulated response gets no gradient: its table is data, not a width")
     grad_f = grad_c = grad_p = None
     if need_f:
         args = (x, c, param, ctx.response, ctx.support, f.shape[-1])
@@ -365,7 +374,7 @@ if _triton_otf is not None:
     _otf = _triton_otf
 
     def _geometry(x: Tensor, c: Tensor, param: Tensor, response: str, support: float | None) -> Any:
-        return _otf.prepare(x, c, *_cut(param, response, support))
+        return _otf.prepare(x, c, responses.KernelResponse(response, param), support)
 
     @on_the_fly_forward.register_kernel("cuda")
     def _(
@@ -397,4 +406,4 @@ if _triton_otf is not None:
             return _torch_otf_backward_c_param(*args)
         geo = _geometry(x, c, param, response, support)
         gc, gp = _otf.grad_c_param(_f32(f), _f32(grad), geo)
-        return gc.to(c.dtype), gp.to(param.dtype)
+        return gc.to(c.dtype), _param_grad(gp, param, response)

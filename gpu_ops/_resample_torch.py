@@ -6,7 +6,8 @@ points, so nothing of size (M, N, A, W) is ever whole: a chunk gathers its windo
 (``unfold`` views, no copy of f) into a block of about 2M items.
 
 Stored band: :func:`forward`, :func:`backward_f` (the transposed band, by ``index_add_``),
-:func:`backward_w`. On the fly (a named response, see :mod:`gpu_ops.responses`): the weights
+:func:`backward_w`. On the fly (a named response or a table, see
+:class:`gpu_ops.responses.KernelResponse`): the weights
 of each chunk are evaluated, used and dropped; the gradients with respect to the coarse
 points and the response parameter apply the same stored-band kernels to bands of the
 analytic derivatives ``dr/dd`` and ``dr/dp``.
@@ -87,7 +88,7 @@ _OTF_CHUNK_ITEMS = 1 << 20
 
 
 class Windows:
-    """The windows of a named response at coarse points c, for the current parameter value.
+    """The windows of a response at coarse points c, for the current parameter value.
 
     Attributes:
         first, last: (N, A) int64, each window is ``[first, last)`` in fine points.
@@ -97,10 +98,10 @@ class Windows:
     """
 
     def __init__(
-        self, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
-        param: torch.Tensor, support: float | None,
+        self, x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse,
+        support: float | None,
     ) -> None:  # fmt: skip
-        lo, hi = spec.window(float(param), support)
+        lo, hi = resp.window(support)
         first, last, W = responses.windows(x, c, lo, hi)
         self._set(first, last, W, x.numel())
 
@@ -136,8 +137,8 @@ def _masked(values: torch.Tensor, inside: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def otf_forward(
-    f: torch.Tensor, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
-    param: torch.Tensor, support: float | None, win: Windows | None = None,
+    f: torch.Tensor, x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse,
+    support: float | None, win: Windows | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """out (M, N, A), float32 (float64 for float64 f or c), for f (M, N, B).
 
@@ -145,60 +146,57 @@ def otf_forward(
         f: (M, N, B) inputs.
         x: (B,) float64 fine grid.
         c: (N, A) coarse points.
-        spec: the named response.
-        param: 0-d, its parameter.
+        resp: the response (a named one at its parameter, or a table).
         support: the cut, in units of the parameter (None: the response's default).
         win: the windows, when already found (then ``support`` is not read).
     """
     ct = _compute_dtype(f, c)
-    win = win or Windows(x, c, spec, param, support)
+    win = win or Windows(x, c, resp, support)
     M, N, _ = f.shape
     A = c.shape[1]
     out = torch.empty(M, N, A, dtype=ct, device=f.device)
-    p = {spec.param: param.to(x.dtype)}
     for sl in win.chunks(A):
         s, d, inside = win.offsets(x, c, sl)
-        out[:, :, sl] = forward(f, s, _masked(spec.evaluate(d, p), inside, ct))
+        out[:, :, sl] = forward(f, s, _masked(resp.evaluate(d), inside, ct))
     return out
 
 
 def otf_backward_f(
-    g: torch.Tensor, x: torch.Tensor, c: torch.Tensor, spec: responses.NamedResponse,
-    param: torch.Tensor, support: float | None, B: int,
+    g: torch.Tensor, x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse,
+    support: float | None, B: int,
 ) -> torch.Tensor:  # fmt: skip
     """grad_f (M, N, B) for g (M, N, A): the transposed band, weights recomputed per chunk."""
     ct = _compute_dtype(g, c)
-    win = Windows(x, c, spec, param, support)
+    win = Windows(x, c, resp, support)
     M, N, A = g.shape
     out = torch.zeros(M, N, B, dtype=ct, device=g.device)
-    p = {spec.param: param.to(x.dtype)}
     for sl in win.chunks(A):
         s, d, inside = win.offsets(x, c, sl)
-        w = _masked(spec.evaluate(d, p), inside, ct)
+        w = _masked(resp.evaluate(d), inside, ct)
         out += backward_f(g[:, :, sl], s, w, B)
     return out
 
 
 def otf_backward_c_param(
     g: torch.Tensor, f: torch.Tensor, x: torch.Tensor, c: torch.Tensor,
-    spec: responses.NamedResponse, param: torch.Tensor, support: float | None,
+    resp: responses.KernelResponse, support: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(grad_c (N, A), grad_param 0-d) for g (M, N, A) and f (M, N, B).
 
     ``grad_c[n, a] = sum_m g[m, n, a] sum_j dr/dd(c[n, a] - x[j]) f[m, n, j]``, the
     parameter's likewise with ``dr/dp`` summed over every (n, a). The windows' edges move
     with the parameter too; that term is not counted (the weight there is the response at
-    its cut, which the cut declares negligible).
+    its cut, which the cut declares negligible). A table's grad_param is 0-d zero (a table
+    gets no gradient; the op returns zeros of the table's shape).
     """
     ct = _compute_dtype(g, f, c)
-    win = Windows(x, c, spec, param, support)
+    win = Windows(x, c, resp, support)
     A = c.shape[1]
     grad_c = torch.zeros(c.shape, dtype=ct, device=c.device)
     grad_p = torch.zeros((), dtype=torch.float64, device=c.device)
-    p = param.to(x.dtype)
     for sl in win.chunks(A):
         s, d, inside = win.offsets(x, c, sl)
-        dd, dp = spec.derivatives(d, p)
+        dd, dp = resp.derivatives(d)
         # sum_m g[m, n, a] f[m, n, window]: gathered once for both derivatives.
         gf = backward_w(g[:, :, sl], f, s, win.W).to(ct)  # (N, k, W)
         grad_c[:, sl] = (gf * _masked(dd, inside, ct)).sum(-1)

@@ -11,8 +11,8 @@ Two modules compute it:
 - :class:`BandedResampler` stores the band, ``starts (N, A) int32`` and ``weights
   (N, A, W)``, never the dense ``T (N, A, B)``: ``out[n, a] = sum_j weights[n, a, j] *
   f[n, starts[n, a] + j]``. Any response (named, tabulated, a callable, or a dense T).
-- :class:`OnTheFlyResampler` stores x, c and a named response's parameter and evaluates the
-  weights inside the kernels; gradients also flow to c and the parameter.
+- :class:`OnTheFlyResampler` stores x, c and a named response's parameter (or a table) and
+  evaluates the weights inside the kernels; gradients also flow to c and the parameter.
 
 Both also take bit-packed inputs, ``forward_bits(packed)`` (:mod:`gpu_ops._bits_resample`):
 the band, an event scatter or prefix sums, whichever costs least for each input's density.
@@ -226,7 +226,7 @@ class BandedResampler(_resampler_base.Resampler):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         normalize: bool = False,
-        center: str = "median",
+        center: str | None = None,
         border: str = "none",
         scale: float = 1.0,
         recording: tuple[float, float] | None = None,
@@ -328,6 +328,20 @@ class BandedResampler(_resampler_base.Resampler):
         if path == "prefix":
             raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
         return self.weights.dtype
+
+    def _band_bits(self, items: torch.Tensor, bitorder: str, dtype: torch.dtype) -> torch.Tensor:
+        """On the CPU, without gradients for the weights: the band straight from the bits
+        (each row unpacked into a per-thread buffer, the same sums as on unpacked floats)."""
+        if self.weights.device.type != "cpu" or (
+            torch.is_grad_enabled() and self.weights.requires_grad
+        ):
+            return super()._band_bits(items, bitorder, dtype)
+        out: torch.Tensor = _events_ops.banded_bits_forward(
+            items, self.starts, self.weights, self.num_fine, bitorder == "big"
+        )
+        if self.inverse_order is not None:
+            out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+        return out
 
     def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
         out: torch.Tensor = _events_ops.events_band_forward(

@@ -26,6 +26,11 @@ normalised to unit area (``normalize``: x in seconds gives rates in Hz), scaled,
 each output is divided by the response's mass inside the recording (``border="correct"``,
 Elephant's ``border_correction``). The cut of a centred response is ``[-support, support]``
 around its centre, as Elephant cuts at ``cutoff`` sigmas around the median.
+
+A table takes the same options: ``normalize`` divides by its area, ``center="median"`` or
+``"peak"`` moves its median or its largest value to ``d = 0`` (by default a table is used as
+given), ``border`` and ``scale`` as above. On the fly the ops take a table as
+:class:`KernelResponse` says (:data:`TABULATED`).
 """
 
 from __future__ import annotations
@@ -274,6 +279,8 @@ def named(name: str) -> NamedResponse:
 
 Response = Callable[[torch.Tensor], torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | str
 CENTERS = ("median", "peak", "none")
+TABULATED = "tabulated"  # the on-the-fly ops' name for a table (see :class:`KernelResponse`)
+TABLE_CODE = 8  # a table's number in the compiled and Triton kernels
 BORDERS = ("none", "correct")
 
 
@@ -283,10 +290,12 @@ class Options:
 
     Attributes:
         normalize: unit area in x's units (x in seconds: spikes give rates in Hz).
-        center: where a causal response's origin goes: ``"median"`` (Elephant's
-            ``center_kernel=True``: half its mass before the event, half after), ``"peak"``
-            (its mode) or ``"none"`` (the event: strictly causal). Symmetric responses are
-            centred in every case; tables and callables are used as given.
+        center: where a causal response's or a table's origin goes: ``"median"``
+            (Elephant's ``center_kernel=True``: half its mass before the event, half after),
+            ``"peak"`` (its mode: a table's largest value) or ``"none"`` (the event: strictly
+            causal; a table as given). None (the default): ``"median"`` for a named response,
+            ``"none"`` for a table. Symmetric named responses are centred in every case;
+            callables are used as given.
         border: ``"correct"`` divides each output by the fraction of the (cut) response's
             mass inside the recording, as Elephant's ``border_correction`` does (without its
             rescaling of each train to its spike count, which depends on the data).
@@ -296,13 +305,13 @@ class Options:
     """
 
     normalize: bool = False
-    center: str = "median"
+    center: str | None = None
     border: str = "none"
     scale: float = 1.0
     recording: tuple[float, float] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.center not in CENTERS:
+        if self.center is not None and self.center not in CENTERS:
             raise ValueError(f"center must be one of {CENTERS}, got {self.center!r}")
         if self.border not in BORDERS:
             raise ValueError(f"border must be one of {BORDERS}, got {self.border!r}")
@@ -433,7 +442,7 @@ def parse_named(
     shift = 0.0
     given_cut = cut
     if spec.causal:
-        shift = {"median": spec.median, "peak": spec.mode, "none": 0.0}[opts.center]
+        shift = {"median": spec.median, "peak": spec.mode, "none": 0.0}[opts.center or "median"]
         cut = spec.extent(cut) + shift
     return Shape(spec, value, cut, shift, opts, given_cut)
 
@@ -452,6 +461,153 @@ def _table_cdf(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], t
         return cum[i - 1] + h * (y0 + 0.5 * slope * h)
 
     return area
+
+
+def _table_median(xs: torch.Tensor, ys: torch.Tensor) -> float:
+    """Where a non-negative table's integral reaches half its area (float64, on the CPU)."""
+    xs, ys = xs.cpu(), ys.cpu()
+    seg = 0.5 * (ys[1:] + ys[:-1]) * (xs[1:] - xs[:-1])
+    cum = torch.cumsum(seg, 0)
+    half = float(cum[-1]) / 2
+    k = int(torch.searchsorted(cum, torch.tensor([half], dtype=cum.dtype)))  # first cum >= half
+    rest = half - (float(cum[k - 1]) if k > 0 else 0.0)  # area still needed inside segment k
+    x0, y0 = float(xs[k]), float(ys[k])
+    slope = (float(ys[k + 1]) - y0) / (float(xs[k + 1]) - x0)
+    # h (y0 + slope h / 2) = rest: the root in [0, xs[k + 1] - x0], written without
+    # cancellation (y0 >= 0, rest > 0, and the segment's area is at least rest).
+    root = math.sqrt(max(y0 * y0 + 2.0 * slope * rest, 0.0))
+    return x0 + 2.0 * rest / (y0 + root)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A tabulated response, checked and centred: linear between its points, 0 outside.
+
+    Attributes:
+        xs, ys: (K,) float64, the breakpoints (moved by the centring: the given ones minus
+            ``shift``) and the values as given.
+        shift: how far the breakpoints moved (the table's median or peak; 0 as given).
+        area: the table's integral (over d, in x's units).
+        options: see :class:`Options`.
+    """
+
+    xs: torch.Tensor
+    ys: torch.Tensor
+    shift: float
+    area: float
+    options: Options
+
+    @property
+    def plain(self) -> bool:
+        """No gain or border correction: the kernels' output is the result."""
+        o = self.options
+        return o.scale == 1 and not o.normalize and o.border == "none"
+
+    @property
+    def gain(self) -> float:
+        """The output's factor: ``scale``, over the area when normalised."""
+        o = self.options
+        return o.scale / self.area if o.normalize else o.scale
+
+    def window(self) -> tuple[float, float]:
+        """``(lo, hi)``: the offsets ``d = c - x`` the table reaches (its first and last xs)."""
+        return float(self.xs[0]), float(self.xs[-1])
+
+    def given(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table as it was given (float64): what ``save`` writes."""
+        return self.xs + self.shift, self.ys
+
+    def evaluate(self, d: torch.Tensor) -> torch.Tensor:
+        """The table at offsets d, gain included (border not)."""
+        return interpolate(self.xs, self.ys, d) * self.gain
+
+    def inverse_mass(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """(N, A): 1 / the fraction of the table's area inside the recording at each c,
+        0 where the table misses the recording entirely (``border="correct"``)."""
+        start, stop = self.options.bounds(x)
+        cdf = _table_cdf(self.xs, self.ys)
+        c64 = c.detach().to(torch.float64)
+        m = (cdf(c64 - start) - cdf(c64 - stop)) / self.area
+        return torch.where(m > 0, 1.0 / m.clamp(min=1e-300), torch.zeros_like(m))
+
+
+def parse_table(
+    response: tuple[torch.Tensor, torch.Tensor], options: Options, device: torch.device
+) -> Table:
+    """A table ``(xs, ys)`` with its options, checked and centred.
+
+    Raises:
+        ValueError: xs and ys not 1-D of one length >= 2, xs not strictly increasing, values
+            not finite; ``normalize``, ``border`` or ``center="median"`` on a table whose area
+            is not positive; ``center="median"`` on a table with negative values (its
+            integral is then not monotone: no one median).
+    """
+    xs = torch.as_tensor(response[0]).to(device=device, dtype=torch.float64)
+    ys = torch.as_tensor(response[1]).to(device=device, dtype=torch.float64)
+    check_table(xs, ys)
+    if not bool(torch.isfinite(xs).all() & torch.isfinite(ys).all()):
+        raise ValueError("a tabulated response needs finite xs and ys")
+    area = float(_table_cdf(xs, ys)(xs[-1:])[0])
+    center = options.center or "none"
+    if (options.normalize or options.border != "none" or center == "median") and not area > 0:
+        raise ValueError("normalize, border and center='median' need a table with a positive area")
+    shift = 0.0
+    if center == "median":
+        if bool((ys < 0).any()):
+            raise ValueError("center='median' needs a table without negative values")
+        shift = _table_median(xs, ys)
+    elif center == "peak":
+        shift = float(xs[int(torch.argmax(ys))])
+    return Table(xs - shift, ys, shift, area, options)
+
+
+@dataclass(frozen=True)
+class KernelResponse:
+    """The response the on-the-fly ops evaluate, from their ``response`` and ``param``.
+
+    ``response`` is a name from :data:`NAMED` with ``param`` its parameter (0-d), or
+    :data:`TABULATED` with ``param`` the table ``(2, K)``: its breakpoints (strictly
+    increasing, the offsets ``d = c - x``) then its values, linear between them, 0 outside.
+    A table has no width: the ops give it no gradient.
+    """
+
+    name: str
+    param: torch.Tensor
+
+    @property
+    def tabulated(self) -> bool:
+        return self.name == TABULATED
+
+    @property
+    def code(self) -> int:
+        """The response's number in the compiled and Triton kernels."""
+        return TABLE_CODE if self.tabulated else named(self.name).code
+
+    @property
+    def value(self) -> float:
+        """The named response's parameter; 0 for a table (the kernels do not read it)."""
+        return 0.0 if self.tabulated else float(self.param)
+
+    def window(self, support: float | None) -> tuple[float, float]:
+        """``(lo, hi)`` in x's units: the named response's cut, the table's ends."""
+        if self.tabulated:
+            return float(self.param[0, 0]), float(self.param[0, -1])
+        return named(self.name).window(float(self.param), support)
+
+    def evaluate(self, d: torch.Tensor) -> torch.Tensor:
+        """r(d), in d's dtype (unit peak for a named response, the values for a table)."""
+        p = self.param.to(d.dtype)
+        if self.tabulated:
+            return interpolate(p[0], p[1], d)
+        spec = named(self.name)
+        return spec.evaluate(d, {spec.param: p})
+
+    def derivatives(self, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dr/dd, dr/dparam) at d, in d's dtype; a table's slope and zeros."""
+        p = self.param.to(d.dtype)
+        if self.tabulated:
+            return slope(p[0], p[1], d), torch.zeros_like(d)
+        return named(self.name).derivatives(d, p)
 
 
 def parse(
@@ -494,31 +650,24 @@ def parse(
         return Cut(lambda d: shape.evaluate(d, p), lo - s, hi - s, factor)
     if params:
         raise ValueError(f"unexpected parameters {sorted(params)} for this response")
-    if opts.center not in ("median", "none") and not isinstance(response, str):
-        raise ValueError(
-            "center applies to named responses; tables and callables are used as given"
-        )
     if isinstance(response, tuple):
         if support is not None:
             raise ValueError("a tabulated response implies its support; omit `support`")
-        xs = torch.as_tensor(response[0]).to(device=device, dtype=torch.float64)
-        ys = torch.as_tensor(response[1]).to(device=device, dtype=torch.float64)
-        r = tabulated(xs, ys)
-        cdf = _table_cdf(xs, ys)
-        total = float(cdf(xs[-1:])[0])
-        if (opts.normalize or opts.border != "none") and not total > 0:
-            raise ValueError("normalize and border need a table with a positive area")
-        gain = opts.scale / total if opts.normalize else opts.scale
+        table = parse_table(response, opts, device)
+        lo, hi = table.window()
         table_factor = None
         if opts.border == "correct":
             assert x is not None
-            start, stop = opts.bounds(x)
+            grid = x
 
             def table_factor(c: torch.Tensor) -> torch.Tensor:
-                m = (cdf(c - start) - cdf(c - stop)) / total
-                return torch.where(m > 0, 1.0 / m.clamp(min=1e-300), torch.zeros_like(m))
+                return table.inverse_mass(grid, c)
 
-        return Cut(lambda d: r(d) * gain, float(xs[0]), float(xs[-1]), table_factor)
+        return Cut(table.evaluate, lo, hi, table_factor)
+    if opts.center not in (None, "none"):
+        raise ValueError(
+            "center applies to named and tabulated responses; a callable is used as given"
+        )
     if callable(response):
         if support is None or not support > 0:
             raise ValueError("a callable response needs `support` > 0 (its half-width)")
@@ -550,8 +699,8 @@ def check_grid(
     return x, c
 
 
-def tabulated(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """r(d) by linear interpolation of ``ys`` at ``xs`` (sorted, >= 2 points), 0 outside."""
+def check_table(xs: torch.Tensor, ys: torch.Tensor) -> None:
+    """Raise ValueError unless xs and ys are 1-D of one length >= 2 and xs strictly increases."""
     if xs.ndim != 1 or ys.shape != xs.shape or xs.numel() < 2:
         raise ValueError(
             f"a tabulated response needs 1-D xs and ys of equal length >= 2, got "
@@ -560,16 +709,33 @@ def tabulated(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], to
     if not bool((xs[1:] > xs[:-1]).all()):
         raise ValueError("a tabulated response needs strictly increasing xs")
 
-    def r(d: torch.Tensor) -> torch.Tensor:
-        t_x = xs.to(d)
-        t_y = ys.to(d)
-        i = torch.searchsorted(t_x, d.detach().contiguous()).clamp(1, t_x.numel() - 1)
-        x0, x1 = t_x[i - 1], t_x[i]
-        y0, y1 = t_y[i - 1], t_y[i]
-        val = y0 + (y1 - y0) * (d - x0) / (x1 - x0)
-        return torch.where((d >= t_x[0]) & (d <= t_x[-1]), val, torch.zeros_like(val))
 
-    return r
+def _segment(xs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Per offset, the index i of its segment ``[xs[i - 1], xs[i]]`` (1 <= i < K)."""
+    return torch.searchsorted(xs, d.detach().contiguous()).clamp(1, xs.numel() - 1)
+
+
+def interpolate(xs: torch.Tensor, ys: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The table (xs, ys) at offsets d: linear between its points, 0 outside ``[xs[0],
+    xs[-1]]`` (no checks; xs, ys in d's dtype and device)."""
+    i = _segment(xs, d)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = ys[i - 1], ys[i]
+    val = y0 + (y1 - y0) * (d - x0) / (x1 - x0)
+    return torch.where((d >= xs[0]) & (d <= xs[-1]), val, torch.zeros_like(val))
+
+
+def slope(xs: torch.Tensor, ys: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """dr/dd of the table (xs, ys) at offsets d: its segment's slope inside, 0 outside."""
+    i = _segment(xs, d)
+    val = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    return torch.where((d >= xs[0]) & (d <= xs[-1]), val, torch.zeros_like(val))
+
+
+def tabulated(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """r(d) by linear interpolation of ``ys`` at ``xs`` (sorted, >= 2 points), 0 outside."""
+    check_table(xs, ys)
+    return lambda d: interpolate(xs.to(d), ys.to(d), d)
 
 
 def windows(

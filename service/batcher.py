@@ -1,19 +1,24 @@
 """Dynamic batching: concurrent requests of one model merged along the batch dimension.
 
-The asyncio side keeps a FIFO queue of waiting requests, each with a future. One scheduler task
-per model closes a batch when it holds ``max_batch_size`` items or when its first request has
-waited ``max_queue_delay_us``, and hands it to the device's single worker thread, so the event
-loop never waits on device work. Requests are never split: one whose items do not fit in what
-is left of a batch opens the next one.
+The asyncio side keeps the waiting requests, each with a future, in one FIFO per priority
+level (:class:`service.batch_queue.LevelQueue`; one level without priorities). One scheduler
+task per model closes a batch when it holds ``max_batch_size`` items or when its oldest request
+has waited ``max_queue_delay_us``, and hands it to the device's single worker thread, so the
+event loop never waits on device work. Batches take the highest level first, FIFO within a
+level. Requests are never split: one whose items do not fit in what is left of a batch opens
+the next one.
 
-- A full queue answers :class:`~service.errors.Overloaded` at once (503 + Retry-After).
+- A full queue (all levels together, or the request's own level) answers
+  :class:`~service.errors.Overloaded` at once (503 + Retry-After).
 - A request whose timeout expires before its batch starts is answered
   :class:`~service.errors.DeadlineExceeded` and never computed.
 - With a queue timeout (``queue_timeout_us``, Triton's ``default_timeout_microseconds`` with
   ``timeout_action: REJECT``), a request still waiting after it is answered ``Overloaded``,
   never computed, and a new one is refused at once when the batches ahead of it would take
   longer to clear at the pace of recent batches (shed from the headers, before the body).
-- A cancelled request (the client went away) leaves the queue at once.
+- A cancelled request (the client went away) leaves the queue at once and is never computed
+  (counted in ``bitserve_requests_cancelled_total``); one whose batch is running is computed
+  with it, and its result is dropped.
 - An exception in one batch fails that batch's requests only (500 naming the exception class
   and the request id, never its text: that goes to the log); the scheduler keeps serving.
 - Should the scheduler itself die, every waiting request is failed and the batcher refuses new
@@ -24,16 +29,14 @@ is left of a batch opens the next one.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from service.batch_queue import BatchInfo, LevelQueue, Pending, request_error, timed
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
@@ -45,31 +48,7 @@ _MAX_TIMEOUT_US = 86_400 * 10**6  # a day
 P = TypeVar("P")
 R = TypeVar("R")
 
-
-@dataclass(frozen=True)
-class BatchInfo:
-    """What the batch that computed a request looked like (for response parameters)."""
-
-    batch_size: int
-    """Items in the executed batch."""
-    batch_requests: int
-    """Requests merged into it."""
-
-
-@dataclass(eq=False)
-class _Pending(Generic[P, R]):
-    payload: P
-    size: int
-    future: asyncio.Future[tuple[R, BatchInfo]]
-    enqueued: float
-    deadline: float | None
-    timer: asyncio.TimerHandle | None = field(default=None)
-    request_id: str = "-"
-    queue_policy: bool = False
-    """The deadline is the queue timeout's, not the request's own."""
-    # The loop's clock can be as coarse as a millisecond (uvloop's is): queue waits are
-    # measured with this one.
-    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+__all__ = ["BatchInfo", "Batcher"]
 
 
 class Batcher(Generic[P, R]):
@@ -82,8 +61,8 @@ class Batcher(Generic[P, R]):
         max_batch_size: most items per batch; 0 means no batching (every request runs
             alone, and counts as one item).
         max_queue_delay_us: how long a batch's first request waits for others.
-        max_queue_size: most requests waiting (not counting the batch being computed);
-            0 = unbounded.
+        max_queue_size: most requests waiting, all levels together (not counting the
+            batch being computed); 0 = unbounded.
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
@@ -96,6 +75,11 @@ class Batcher(Generic[P, R]):
             of the GIL between the loop and the worker cost more than the batch. 0 (the
             default): always in ``executor``. For CPU devices only (a CUDA batch waits for
             the device, which must not happen on the loop).
+        level_limits: one entry per priority level, level 1 first: the most requests that
+            level may hold (0: no bound of its own); default: one level, no bound of its own.
+        version: the model version (the label of its cancelled requests' count).
+        tracer: records the spans of batches that compute a traced request
+            (:class:`service.tracing.BatchTracer`); None: tracing is off.
     """
 
     def __init__(
@@ -111,6 +95,9 @@ class Batcher(Generic[P, R]):
         queue_timeout_us: int = 0,
         stats: ModelStats | None = None,
         inline_below_s: float = 0.0,
+        level_limits: Sequence[int] = (0,),
+        version: str = "",
+        tracer: Any = None,
     ) -> None:
         if min(max_batch_size, max_queue_delay_us, max_queue_size, queue_timeout_us) < 0:
             raise ValueError("batch size, queue delay, queue size and timeout must be >= 0")
@@ -124,16 +111,20 @@ class Batcher(Generic[P, R]):
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"batch-{name}")
         self._metrics = metrics
         self.stats = stats
-        self._queue: deque[_Pending[P, R]] = deque()
-        self._queued_items = 0
+        self._queue: LevelQueue[P, R] = LevelQueue(level_limits)
+        self.version = version
+        self._tracer = tracer
         # The scheduler sleeps on this future (and a timer for the batch's delay) when there
         # is nothing to take; submit() and the queue's other changes resolve it.
         self._waiter: asyncio.Future[None] | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._running: list[_Pending[P, R]] = []
+        self._running: list[Pending[P, R]] = []
         self._reported_depth = 0
         self._depth_gauge: Any = None
+        self._level_gauges: list[Any] = []
+        self._reported_levels = [0] * self._queue.levels
+        self._cancelled: Any = None
         self._inline_below_s = inline_below_s
         self._batch_cpu_s = math.inf  # moving average; unknown until a batch has run
         self.queue_timeout_s = queue_timeout_us / 1e6
@@ -152,35 +143,50 @@ class Batcher(Generic[P, R]):
                 # The series exists from the start; its child is looked up once, not per
                 # request (the repository forgets it only after this batcher has stopped).
                 self._depth_gauge = self._metrics.queue_depth.labels(self.name)
+                self._cancelled = self._metrics.cancelled(self.name, self.version)
+                if self._queue.levels > 1:
+                    self._level_gauges = self._metrics.level_depths(self.name, self._queue.levels)
 
     @property
     def depth(self) -> int:
         """Requests waiting in the queue."""
         return len(self._queue)
 
-    def expected_wait_s(self) -> float:
+    def expected_wait_s(self, level: int | None = None) -> float:
         """How long a request queued now would wait for its batch to start, at the pace of
-        recent batches: the running batch, then every full batch queued ahead of it (0 before
-        any batch has run)."""
-        ahead = self._queued_items // self._capacity + (1 if self._running else 0)
+        recent batches: the running batch, then every full batch queued ahead of it (of its
+        priority ``level`` and above; None: all of them) (0 before any batch has run)."""
+        items = self._queue.items if level is None else self._queue.items_up_to(level - 1)
+        ahead = items // self._capacity + (1 if self._running else 0)
         return ahead * self._batch_wall_s
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, level: int | None = None) -> None:
         """Refuse a new request now if the queue has no room for it (transports call this
-        before they read a body, so overload is shed at the cost of the headers).
+        before they read a body, so overload is shed at the cost of the headers; the
+        request's priority ``level`` is known only after, and checked again then).
 
         Raises:
-            Overloaded: the queue holds ``max_queue_size`` requests, or with a queue
-                timeout, the queue ahead would take longer than it to clear.
+            Overloaded: the queue holds ``max_queue_size`` requests, or its level holds as
+                many as that level's own bound, or with a queue timeout, the queue ahead
+                would take longer than it to clear.
         """
-        if self.max_queue_size and len(self._queue) >= self.max_queue_size:
+        queue = self._queue
+        if self.max_queue_size and len(queue) >= self.max_queue_size:
             raise Overloaded(
-                f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
+                f"model '{self.name}' is overloaded: {len(queue)} requests queued "
                 f"(max_queue_size {self.max_queue_size}); retry later",
                 retry_after=1.0,
             )
-        if self.queue_timeout_s and self._queue:
-            wait = self.expected_wait_s()
+        if level is not None and queue.full(level - 1):
+            raise Overloaded(
+                f"model '{self.name}' is overloaded: {queue.count(level - 1)} requests of "
+                f"priority level {level} queued (its max_queue_size "
+                f"{queue.limits[level - 1]}); retry later",
+                retry_after=1.0,
+            )
+        # Before the level is known, the whole queue is ahead only without levels.
+        if self.queue_timeout_s and queue and (level is not None or queue.levels == 1):
+            wait = self.expected_wait_s(level)
             if wait > self.queue_timeout_s:
                 raise Overloaded(
                     f"model '{self.name}' is overloaded: {len(self._queue)} requests queued "
@@ -195,7 +201,13 @@ class Batcher(Generic[P, R]):
         return not self._queue and not self._running
 
     async def submit(
-        self, payload: P, size: int = 1, *, timeout_us: int | None = None
+        self,
+        payload: P,
+        size: int = 1,
+        *,
+        timeout_us: int | None = None,
+        level: int = 1,
+        trace: Any = None,
     ) -> tuple[R, BatchInfo]:
         """Queue one request and wait for its result.
 
@@ -204,6 +216,8 @@ class Batcher(Generic[P, R]):
             size: its number of items (1 when ``max_batch_size`` is 0).
             timeout_us: answer :class:`DeadlineExceeded` if its batch has not started within
                 this many microseconds; None or 0: no timeout.
+            level: its priority level, 1 (the highest) to the number of levels.
+            trace: its :class:`service.tracing.RequestTrace` when it is traced.
 
         Returns:
             ``(result, info)`` for this request.
@@ -218,7 +232,9 @@ class Batcher(Generic[P, R]):
             raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
         if not 1 <= size <= self._capacity:
             raise ValueError(f"size {size} outside 1..{self._capacity}")  # validated before
-        self.check_capacity()
+        if not 1 <= level <= self._queue.levels:
+            raise ValueError(f"level {level} outside 1..{self._queue.levels}")  # mapped before
+        self.check_capacity(level)
         loop = asyncio.get_running_loop()
         now = loop.time()
         # 0 means no timeout, as in Triton (its default request timeout is 0); a timeout past
@@ -227,7 +243,7 @@ class Batcher(Generic[P, R]):
         policy = self.queue_timeout_s
         by_policy = policy > 0 and (own is None or policy < own)
         wait = policy if by_policy else own
-        pending: _Pending[P, R] = _Pending(
+        pending: Pending[P, R] = Pending(
             payload,
             size,
             loop.create_future(),
@@ -235,17 +251,20 @@ class Batcher(Generic[P, R]):
             None if wait is None else now + wait,
             request_id=request_id_var.get(),
             queue_policy=by_policy,
+            level=level - 1,
+            trace=trace,
         )
         if pending.deadline is not None:
             pending.timer = loop.call_at(pending.deadline, self._expire, pending)
         self._queue.append(pending)
-        self._queued_items += size
         self._depth_changed()
         self._wake()
         try:
             return await pending.future
         except asyncio.CancelledError:
-            self._remove(pending)  # the client went away: it must not stay queued
+            # The client went away: a queued request is dropped, never computed.
+            if self._remove(pending) and self._cancelled is not None:
+                self._cancelled.inc()
             raise
 
     async def stop(self, timeout_s: float = 30.0) -> None:
@@ -264,11 +283,9 @@ class Batcher(Generic[P, R]):
                 log.warning("model %s: drain timed out after %.1f s", self.name, timeout_s)
                 task.cancel()
                 await asyncio.wait({task})
-        while self._queue:
-            p = self._queue.popleft()
+        for p in self._queue.drain():
             self._cancel_timer(p)
-            _fail(p, ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
-        self._queued_items = 0
+            p.fail(ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
         if self._depth_gauge is not None:
             self._report_depth()  # now: the repository may forget the series next
         if self._own_executor:
@@ -276,23 +293,20 @@ class Batcher(Generic[P, R]):
 
     # --- queue bookkeeping ----------------------------------------------------------------
 
-    def _remove(self, pending: _Pending[P, R]) -> bool:
+    def _remove(self, pending: Pending[P, R]) -> bool:
         self._cancel_timer(pending)
-        try:
-            self._queue.remove(pending)
-        except ValueError:
+        if not self._queue.remove(pending):
             return False  # already taken into a batch (or removed)
-        self._queued_items -= pending.size
         self._depth_changed()
         self._wake()  # the head may have changed
         return True
 
-    def _expire(self, pending: _Pending[P, R]) -> None:
+    def _expire(self, pending: Pending[P, R]) -> None:
         pending.timer = None
         if self._remove(pending):
-            _fail(pending, self._expired(pending))
+            pending.fail(self._expired(pending))
 
-    def _expired(self, pending: _Pending[P, R]) -> ServiceError:
+    def _expired(self, pending: Pending[P, R]) -> ServiceError:
         waited = asyncio.get_running_loop().time() - pending.enqueued
         if pending.queue_policy:
             return Overloaded(
@@ -307,7 +321,7 @@ class Batcher(Generic[P, R]):
         )
 
     @staticmethod
-    def _cancel_timer(pending: _Pending[P, R]) -> None:
+    def _cancel_timer(pending: Pending[P, R]) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
@@ -323,6 +337,11 @@ class Batcher(Generic[P, R]):
         if depth != self._reported_depth:
             self._depth_gauge.inc(depth - self._reported_depth)
             self._reported_depth = depth
+        for i, gauge in enumerate(self._level_gauges):
+            n = self._queue.count(i)
+            if n != self._reported_levels[i]:
+                gauge.inc(n - self._reported_levels[i])
+                self._reported_levels[i] = n
 
     # --- scheduler ------------------------------------------------------------------------
 
@@ -337,7 +356,7 @@ class Batcher(Generic[P, R]):
                 # Whatever escaped (a bug, a cancellation), none of this batch may hang.
                 for p in batch:
                     if not p.future.done():
-                        _fail(p, ModelNotReady(f"model '{self.name}' stopped during this request"))
+                        p.fail(ModelNotReady(f"model '{self.name}' stopped during this request"))
                 self._running = []
 
     def _scheduler_done(self, task: asyncio.Task[None]) -> None:
@@ -347,11 +366,9 @@ class Batcher(Generic[P, R]):
         if exc is not None:
             log.error("model %s: the batch scheduler died", self.name, exc_info=exc)
         self._closing = True
-        while self._queue:
-            p = self._queue.popleft()
+        for p in self._queue.drain():
             self._cancel_timer(p)
-            _fail(p, ModelNotReady(f"model '{self.name}' stopped serving before this request ran"))
-        self._queued_items = 0
+            p.fail(ModelNotReady(f"model '{self.name}' stopped serving before this request ran"))
         self._depth_changed()
 
     def _wake(self) -> None:
@@ -375,7 +392,7 @@ class Batcher(Generic[P, R]):
         """Whether the next batch runs on the event loop (see ``inline_below_s``)."""
         return self._batch_cpu_s < self._inline_below_s
 
-    async def _next_batch(self) -> list[_Pending[P, R]] | None:
+    async def _next_batch(self) -> list[Pending[P, R]] | None:
         loop = asyncio.get_running_loop()
         gathered = False
         while True:
@@ -387,12 +404,12 @@ class Batcher(Generic[P, R]):
             # A batch closes when it is full, when its first request has waited the delay,
             # or at once when there is no delay: requests that queued while the previous
             # batch ran are all taken now, so batches grow with the load.
-            if self._queued_items < self._capacity and self._delay and not self._closing:
-                close_at = self._queue[0].enqueued + self._delay
+            if self._queue.items < self._capacity and self._delay and not self._closing:
+                close_at = self._queue.oldest_enqueued() + self._delay
                 if loop.time() < close_at:
                     await self._sleep(close_at)
                     continue  # re-check: more items, a new head, or the delay has passed
-            elif self._queued_items < self._capacity and self._inline_next() and not gathered:
+            elif self._queue.items < self._capacity and self._inline_next() and not gathered:
                 # A batch run on the loop holds it: first the requests whose bytes have
                 # already arrived join it (one turn reads the sockets and starts their tasks,
                 # the next lets those tasks queue), which costs two turns, never a wait.
@@ -405,44 +422,39 @@ class Batcher(Generic[P, R]):
             if batch:
                 return batch
 
-    def _take_batch(self, now: float) -> list[_Pending[P, R]]:
-        batch: list[_Pending[P, R]] = []
-        items = 0
-        while self._queue:
-            p = self._queue[0]
-            if p.deadline is not None and now >= p.deadline:
-                self._queue.popleft()
-                self._queued_items -= p.size
-                self._cancel_timer(p)
-                _fail(p, self._expired(p))
-                continue
-            if batch and items + p.size > self._capacity:
-                break  # whole requests only: this one opens the next batch
-            self._queue.popleft()
-            self._queued_items -= p.size
+    def _take_batch(self, now: float) -> list[Pending[P, R]]:
+        def expired(p: Pending[P, R]) -> None:
             self._cancel_timer(p)
-            batch.append(p)
-            items += p.size
+            p.fail(self._expired(p))
+
+        batch = self._queue.take(self._capacity, now, expired)
+        for p in batch:
+            self._cancel_timer(p)
         self._depth_changed()
         return batch
 
-    async def _execute(self, batch: list[_Pending[P, R]]) -> None:
+    async def _execute(self, batch: list[Pending[P, R]]) -> None:
         loop = asyncio.get_running_loop()
         start_ns = time.perf_counter_ns()
         waits_ns = [start_ns - p.enqueued_ns for p in batch]
         if self._metrics is not None:
-            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns])
+            levels = [p.level + 1 for p in batch] if self._level_gauges else None
+            self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns], levels)
         if self.stats is not None:
             self.stats.queued(len(batch), sum(waits_ns))
         info = BatchInfo(sum(p.size for p in batch), len(batch))
         self._running = batch
         payloads = [p.payload for p in batch]
+        # Spans only for a batch that computes a traced request (tracing off: no list even).
+        traced = None if self._tracer is None else [p.trace for p in batch if p.trace]
+        wall0 = time.time_ns() if traced else 0
+        error: BaseException | None = None
         try:
             if self._inline_next():
-                results, seconds, cpu = _timed(self._run_batch, payloads)
+                results, seconds, cpu = timed(self._run_batch, payloads)
             else:
                 results, seconds, cpu = await loop.run_in_executor(
-                    self._executor, _timed, self._run_batch, payloads
+                    self._executor, timed, self._run_batch, payloads
                 )
             avg = self._batch_cpu_s
             self._batch_cpu_s = cpu if avg == math.inf else 0.75 * avg + 0.25 * cpu
@@ -452,19 +464,22 @@ class Batcher(Generic[P, R]):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
         except asyncio.CancelledError:
             for p in batch:  # stop() gave up waiting: nobody may be left hanging
-                _fail(p, ModelNotReady(f"model '{self.name}' was unloaded during this request"))
+                p.fail(ModelNotReady(f"model '{self.name}' was unloaded during this request"))
             raise
         except BaseException as exc:
+            error = exc
             if not isinstance(exc, ServiceError):
                 ids = ", ".join(p.request_id for p in batch)
                 log.error("model %s: batch failed (request ids %s)", self.name, ids, exc_info=exc)
             for p in batch:  # one error object each: a shared one would pile up tracebacks
-                _fail(p, _request_error(self.name, exc, p.request_id))
+                p.fail(request_error(self.name, exc, p.request_id))
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the requests are answered, now stop
             return
         finally:
             self._running = []
+            if traced:
+                self._tracer.record(traced, wall0, time.time_ns(), info, error)
         if self._metrics is not None:
             try:
                 self._metrics.observe_batch(
@@ -475,32 +490,3 @@ class Batcher(Generic[P, R]):
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():  # a cancelled request's result is dropped
                 p.future.set_result((result, info))
-
-
-def _timed(
-    fn: Callable[[list[P]], Sequence[R]], payloads: list[P]
-) -> tuple[Sequence[R], float, float]:
-    """``fn(payloads)``, its wall time and the CPU time of the thread that ran it."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    out = fn(payloads)
-    return out, time.perf_counter() - t0, time.thread_time() - c0
-
-
-def _fail(pending: _Pending[P, R], error: BaseException) -> None:
-    if not pending.future.done():
-        pending.future.set_exception(error)
-
-
-def _request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:
-    """A fresh error for one request of a failed batch.
-
-    A ServiceError raised on purpose is copied (its message is meant for the client); any
-    other exception becomes a 500 naming only its class: exception text can carry TorchScript
-    tracebacks and code locations, which stay in the log, found by the request id.
-    """
-    if isinstance(exc, ServiceError):
-        return copy.copy(exc).with_traceback(None)
-    return ServiceError(
-        f"model '{name}': inference failed ({type(exc).__name__}); request id {request_id}, "
-        "details in the server log"
-    )

@@ -13,11 +13,12 @@ says how it updates the record (:meth:`Change.record`), keyed by :attr:`Change.s
 - a model's name: its last load (with the config override it carried) or unload;
 - ``@shm/<region>``: a region registered now (unregistering removes it; unregistering every
   region removes them all);
-- ``@logging``: every log setting changed so far, merged.
+- ``@logging``: every log setting changed so far, merged;
+- ``@trace`` and ``@trace/<model>``: the trace settings given now, globally or for a model
+  (a cleared one is left out: a worker that starts late has it at its start value).
 
-To add a kind of change (trace settings, say): a subclass here with its ``kind``, its
-``subject`` and, if it is not simply the latest of its subject, its ``record``; and its
-applier in ``ControlPlane``.
+To add a kind of change: a subclass here with its ``kind``, its ``subject`` and, if it is
+not simply the latest of its subject, its ``record``; and its applier in ``ControlPlane``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "UnloadModel",
     "UnregisterRegion",
     "UpdateLogSettings",
+    "UpdateTraceSettings",
 ]
 
 _SHM = "@shm/"
@@ -165,3 +167,26 @@ class UpdateLogSettings(Change, kind="logging"):
             merged.update(before.change.settings)  # a partial update keeps the earlier ones
         merged.update(self.settings)
         entries[self.subject] = Recorded(seq, UpdateLogSettings(merged))
+
+
+@dataclass(frozen=True)
+class UpdateTraceSettings(Change, kind="trace"):
+    """Change the trace settings given (Triton's names, checked and typed by
+    ``service.trace_settings.TraceSettings.check``; None clears one) of ``model``, or the
+    global ones (None)."""
+
+    model: str | None
+    settings: dict[str, Any]
+
+    @property
+    def subject(self) -> str:
+        return "@trace" if self.model is None else f"@trace/{self.model}"
+
+    def record(self, entries: dict[str, Recorded], seq: int) -> None:
+        before = entries.get(self.subject)
+        merged: dict[str, Any] = {}
+        if before is not None and isinstance(before.change, UpdateTraceSettings):
+            merged.update(before.change.settings)
+        merged.update(self.settings)
+        given = {k: v for k, v in merged.items() if v is not None}
+        entries[self.subject] = Recorded(seq, UpdateTraceSettings(self.model, given))

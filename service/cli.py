@@ -155,8 +155,9 @@ def serve(settings: Settings) -> int:
     set_torch_threads(plan.torch_threads, plan.interop_threads)
     from service.rest.app import create_app
     from service.rest.server import Server, run_server, uvicorn_config
+    from service.tracing import Tracing
 
-    app = create_app(settings, grpc=True)
+    app = create_app(settings, grpc=True, tracing=Tracing.from_environ(os.environ))
     return run_server(Server(uvicorn_config(settings, app, log_config)))
 
 

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from service.devices import parse_device
+from service.priority import MAX_PRIORITY_LEVELS, LevelPolicy, check_levels
 from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
 from service.text import clean_reason, safe_text
 
@@ -222,17 +223,18 @@ class OperatorConfig(_Strict):
     """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
     normalize: bool = False
     """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
-    center: Literal["median", "peak", "none"] = "median"
-    """Where a causal response (exponential, alpha) is centred: on its median (Elephant's
-    default), its peak, or not at all (strictly causal)."""
+    center: Literal["median", "peak", "none"] | None = None
+    """Where a causal response (exponential, alpha) or a table is centred: on its median
+    (Elephant's default), its peak, or not at all (strictly causal; a table as given).
+    Default: a named response on its median, a table as given."""
     border: Literal["none", "correct"] = "none"
     """``"correct"``: divide by the response's mass inside the recording (Elephant's
     border_correction)."""
     scale: float = Field(default=1.0, allow_inf_nan=False)
     """A constant factor on the output."""
     on_the_fly: bool = False
-    """Evaluate a named response inside the kernels instead of storing the band: O(N A)
-    memory whatever the width (wide kernels), at some compute per call."""
+    """Evaluate the response (named or tabulated) inside the kernels instead of storing the
+    band: O(N A) memory whatever the width (wide kernels), at some compute per call."""
     dtype: ComputeDtype = "float32"
     """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
 
@@ -248,10 +250,6 @@ class OperatorConfig(_Strict):
             raise ValueError("scale must be non-zero")
         if self.response == "tabulated":
             allowed: set[str] = set()
-            if self.on_the_fly:
-                raise ValueError("on_the_fly needs a named response (a table is stored)")
-            if self.center != "median":
-                raise ValueError("center applies to named responses; a table is used as given")
         else:
             param, has_support, has_sigma = named_responses()[self.response]
             widths = {param, "sigma"} if has_sigma else {param}
@@ -326,6 +324,15 @@ class ModelConfig(_Strict):
     the batches ahead of it would take longer (at the pace of recent batches). Triton's
     ``dynamic_batching.default_queue_policy.default_timeout_microseconds`` with
     ``timeout_action: REJECT``. 0 = no bound (requests wait their turn, however long)."""
+    priority_levels: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """Priority levels, 1 the highest (Triton's ``dynamic_batching.priority_levels``): a
+    request's ``parameters.priority`` picks its level; requests of a higher level are batched
+    first, FIFO within a level. 0 = no levels (every request FIFO)."""
+    default_priority_level: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS)
+    """The level of a request whose priority is 0, absent or above ``priority_levels`` (as in
+    Triton); must be 1 .. ``priority_levels`` when there are levels, else 0."""
+    priority_queue_policy: dict[int, LevelPolicy] = Field(default_factory=dict)
+    """Per level (``[priority_queue_policy.1]``, ...): its own queue bound."""
     device: str = "auto"
     """``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     inputs: list[InputConfig] = Field(min_length=1, max_length=64)
@@ -352,6 +359,7 @@ class ModelConfig(_Strict):
     def _consistent(self) -> ModelConfig:
         if self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model] or both")
+        check_levels(self.priority_levels, self.default_priority_level, self.priority_queue_policy)
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

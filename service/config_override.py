@@ -11,6 +11,9 @@ Triton's field                                          ``config.toml`` key
 ``dynamic_batching.max_queue_delay_microseconds``       ``max_queue_delay_us``
 ``dynamic_batching.default_queue_policy.max_queue_size``  ``max_queue_size``
 ``....default_queue_policy.default_timeout_microseconds``  ``queue_timeout_us``
+``dynamic_batching.priority_levels``                    ``priority_levels``
+``dynamic_batching.default_priority_level``             ``default_priority_level``
+``dynamic_batching.priority_queue_policy.N`` (``max_queue_size``)  ``[priority_queue_policy.N]``
 ``instance_group[0].kind`` (+ ``gpus[0]``)              ``device`` (``cpu``, ``cuda:N``, ``auto``)
 ======================================================  ===================================
 
@@ -41,7 +44,8 @@ from service.text import safe_text
 _DIGITS = re.compile(r"-?[0-9]{1,20}")
 _TOP = {"name", "platform", "backend", "max_batch_size", "dynamic_batching", "instance_group",
         "input", "output"}  # fmt: skip
-_BATCHING = {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"}
+_BATCHING = {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size",
+             "priority_levels", "default_priority_level", "priority_queue_policy"}  # fmt: skip
 _POLICY = {"max_queue_size", "default_timeout_microseconds", "timeout_action",
            "allow_timeout_override"}  # fmt: skip
 _KINDS = {"KIND_CPU": "cpu", "KIND_GPU": "cuda", "KIND_AUTO": "auto"}
@@ -151,6 +155,11 @@ def parse_override(text: str, model: str) -> ConfigOverride:
                 batching["max_queue_delay_microseconds"],
                 "dynamic_batching.max_queue_delay_microseconds",
             )
+        for key in ("priority_levels", "default_priority_level"):
+            if key in batching:
+                patch[key] = _integer(batching[key], f"dynamic_batching.{key}")
+        if "priority_queue_policy" in batching:
+            patch["priority_queue_policy"] = _level_policies(batching["priority_queue_policy"])
         if "default_queue_policy" in batching:
             policy = _object(batching["default_queue_policy"], "default_queue_policy")
             where = "dynamic_batching.default_queue_policy"
@@ -175,6 +184,20 @@ def parse_override(text: str, model: str) -> ConfigOverride:
                 raise ConfigError([f"config override: {key} must be a list of objects"])
             io[key] = entries
     return ConfigOverride(patch, io["input"], io["output"])
+
+
+def _level_policies(given: object) -> dict[str, dict[str, int]]:
+    """``priority_queue_policy`` (level -> Triton's ``ModelQueuePolicy``): each level's
+    ``max_queue_size`` (the one field of a level's policy bitserve has)."""
+    where = "dynamic_batching.priority_queue_policy"
+    out: dict[str, dict[str, int]] = {}
+    for level, policy in _object(given, where).items():
+        at = f"{where}.{safe_text(str(level), 20)}"
+        _unknown(_object(policy, at), {"max_queue_size"}, at)
+        out[str(_integer(level, at))] = {
+            "max_queue_size": _integer(policy.get("max_queue_size", 0), f"{at}.max_queue_size")
+        }
+    return out
 
 
 def _device(groups: object) -> str:

@@ -3,8 +3,8 @@
 Beside the data plane (:mod:`service.dataplane`, which answers inference and reads model
 state), the control plane owns what changes the server: loading and unloading models (Triton's
 model repository extension), registering and unregistering system shared memory, the log
-settings, and whether the server is ready. REST's routes and gRPC's RPCs call it directly;
-neither it nor the changes know HTTP or gRPC.
+settings, the trace settings (Triton's trace extension), and whether the server is ready.
+REST's routes and gRPC's RPCs call it directly; neither it nor the changes know HTTP or gRPC.
 
 Every change is checked first (a bad name, key or setting is refused here and changes
 nothing), then made a typed :class:`service.changes.Change` and applied. Under ``--workers``
@@ -26,6 +26,7 @@ from service.changes import (
     UnloadModel,
     UnregisterRegion,
     UpdateLogSettings,
+    UpdateTraceSettings,
 )
 from service.config import ConfigError
 from service.config_override import load_parameters, parse_override
@@ -33,6 +34,7 @@ from service.errors import ChangeFailed, InvalidInput, ModelNotFound
 from service.log_settings import LogSettings
 from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 from service.text import safe_text
+from service.trace_settings import TraceSettings
 
 if TYPE_CHECKING:
     from service.cluster import Cluster
@@ -50,6 +52,8 @@ class ControlPlane:
             memory is disabled (the data plane reads the same regions).
         log_level: the starting log level (``--log-level``), for the logging extension.
         cluster: this worker's view of its peers under ``--workers``; None in one process.
+        trace_settings: the trace settings (``service.trace_settings``); default: those of a
+            server that does not trace.
     """
 
     def __init__(
@@ -59,12 +63,19 @@ class ControlPlane:
         shared_memory: SystemSharedMemory | None = None,
         log_level: str = "info",
         cluster: Cluster | None = None,
+        trace_settings: TraceSettings | None = None,
     ) -> None:
         self.repository = repository
+        self.tracing = trace_settings or TraceSettings.off(
+            "this server was started without tracing"
+        )
         self.shared_memory = shared_memory
         self.cuda_shared_memory = CudaSharedMemory(shared_memory)
         self.logging = LogSettings(log_level)
         self.cluster = cluster
+        self.models_changed: Callable[[], None] | None = None
+        """Called after every load and unload applied in this process (the server process
+        settles its heap then: ``service.heap``)."""
         # One applier per kind of change: what applying it means in this process.
         self._appliers: dict[type[Change], Callable[[Any], Awaitable[Any]]] = {
             LoadModel: self._load,
@@ -72,6 +83,7 @@ class ControlPlane:
             RegisterRegion: self._register,
             UnregisterRegion: self._unregister,
             UpdateLogSettings: self._update_logging,
+            UpdateTraceSettings: self._update_tracing,
         }
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -128,7 +140,11 @@ class ControlPlane:
 
     async def apply(self, change: Change) -> Any:
         """Apply a change in this process only (a peer's, or one replayed from the record)."""
-        return await self._appliers[type(change)](change)
+        try:
+            return await self._appliers[type(change)](change)
+        finally:
+            if self.models_changed is not None and isinstance(change, LoadModel | UnloadModel):
+                self.models_changed()
 
     # --- the model repository -------------------------------------------------------------
 
@@ -271,6 +287,39 @@ class ControlPlane:
 
     async def _update_logging(self, change: UpdateLogSettings) -> dict[str, Any]:
         return self.logging.update(change.settings)
+
+    # --- tracing --------------------------------------------------------------------------
+
+    def trace_settings(self, model: str | None = None) -> dict[str, Any]:
+        """Triton's trace extension: the trace settings of ``model`` (None: the global ones).
+
+        Raises:
+            ModelNotFound: no such model. ModelNotReady: it is not ready.
+        """
+        if model is not None:
+            self.repository.get(model)
+        return self.tracing.get(model)
+
+    async def update_trace_settings(
+        self, model: str | None, changes: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Change trace settings (all or nothing, on every worker; ``null`` clears one);
+        returns those of ``model`` (None: the global ones).
+
+        Raises:
+            InvalidInput: an unknown setting or a bad value (``service.trace_settings``).
+            ModelNotFound: no such model. ModelNotReady: it is not ready.
+        """
+        if model is not None:
+            self.repository.get(model)
+        given = self.tracing.check(changes)
+        if not given:
+            return self.tracing.get(model)
+        result: dict[str, Any] = await self.change(UpdateTraceSettings(model, given))
+        return result
+
+    async def _update_tracing(self, change: UpdateTraceSettings) -> dict[str, Any]:
+        return self.tracing.update(change.model, change.settings)
 
 
 def _failed(name: str) -> str:

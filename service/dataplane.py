@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from service.protocol import (
 )
 from service.protocol.types import SharedOutput
 from service.shared_memory import SystemSharedMemory
+
+if TYPE_CHECKING:
+    from service.tracing import RequestTrace, Tracing
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -91,17 +94,29 @@ async def decode_sized(nbytes: int, fn: Callable[[], T]) -> T:
     return fn()
 
 
-async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
+async def infer(
+    handle: ModelHandle, request: InferRequest, trace: RequestTrace | None = None
+) -> InferResponse:
     """Check a decoded request against its model, compute it, and build the response.
 
-    The request's inputs have passed ``handle.signature.check_input`` in their decoder.
+    The request's inputs have passed ``handle.signature.check_input`` in their decoder. A
+    traced request records its wait in the queue and its batch's compute.
 
     Raises:
         InvalidInput: the request does not fit the model (never queued). Overloaded,
             DeadlineExceeded, ModelNotReady, ServiceError: see ``Batcher.submit``.
     """
     bound = handle.signature.bind(request)
-    arrays, info = await handle.submit(bound, request.timeout_us)
+    priority = request.parameters.get("priority")  # checked by check_request_fields
+    queued_ns = 0
+    if trace is not None:
+        queued_ns = time.time_ns()
+        trace.set("bitserve.priority_level", handle.level_of(priority))
+    try:
+        arrays, info = await handle.submit(bound, request.timeout_us, priority, trace)
+    finally:
+        if trace is not None:
+            trace.queued(queued_ns)
     outputs = handle.signature.outputs
     rid = request.id
     if rid is None:
@@ -136,6 +151,35 @@ async def infer(handle: ModelHandle, request: InferRequest) -> InferResponse:
     )
 
 
+async def _traced(trace: RequestTrace, name: str, work: Awaitable[T]) -> T:
+    """``await work``, recorded as the child span ``name`` of a traced request."""
+    start = time.time_ns()
+    try:
+        return await work
+    finally:
+        trace.child(name, start, time.time_ns())
+
+
+def _end_trace(
+    trace: RequestTrace,
+    handle: ModelHandle | None,
+    request: InferRequest | None,
+    response: InferResponse | None,
+    outcome: str,
+    status: int,
+) -> None:
+    """End a traced request's server span with what became of it."""
+    if handle is not None:
+        trace.set("model_version", handle.version)
+    if request is not None:
+        trace.set("bitserve.input_bytes", sum(i.data.nbytes for i in request.inputs))
+    if response is not None:
+        trace.set("bitserve.output_bytes", sum(o.data.nbytes for o in response.outputs))
+        if response.id is not None:
+            trace.set("request_id", response.id)
+    trace.end(outcome, status)
+
+
 async def _write_shared(writes: list[tuple[SharedOutput, np.ndarray[Any, Any]]]) -> None:
     """Copy outputs into their shared memory (sizes were checked by ``Signature.bind``)."""
 
@@ -157,6 +201,8 @@ class DataPlane:
         metrics: where request outcomes and in-flight counts go.
         shared_memory: the client's system shared memory regions (the extension), or None
             when client shared memory is disabled (``service.controlplane`` registers them).
+        tracing: the server's tracing (transports start a request's trace with it and pass
+            it in); None: off, and nothing about tracing happens per request.
     """
 
     def __init__(
@@ -165,8 +211,10 @@ class DataPlane:
         metrics: Metrics,
         *,
         shared_memory: SystemSharedMemory | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.repository = repository
+        self.tracing = tracing
         self.shared_memory = shared_memory
         self.metrics = metrics
 
@@ -174,7 +222,7 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         """V2 server metadata."""
-        extensions = list(EXTENSIONS)
+        extensions = [*EXTENSIONS, "trace"]
         if self.shared_memory is not None:
             extensions.append("system_shared_memory")
         return {"name": "bitserve", "version": service.__version__, "extensions": extensions}
@@ -222,6 +270,7 @@ class DataPlane:
         version: str | None,
         decode: Decoder,
         encode: Callable[[ModelHandle, InferRequest, InferResponse], Awaitable[T]],
+        trace: RequestTrace | None = None,
     ) -> T:
         """One inference for any transport: its decoder and encoder around the data plane.
 
@@ -236,6 +285,9 @@ class DataPlane:
                 ``handle.signature.check_input`` on each input before converting its data
                 (and may be called a second time, with the version a reload put in place).
             encode: frames the response for the transport.
+            trace: the request's trace, when it is traced (:meth:`Tracing.begin`): its
+                decode, queue, compute and encode become spans, and its server span ends
+                here.
 
         Raises:
             ServiceError: with the status the transport answers.
@@ -244,12 +296,18 @@ class DataPlane:
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
         handle: ModelHandle | None = None
+        request = response = None
+        submitted = False
+        status = 200
         self.metrics.request_started()
         try:
             handle = self.repository.get(name, version)
             label = handle.name
             handle.batcher.check_capacity()
-            request = await decode(handle)
+            if trace is None:
+                request = await decode(handle)
+            else:
+                request = await _traced(trace, "decode", decode(handle))
             # Looked up again: a reload during a decode off the loop retires the version
             # found first, and the request belongs to the one serving now (decoded again if
             # the reload changed what the model accepts).
@@ -258,19 +316,28 @@ class DataPlane:
                 if not current.signature.same_as(handle.signature):
                     request = await decode(current)
                 handle = current
-            response = await infer(handle, request)
-            return await encode(handle, request, response)
+            submitted = True  # from here on the batcher counts what it drops
+            response = await infer(handle, request, trace)
+            if trace is None:
+                return await encode(handle, request, response)
+            return await _traced(trace, "encode", encode(handle, request, response))
         except ServiceError as e:
-            outcome = type(e).__name__
+            outcome, status = type(e).__name__, e.status_code
             raise
-        except asyncio.CancelledError:  # the client went away (or its deadline passed)
-            outcome = "Cancelled"
+        except asyncio.CancelledError:  # the client went away (or its gRPC deadline passed)
+            outcome, status = "Cancelled", 499
+            if handle is not None and not submitted:  # dropped before its queue
+                self.metrics.cancelled(handle.name, handle.version).inc()
             raise
         except Exception:
-            outcome = "InternalError"
+            outcome, status = "InternalError", 500
             raise
         finally:
+            if trace is not None:
+                _end_trace(trace, handle, request, response, outcome, status)
             ns = time.perf_counter_ns() - t0
             self.metrics.request_finished(label, outcome, ns / 1e9)
-            if handle is not None:  # Triton's statistics: every transport's requests
+            # Triton's statistics: every transport's requests, except those whose client
+            # went away (neither a success nor a failure of the server's).
+            if handle is not None and outcome != "Cancelled":
                 handle.stats.request_done(outcome == "success", ns)

@@ -14,6 +14,7 @@ import numpy as np
 from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
+from service.priority import level_of
 from service.protocol.header_cache import HeaderCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats
@@ -51,14 +52,35 @@ class ModelHandle:
     def __post_init__(self) -> None:
         self.signature = Signature(self.name, self.cfg, self.pipeline.output_shapes)
 
-    async def submit(self, bound: Bound, timeout_us: int | None = None) -> tuple[Result, BatchInfo]:
+    async def submit(
+        self,
+        bound: Bound,
+        timeout_us: int | None = None,
+        priority: int | None = None,
+        trace: Any = None,
+    ) -> tuple[Result, BatchInfo]:
         """Queue a checked request and wait for its outputs (all of them, in config order).
 
+        Args:
+            bound: the request, checked by the signature.
+            timeout_us: its ``parameters.timeout``.
+            priority: its ``parameters.priority`` (see :meth:`level_of`).
+            trace: its :class:`service.tracing.RequestTrace` when it is traced.
+
         Raises:
-            Overloaded: the queue is full. DeadlineExceeded: the timeout expired first.
-            ModelNotReady: the model is unloading. ServiceError: the batch failed.
+            Overloaded: the queue (or its level's) is full. DeadlineExceeded: the timeout
+            expired first. ModelNotReady: the model is unloading. ServiceError: the batch
+            failed.
         """
-        return await self.batcher.submit(bound, bound.size, timeout_us=timeout_us)
+        return await self.batcher.submit(
+            bound, bound.size, timeout_us=timeout_us, level=self.level_of(priority), trace=trace
+        )
+
+    def level_of(self, priority: int | None) -> int:
+        """The priority level (1 the highest) of a request that asked for ``priority``: as
+        in Triton, 0, none or a priority past ``priority_levels`` is the default level; 1
+        for a model without levels."""
+        return level_of(priority, self.cfg.priority_levels, self.cfg.default_priority_level)
 
     def metadata(self) -> dict[str, Any]:
         """V2 model metadata; a packed input is advertised in its wire form (UINT8)."""
@@ -89,7 +111,7 @@ class ModelHandle:
             ],
         }  # fmt: skip
         if self.cfg.max_batch_size > 0:
-            cfg["dynamic_batching"] = {
+            cfg["dynamic_batching"] = batching = {
                 "max_queue_delay_microseconds": self.cfg.max_queue_delay_us,
                 "preferred_batch_size": [self.cfg.max_batch_size],
                 "default_queue_policy": {
@@ -100,4 +122,11 @@ class ModelHandle:
                     "allow_timeout_override": True,
                 },
             }
+            if self.cfg.priority_levels:
+                batching["priority_levels"] = self.cfg.priority_levels
+                batching["default_priority_level"] = self.cfg.default_priority_level
+                batching["priority_queue_policy"] = {
+                    str(k): {"max_queue_size": p.max_queue_size}
+                    for k, p in sorted(self.cfg.priority_queue_policy.items())
+                }
         return cfg

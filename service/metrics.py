@@ -66,10 +66,11 @@ class Metrics:
         self._gpus: GpuGauges | None = None
         # Labelled children of the per-request series, looked up once per (model, outcome).
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._levels: dict[str, int] = {}  # models with priority levels: how many
         self._in_flight = 0
         self._in_flight_shown = 0
         self._finished: list[tuple[str, str, float]] = []
-        self._waits: list[tuple[str, list[float]]] = []
+        self._waits: list[tuple[str, list[float], list[int] | None]] = []
         self._deferred: dict[Callable[[], None], None] = {}
         self._flush_due = False
         self.registry = CollectorRegistry()
@@ -141,6 +142,28 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.requests_cancelled = Counter(
+            "bitserve_requests_cancelled",
+            "Inference requests dropped before they were computed because their client went "
+            "away (HTTP connection closed, gRPC call cancelled or past its deadline).",
+            ["model", "version"],
+            registry=r,
+        )
+        # Per priority level, for models with priority_levels (Triton reports none per level).
+        self.level_queue_depth = Gauge(
+            "bitserve_priority_queue_depth",
+            "Requests waiting in a model's queue, by priority level (1 the highest).",
+            ["model", "priority"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.level_queue_time = Histogram(
+            "bitserve_priority_queue_seconds",
+            "Time a request waited in its model's queue, by priority level (1 the highest).",
+            ["model", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.device_memory = Gauge(
             "bitserve_device_memory_bytes",
             "Bytes held on the device by a loaded model (operator, model, buffers).",
@@ -161,9 +184,12 @@ class Metrics:
         self._finished.append((model, outcome, seconds))
         self._flush_later()
 
-    def observe_queue(self, model: str, waits: list[float]) -> None:
-        """Record the queue times, in seconds, of one batch's requests."""
-        self._waits.append((model, waits))
+    def observe_queue(
+        self, model: str, waits: list[float], levels: list[int] | None = None
+    ) -> None:
+        """Record the queue times, in seconds, of one batch's requests (and by their priority
+        ``levels``, 1 the highest, for a model with priority levels)."""
+        self._waits.append((model, waits, levels))
         self._flush_later()
 
     def defer(self, update: Callable[[], None]) -> None:
@@ -205,10 +231,24 @@ class Metrics:
         for update in deferred:
             update()
         waits, self._waits = self._waits, []
-        for model, seconds_list in waits:
+        for model, seconds_list, levels in waits:
             child = self.queue_time.labels(model)
             for seconds in seconds_list:
                 child.observe(seconds)
+            if levels is not None:
+                for level, seconds in zip(levels, seconds_list, strict=True):
+                    self.level_queue_time.labels(model, str(level)).observe(seconds)
+
+    def cancelled(self, model: str, version: str) -> Any:
+        """The counter of ``model``'s requests dropped because their client went away (its
+        version's child: call ``.inc()``)."""
+        return self.requests_cancelled.labels(model, version)
+
+    def level_depths(self, model: str, levels: int) -> list[Any]:
+        """The queue-depth gauges of ``model``'s priority levels 1 .. ``levels`` (each
+        version's batcher adds its own changes, as to ``bitserve_queue_depth``)."""
+        self._levels[model] = max(levels, self._levels.get(model, 0))
+        return [self.level_queue_depth.labels(model, str(k)) for k in range(1, levels + 1)]
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         """Record one executed batch: its size in items and in requests, and its compute time."""
@@ -223,11 +263,16 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop a model's per-model gauges when it is unloaded (by the repository, once, after
         its batchers have stopped; not on a reload, whose new batchers own the series)."""
+        levels = [str(k) for k in range(1, self._levels.pop(model, 0) + 1)]
         if self._multiprocess:  # its file keeps the series: show it empty, not stale
             self.queue_depth.labels(model).set(0)
+            for level in levels:
+                self.level_queue_depth.labels(model, level).set(0)
         else:
             with contextlib.suppress(KeyError):
                 self.queue_depth.remove(model)
+            for level in levels:
+                self.level_queue_depth.remove(model, level)
         for key in [k for k in self._request_children if k[0] == model]:
             del self._request_children[key]
 

@@ -188,16 +188,19 @@ def check_operator(
     _check_values(cfg, tensors, source, max_operator_bytes)
 
 
-def operator_bytes(cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted_rows: bool) -> int:
+def operator_bytes(
+    cfg: ModelConfig, num_coarse: int, band_width: int, *, sorted_rows: bool, table_points: int = 0
+) -> int:
     """Bytes the built operator keeps on its device (:attr:`BandedResampler.nbytes`).
 
     Weights ``(N, A, W)`` in the compute dtype, int32 starts ``(N, A)``, and an int64 inverse
-    permutation ``(N, A)`` when some row of ``c`` is not sorted; on the fly, float64 x and c.
+    permutation ``(N, A)`` when some row of ``c`` is not sorted; on the fly, float64 x and c
+    and the float32 parameter, or the float32 table ``(2, table_points)``.
     """
     assert cfg.operator is not None
     _, (n, B) = _operator_input(cfg)
-    if cfg.operator.on_the_fly:  # float64 x (B,) and c (N, A), the parameter
-        return 8 * (B + n * num_coarse + 1)
+    if cfg.operator.on_the_fly:
+        return 8 * (B + n * num_coarse) + 4 * (2 * table_points if table_points else 1)
     itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
     per_point = band_width * itemsize + _STARTS_ITEMSIZE + (0 if sorted_rows else _ORDER_ITEMSIZE)
     return n * num_coarse * per_point
@@ -281,7 +284,8 @@ def _check_header(cfg: ModelConfig, header: Header, source: str, file: str, limi
         )
     if problems:
         raise ConfigError(problems)
-    least = operator_bytes(cfg, c_shape[1], 1, sorted_rows=True)
+    K = header["response_x"][0][0] if "response_x" in _needed(cfg) else 0
+    least = operator_bytes(cfg, c_shape[1], 1, sorted_rows=True, table_points=K)
     if least > limit:  # refused before a value is read
         raise ConfigError([_too_big(cfg, source, least, c_shape[1], None, limit)])
 
@@ -318,17 +322,22 @@ def _check_values(
             )
     if problems:
         raise ConfigError(problems)
+    options = responses.Options(**op.options)
+    K = 0
     if op.response == "tabulated":
-        xs = tensors["response_x"].detach().to(torch.float64)
-        lo, hi = float(xs[0]), float(xs[-1])
+        table = (tensors["response_x"], tensors["response_y"])
+        try:  # its centring moves its ends
+            lo, hi = responses.parse_table(table, options, torch.device("cpu")).window()
+        except ValueError as exc:
+            raise ConfigError([f"{where}: the table (response_x, response_y): {exc}"]) from None
+        K = table[0].numel()
     else:
-        options = responses.Options(**op.options)
         shape = responses.parse_named(op.response, op.support, op.parameters, options)
         lo, hi = shape.window(shape.value)
         lo, hi = lo - shape.shift * shape.value, hi - shape.shift * shape.value
     _, _, W = responses.windows(x, c, lo, hi)
     sorted_rows = bool((c[:, 1:] >= c[:, :-1]).all())
-    size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows)
+    size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows, table_points=K)
     if size > limit:
         raise ConfigError([_too_big(cfg, source, size, c.shape[1], W, limit)])
 

@@ -64,15 +64,17 @@ def build_operator(
     """The banded response operator of ``op``, built once on ``device``: a stored band, or
     with ``on_the_fly`` the response evaluated in the kernels (nothing stored)."""
     dtype = COMPUTE_DTYPES[op.dtype]
-    if op.on_the_fly:
-        kw: dict[str, Any] = {**op.options, **op.parameters}
-        return OnTheFlyResampler(
-            tensors["x"], tensors["c"], op.response, op.support, device=device, **kw
-        )
-    # Windows and weights are found in float64 (from_response converts), then stored in dtype.
     x, c = tensors["x"], tensors["c"]
+    table = None
     if op.response == "tabulated":
         table = (tensors["response_x"].double(), tensors["response_y"].double())
+    if op.on_the_fly:  # computes in float32 (the inputs may come in any dtype)
+        if table is not None:
+            return OnTheFlyResampler(x, c, table, device=device, **op.options)
+        kw: dict[str, Any] = {**op.options, **op.parameters}
+        return OnTheFlyResampler(x, c, op.response, op.support, device=device, **kw)
+    # Windows and weights are found in float64 (from_response converts), then stored in dtype.
+    if table is not None:
         return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
     return BandedResampler.from_response(
@@ -127,6 +129,9 @@ class Pipeline:
         self.stats: ModelStats | None = None
         """Where each batch's phase durations go (set by the repository once built: the
         warm-up runs are not counted)."""
+        self.last_phases_ns: tuple[int, int, int] | None = None
+        """The last batch's ``compute_input``, ``compute_infer`` and ``compute_output`` ns
+        (the device's own times on CUDA): the phases of a traced batch."""
         self._events: list[Any] = []
         self.source = source
         self.inputs: list[InputConfig] = list(cfg.inputs)
@@ -420,6 +425,7 @@ class Pipeline:
             if events:  # the host only queued the work; the device's own times
                 t0, t1, t2, t3 = (0, *(int(events[0].elapsed_time(e) * 1e6) for e in events[1:]))
             self.stats.executed(total, len(requests), t1 - t0, t2 - t1, t3 - t2)
+        self.last_phases_ns = (t1 - t0, t2 - t1, t3 - t2)
         results: list[list[np.ndarray[Any, Any]]] = []
         row = 0
         for r in requests:

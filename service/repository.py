@@ -39,9 +39,11 @@ from service.layout import (
 from service.metrics import Metrics
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device
+from service.priority import level_limits
 from service.settings import Settings
 from service.signature import Bound, Signature
 from service.statistics import Statistics
+from service.tracing import BatchTracer, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class ModelRepository:
             (``--workers``: the set the workers agreed on, see ``service.cluster``).
         strict_readiness: whether a model that failed to load keeps the server not ready
             (see :meth:`not_ready_reason`).
+        tracing: the server's tracing (``service.tracing``): the batches of each version
+            record their spans; None: off.
     """
 
     def __init__(
@@ -90,8 +94,10 @@ class ModelRepository:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         initial_models: list[str] | None = None,
         strict_readiness: bool = True,
+        tracing: Tracing | None = None,
     ) -> None:
         self.root = root
+        self.tracing = tracing
         self.strict_readiness = strict_readiness
         self.max_operator_bytes = max_operator_bytes
         self.max_batch_bytes = max_batch_bytes
@@ -117,6 +123,7 @@ class ModelRepository:
         *,
         device: str | None = None,
         initial_models: list[str] | None = None,
+        tracing: Tracing | None = None,
     ) -> ModelRepository:
         """The server's repository as ``settings`` describe it (its folder, warm-up and
         limits): the one way ``serve`` and every ``--workers`` worker build it.
@@ -124,7 +131,7 @@ class ModelRepository:
         Args:
             device: the device for ``device = "auto"`` configs (a worker's own GPU);
                 None: ``settings.device``.
-            initial_models: see the class.
+            initial_models, tracing: see the class.
         """
         return cls(
             settings.model_repository,
@@ -135,6 +142,7 @@ class ModelRepository:
             max_batch_bytes=settings.max_batch_bytes,
             initial_models=initial_models,
             strict_readiness=settings.strict_readiness,
+            tracing=tracing,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -314,6 +322,9 @@ class ModelRepository:
                     metrics=self.metrics,
                     stats=stats,
                     inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
+                    level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
+                    version=v,
+                    tracer=self._batch_tracer(name, v, pipeline),
                 )
                 batcher.start()
                 handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
@@ -323,6 +334,11 @@ class ModelRepository:
             await self._retire(name, old)
             self._report_memory(name)
             log.info("model %s loaded: versions %s", name, versions)
+
+    def _batch_tracer(self, name: str, version: str, pipeline: Pipeline) -> BatchTracer | None:
+        if self.tracing is None:
+            return None
+        return self.tracing.batch_tracer(name, version, lambda: pipeline.last_phases_ns)
 
     def _sources(self, name: str) -> dict[str, VersionSource] | None:
         if self.root is None:

@@ -76,8 +76,10 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     from service.metrics import Metrics
     from service.repository import ModelRepository
     from service.rest.app import create_app
+    from service.tracing import Tracing
 
     settings = spec.settings
+    tracing = Tracing.from_environ(os.environ)
     metrics = Metrics(multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cluster = Cluster(
         Path(spec.run_dir),
@@ -88,10 +90,20 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     )
     metrics.statistics_source = cluster.statistics  # /metrics and the stats routes: all of it
     repository = ModelRepository.from_settings(
-        settings, metrics, device=spec.device, initial_models=cluster.initial_models()
+        settings,
+        metrics,
+        device=spec.device,
+        initial_models=cluster.initial_models(),
+        tracing=tracing,
     )
     app = create_app(
-        settings, repository, metrics=metrics, grpc=True, grpc_shared_port=True, cluster=cluster
+        settings,
+        repository,
+        metrics=metrics,
+        grpc=True,
+        grpc_shared_port=True,
+        cluster=cluster,
+        tracing=tracing,
     )
     config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
     # uvicorn listens once the models are loaded and the worker has caught up with its peers

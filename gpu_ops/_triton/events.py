@@ -15,8 +15,8 @@ each bit's slot from the per-byte popcounts' running sum (torch ``cumsum``).
   piece, the difference of the sums at the piece's two ends (event indices by
   ``searchsorted``) and expands ``sum (c - x)^j`` from them.
 
-Offsets ``c - x`` are formed in float64 and the responses evaluated in float32, as the
-on-the-fly kernels do (:func:`gpu_ops._triton.resample_otf._response`).
+Offsets ``c - x`` are formed in float64 and the responses (named, or a table) evaluated in
+float32, as the on-the-fly kernels do (:func:`gpu_ops._triton.resample_otf._evaluate`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_ops import _events_torch
+from gpu_ops import _events_torch, responses
 from gpu_ops._triton import on_device
-from gpu_ops._triton.resample_otf import _response
+from gpu_ops._triton.resample_otf import _evaluate, table_args
 
 
 @triton.jit
@@ -119,8 +119,8 @@ def _event_ranges(
 
 @triton.jit
 def _events_otf_kernel(
-    ev_ptr, elo_ptr, ehi_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, N, A, E, NBLK,
-    RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
+    ev_ptr, elo_ptr, ehi_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, t_ptr, K, N, A, E, NBLK,
+    RESP: tl.constexpr, STEPS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     ab = tl.program_id(1)
@@ -139,7 +139,7 @@ def _events_otf_kernel(
         pos = tl.load(ev_ptr + r.to(tl.int64) * E + e, mask=e_ok, other=0)
         xv = tl.load(x_ptr + pos, mask=e_ok, other=0.0).to(tl.float64)
         d = (cv[:, None] - xv[None, :]).to(tl.float32)
-        w, _, _ = _response(d, p, RESP)
+        w, _, _ = _evaluate(d, p, t_ptr, K, RESP, STEPS)
         inside = (pos[None, :] >= fi[:, None]) & (pos[None, :] < la[:, None]) & e_ok[None, :]
         acc += tl.sum(tl.where(inside, w, 0.0), axis=1)
     tl.store(out_ptr + r.to(tl.int64) * A + a, acc, mask=a_ok)
@@ -198,21 +198,23 @@ def events_band(
 
 def events_otf(
     packed: torch.Tensor, big: bool, x: torch.Tensor, c: torch.Tensor, first: torch.Tensor,
-    last: torch.Tensor, code: int, param: float,
+    last: torch.Tensor, resp: responses.KernelResponse,
 ) -> torch.Tensor:  # fmt: skip
-    """out (M, N, A) float32: the named response ``code`` on the events of ``packed (M, N,
-    nbytes)``, at c (N, A) float64 sorted along each row, windows ``[first, last)``."""
+    """out (M, N, A) float32: the response ``resp`` (named, or a table) on the events of
+    ``packed (M, N, nbytes)``, at c (N, A) float64 sorted along each row, windows
+    ``[first, last)``."""
     M, N, nbytes = packed.shape
     A = c.shape[1]
     events, _ = compact(packed.reshape(M * N, nbytes), x.numel(), big)
     e_lo, e_hi = _event_ranges(events, first, last, N, _BLOCK_A)
     out = torch.empty(M, N, A, dtype=torch.float32, device=packed.device)
     grid = (M * N, e_lo.shape[1])
+    t = table_args(resp, packed.device)
     with on_device(out):
         _events_otf_kernel[grid](
             events, e_lo, e_hi, x, c.contiguous(), first.contiguous(), last.contiguous(), out,
-            param, N, A, events.shape[1], e_lo.shape[1],
-            RESP=code, BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E,
+            t.param, t.table, t.K, N, A, events.shape[1], e_lo.shape[1],
+            RESP=t.code, STEPS=t.steps, BLOCK_A=_BLOCK_A, BLOCK_E=_BLOCK_E,
         )  # fmt: skip
     return out
 

@@ -1,9 +1,10 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton kernels of the on-the-fly banded operator: weights computed in registers.
 
-No weight is ever stored: each program evaluates ``r(c[a] - x[b])`` of a named response for
-the (coarse x fine) tile it is about to use, from ``x (B,)`` (loaded per tile), ``c`` (one per
-coarse point) and the response parameter. The windows ``[first, last)`` come from one
+No weight is ever stored: each program evaluates ``r(c[a] - x[b])`` of a named response (or
+a table: bisection for each offset's segment, then linear interpolation) for the (coarse x
+fine) tile it is about to use, from ``x (B,)`` (loaded per tile), ``c`` (one per coarse point)
+and the response parameter. The windows ``[first, last)`` come from one
 ``searchsorted`` per call (exactly the torch path's windows). Coarse points are sorted per
 row once per call so a block of consecutive coarse points has a short union window, and the
 transposed band (grad f) is banded; results are put back in the caller's order.
@@ -20,12 +21,14 @@ and the response is evaluated in float32.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from gpu_ops import responses
 from gpu_ops._triton import on_device
 from gpu_ops._triton._grid import _program_3d
 from gpu_ops._triton._launch import block_m, window_block_ranges
@@ -81,9 +84,43 @@ def _response(d, p, RESP: tl.constexpr):
 
 
 @triton.jit
+def _table(d, t_ptr, K, STEPS: tl.constexpr):
+    """(r, dr/dd) of the table at ``t_ptr`` (K breakpoints, then K values, float32) at
+    offsets d: the segment by STEPS >= log2(K - 1) bisection steps, linear inside it (clamped
+    to it past either end: the windows decide what is inside), as the C kernels do."""
+    lo = tl.zeros_like(d).to(tl.int32)  # tx[lo] <= d, or lo = 0
+    hi = lo + (K - 1)  # d < tx[hi], or hi = K - 1
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(t_ptr + mid) <= d
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    i = tl.minimum(lo, K - 2)
+    x0 = tl.load(t_ptr + i)
+    x1 = tl.load(t_ptr + i + 1)
+    y0 = tl.load(t_ptr + K + i)
+    y1 = tl.load(t_ptr + K + i + 1)
+    slope = (y1 - y0) / (x1 - x0)
+    t = tl.minimum(tl.maximum((d - x0) / (x1 - x0), 0.0), 1.0)
+    return y0 + (y1 - y0) * t, slope
+
+
+@triton.jit
+def _evaluate(d, p, t_ptr, K, RESP: tl.constexpr, STEPS: tl.constexpr):
+    """(r, dr/dd, dr/dp) at offsets d: the named response ``RESP`` at parameter p, or for
+    ``RESP == 8`` (gpu_ops.responses.TABLE_CODE) the table at ``t_ptr`` (no parameter)."""
+    if RESP == 8:
+        r, dr_dd = _table(d, t_ptr, K, STEPS)
+        return r, dr_dd, 0.0 * d
+    else:
+        return _response(d, p, RESP)
+
+
+@triton.jit
 def _forward_kernel(
-    f_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, M, N, A, B,
-    RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+    f_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, out_ptr, p, t_ptr, K, M, N, A, B,
+    RESP: tl.constexpr, STEPS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):  # fmt: skip
     n, ab, mb = _program_3d(N, tl.cdiv(A, BLOCK_A))
     a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
@@ -102,7 +139,7 @@ def _forward_kernel(
         u_ok = u < B
         xv = tl.load(x_ptr + u, mask=u_ok, other=0.0).to(tl.float64)
         d = (cv[:, None] - xv[None, :]).to(tl.float32)
-        r, _, _ = _response(d, p, RESP)
+        r, _, _ = _evaluate(d, p, t_ptr, K, RESP, STEPS)
         inside = (u[None, :] >= fi[:, None]) & (u[None, :] < la[:, None])
         wt = tl.where(inside, r, 0.0)
         f_ok = u_ok[:, None] & m_ok[None, :]
@@ -114,8 +151,9 @@ def _forward_kernel(
 
 @triton.jit
 def _grad_cp_kernel(
-    f_ptr, g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, gc_ptr, gp_ptr, p, M, N, A, B,
-    RESP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+    f_ptr, g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, gc_ptr, gp_ptr, p, t_ptr, K, M, N, A, B,
+    RESP: tl.constexpr, STEPS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):  # fmt: skip
     n, ab, _ = _program_3d(N, tl.cdiv(A, BLOCK_A))
     a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
@@ -138,7 +176,7 @@ def _grad_cp_kernel(
             u_ok = u < B
             xv = tl.load(x_ptr + u, mask=u_ok, other=0.0).to(tl.float64)
             d = (cv[:, None] - xv[None, :]).to(tl.float32)
-            _, dr_dd, dr_dp = _response(d, p, RESP)
+            _, dr_dd, dr_dp = _evaluate(d, p, t_ptr, K, RESP, STEPS)
             inside = (u[None, :] >= fi[:, None]) & (u[None, :] < la[:, None])
             f_ok = u_ok[:, None] & m_ok[None, :]
             ft = tl.load(f_ptr + f_rows[None, :] + u[:, None], mask=f_ok, other=0.0)
@@ -156,8 +194,9 @@ def _grad_cp_kernel(
 
 @triton.jit
 def _grad_f_kernel(
-    g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, alo_ptr, ahi_ptr, out_ptr, p, M, N, A, B, NBLK,
-    RESP: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+    g_ptr, x_ptr, c_ptr, fi_ptr, la_ptr, alo_ptr, ahi_ptr, out_ptr, p, t_ptr, K, M, N, A, B,
+    NBLK, RESP: tl.constexpr, STEPS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
 ):  # fmt: skip
     n, k, mb = _program_3d(N, NBLK)
     b = k * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -175,7 +214,7 @@ def _grad_f_kernel(
         la = tl.load(la_ptr + n * A + a, mask=a_ok, other=0)
         cv = tl.load(c_ptr + n * A + a, mask=a_ok, other=0.0).to(tl.float64)
         d = (cv[None, :] - xv[:, None]).to(tl.float32)
-        r, _, _ = _response(d, p, RESP)
+        r, _, _ = _evaluate(d, p, t_ptr, K, RESP, STEPS)
         inside = (b[:, None] >= fi[None, :]) & (b[:, None] < la[None, :])
         wt = tl.where(inside, r, 0.0)
         g_off = (m[None, :].to(tl.int64) * N + n) * A + a[:, None]
@@ -183,6 +222,27 @@ def _grad_f_kernel(
         acc += tl.dot(wt, gt.to(tl.float32), input_precision="ieee")
     out = out_ptr + (m[None, :].to(tl.int64) * N + n) * B + b[:, None]
     tl.store(out, acc, mask=b_ok[:, None] & m_ok[None, :])
+
+
+class Table(NamedTuple):
+    """A response as the kernels take it: ``param``, ``code``, and for a table its
+    contiguous float32 ``(2, K)`` tensor (else any float32 tensor: not read), K and the
+    bisection steps (a constexpr)."""
+
+    param: float
+    code: int
+    table: torch.Tensor
+    K: int
+    steps: int
+
+
+def table_args(resp: responses.KernelResponse, device: torch.device) -> Table:
+    """The kernels' arguments for ``resp`` (see :class:`Table`)."""
+    if not resp.tabulated:
+        return Table(resp.value, resp.code, torch.zeros(2, device=device), 0, 0)
+    table = resp.param.detach().to(device=device, dtype=torch.float32).contiguous()
+    K = table.shape[1]
+    return Table(0.0, resp.code, table, K, max(1, math.ceil(math.log2(K - 1))) if K > 2 else 0)
 
 
 class Geometry(NamedTuple):
@@ -194,29 +254,28 @@ class Geometry(NamedTuple):
     last: torch.Tensor  # (N, A) int32
     order: torch.Tensor  # (N, A) int64: sorted position -> caller's position
     inverse: torch.Tensor  # (N, A) int64: caller's position -> sorted position
-    param: float
-    code: int
+    resp: Table
 
 
 def prepare(
-    x: torch.Tensor, c: torch.Tensor, code: int, param: float, lo: float, hi: float
+    x: torch.Tensor, c: torch.Tensor, resp: responses.KernelResponse, support: float | None
 ) -> Geometry:
     """Sort c per row and find each window ``lo <= c - x <= hi`` with one searchsorted.
 
     Args:
         x: (B,) float64 fine grid.
         c: (N, A) coarse points.
-        code: the response's ``NamedResponse.code``.
-        param: its parameter.
-        lo, hi: the window in units of x.
+        resp: the response (a named one at its parameter, or a table).
+        support: its cut (None: the default; a table's are its ends).
     """
+    lo, hi = resp.window(support)
     c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
     c64 = c_sorted.to(x.dtype).contiguous()
     first = torch.searchsorted(x, c64 - hi, side="left").to(torch.int32)
     last = torch.searchsorted(x, c64 - lo, side="right").to(torch.int32)
     return Geometry(
         x, c_sorted.contiguous(), first, last, order, torch.argsort(order, dim=1),
-        float(param), code,
+        table_args(resp, x.device),
     )  # fmt: skip
 
 
@@ -228,9 +287,10 @@ def forward(f: torch.Tensor, geo: Geometry) -> torch.Tensor:
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, block_m(M)
     grid = (N * triton.cdiv(A, BLOCK_A) * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
+        t = geo.resp
         _forward_kernel[grid](
-            f, geo.x, geo.c, geo.first, geo.last, out, geo.param, M, N, A, B,
-            RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+            f, geo.x, geo.c, geo.first, geo.last, out, t.param, t.table, t.K, M, N, A, B,
+            RESP=t.code, STEPS=t.steps, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
         )  # fmt: skip
     return out.gather(-1, geo.inverse.expand(M, N, A))
 
@@ -247,9 +307,11 @@ def grad_c_param(
     BLOCK_A, BLOCK_U, BLOCK_M = 32, 64, block_m(M)
     grid = (N * triton.cdiv(A, BLOCK_A),)
     with on_device(gc):
+        t = geo.resp
         _grad_cp_kernel[grid](
-            f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, geo.param, M, N, A, B,
-            RESP=geo.code, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+            f, g_sorted, geo.x, geo.c, geo.first, geo.last, gc, gp, t.param, t.table, t.K,
+            M, N, A, B,
+            RESP=t.code, STEPS=t.steps, BLOCK_A=BLOCK_A, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
         )  # fmt: skip
     return gc.gather(1, geo.inverse), gp.double().sum().float()
 
@@ -266,9 +328,10 @@ def grad_f(g: torch.Tensor, geo: Geometry, B: int) -> torch.Tensor:
     out = torch.empty(M, N, B, dtype=torch.float32, device=g.device)
     grid = (N * nblk * triton.cdiv(M, BLOCK_M),)
     with on_device(out):
+        t = geo.resp
         _grad_f_kernel[grid](
             g_sorted, geo.x, geo.c, geo.first, geo.last, lo, hi, out,
-            geo.param, M, N, A, B, nblk,
-            RESP=geo.code, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
+            t.param, t.table, t.K, M, N, A, B, nblk,
+            RESP=t.code, STEPS=t.steps, BLOCK_B=BLOCK_B, BLOCK_M=BLOCK_M, BLOCK_A=BLOCK_A,
         )  # fmt: skip
     return out

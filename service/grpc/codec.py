@@ -341,3 +341,30 @@ def log_settings(settings: Mapping[str, Any]) -> pb.LogSettingsResponse:
         else:
             v.string_param = str(value)
     return out
+
+
+def trace_changes(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``TraceSettingRequest``'s settings as the REST body's: ``trace_level`` a list, the
+    others one string; a setting with no value clears it (None), as Triton's.
+
+    Raises:
+        InvalidInput: a setting other than ``trace_level`` with several values.
+    """
+    out: dict[str, Any] = {}
+    for key, setting in settings.items():
+        values = list(setting.value)
+        if key == "trace_level" or not values:
+            out[key] = values or None
+        elif len(values) == 1:
+            out[key] = values[0]
+        else:
+            raise InvalidInput(f"trace setting: {ascii(key[:64])[1:-1]} takes one value")
+    return out
+
+
+def trace_settings(settings: Mapping[str, Any]) -> pb.TraceSettingResponse:
+    """The trace settings (strings, or lists of them), each as a ``SettingValue``."""
+    out = pb.TraceSettingResponse()
+    for key, value in settings.items():
+        out.settings[key].value.extend(value if isinstance(value, list) else [str(value)])
+    return out

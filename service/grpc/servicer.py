@@ -10,6 +10,10 @@ encoder.
 ModelStreamInfer computes the requests of a stream concurrently (so they batch with each
 other and with everyone else's) and answers them in the order they came; an error is
 answered in-band (``error_message``) and the stream goes on.
+
+A call cancelled by its client, or past its own gRPC deadline, is cancelled here by grpcio:
+a request still queued for its batch is dropped and never computed (as an HTTP request
+whose client closed its connection), and counted in ``bitserve_requests_cancelled_total``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import grpc
 
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, decode_sized
-from service.errors import ModelNotFound, NotFound, ServiceError, Unimplemented
+from service.errors import ModelNotFound, NotFound, ServiceError
 from service.grpc import codec
 from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
@@ -40,15 +44,6 @@ STREAM_WINDOW = 64
 (HTTP/2 flow control then holds the client back)."""
 
 _Serving = health_pb2.HealthCheckResponse.ServingStatus
-
-
-def _deadline_us(context: Context, timeout_us: int | None) -> int | None:
-    """The request's ``timeout`` parameter, shortened to the call's gRPC deadline (if any)."""
-    remaining = context.time_remaining()
-    if remaining is None:
-        return timeout_us
-    left = max(1, int(remaining * 1e6))  # 0 would mean "no timeout" to the batcher
-    return left if not timeout_us else min(timeout_us, left)  # timeout 0: none of its own
 
 
 def _stream_frame(infer_response: bytes) -> bytes:
@@ -193,11 +188,16 @@ class GrpcEndpoints:
         stats = self.dataplane.statistics(request.name or None, request.version or None)
         return codec.message(stats, pb.ModelStatisticsResponse)
 
-    async def trace_setting(self, request: Any, context: Context) -> pb.TraceSettingResponse:
-        raise Unimplemented(
-            "bitserve does not support Triton's trace extension: TraceSetting is not available "
-            "(request timings are in the Prometheus metrics at /metrics)"
-        )
+    async def trace_setting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        """Triton's trace extension: the settings given are changed (on every worker; a
+        setting with no value is cleared), and the settings in force are answered."""
+        model = request.model_name or None
+        changes = codec.trace_changes(request.settings)
+        if changes:
+            return codec.trace_settings(await self.control.update_trace_settings(model, changes))
+        return codec.trace_settings(self.control.trace_settings(model))
 
     async def shm_status(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
@@ -259,11 +259,7 @@ class GrpcEndpoints:
 
         async def decode(handle: ModelHandle) -> InferRequest:
             signature, shm = handle.signature, self.dataplane.shared_memory
-            request = await decode_sized(
-                size, lambda: codec.decode_infer_request(msg, signature, shm)
-            )
-            request.timeout_us = _deadline_us(context, request.timeout_us)
-            return request
+            return await decode_sized(size, lambda: codec.decode_infer_request(msg, signature, shm))
 
         async def encode(
             handle: ModelHandle, request: InferRequest, response: InferResponse
@@ -273,8 +269,15 @@ class GrpcEndpoints:
                 response.parameters["triton_final_response"] = True
             return codec.encode_infer_response(response).SerializeToString()
 
+        trace = None
+        tracing = self.dataplane.tracing
+        if tracing is not None:  # tracing off: no metadata is looked at for it
+            method = "ModelStreamInfer" if streamed else "ModelInfer"
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method}
+            metadata = context.invocation_metadata() or ()
+            trace = tracing.begin(msg.model_name, metadata, f"{SERVICE}/{method}", attributes)
         return await self.dataplane.infer_with(
-            msg.model_name, msg.model_version or None, decode, encode
+            msg.model_name, msg.model_version or None, decode, encode, trace
         )
 
     async def model_infer(self, raw: bytes, context: Context) -> bytes:

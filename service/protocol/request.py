@@ -237,7 +237,8 @@ def check_request_fields(
     Raises:
         InvalidInput: an id that is not a string or holds control characters, parameters
             that are not an object or use the reserved ``triton_`` prefix, a timeout that is
-            not an integer in ``[0, MAX_TIMEOUT_US]``.
+            not an integer in ``[0, MAX_TIMEOUT_US]``, a priority that is not an integer in
+            ``[0, 2**64 - 1]``.
     """
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput("request 'id' must be a string")
@@ -254,6 +255,15 @@ def check_request_fields(
         )
         raise InvalidInput(
             f"request: parameter 'timeout' must be between 0 and {MAX_TIMEOUT_US} µs, got {shown}"
+        )
+    priority = checked.get("priority")
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority < 2**64
+    ):
+        shown = repr(priority)[:40]
+        raise InvalidInput(
+            f"request: parameter 'priority' must be an integer from 0 to 2**64 - 1 (1 is the "
+            f"highest level, 0 the model's default), got {shown}"
         )
     return rid, checked, timeout
 

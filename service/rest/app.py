@@ -12,8 +12,10 @@ limits, access log); inference goes from there straight to
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,7 @@ from service.rest.gateway import Gateway
 from service.rest.inference import RestInference
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
+from service.tracing import Tracing, settings_without_tracing
 
 if TYPE_CHECKING:
     from service.cluster import Cluster
@@ -93,6 +96,7 @@ def create_app(
     grpc: bool = False,
     grpc_shared_port: bool = False,
     cluster: Cluster | None = None,
+    tracing: Tracing | None = None,
 ) -> BitserveApp:
     """Build the application.
 
@@ -109,6 +113,9 @@ def create_app(
             (``SO_REUSEPORT``, as ``--workers`` shares the HTTP port).
         cluster: this worker's peers under ``--workers`` (``service.cluster``): changes
             reach every worker, and readiness waits for them all.
+        tracing: OpenTelemetry tracing (``service.tracing.Tracing.from_environ``; a
+            repository passed in must have been given the same); None: no traces, and the
+            trace extension answers level OFF.
 
     Returns:
         the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
@@ -119,7 +126,7 @@ def create_app(
     if repository is None:
         from service.repository import ModelRepository
 
-        repository = ModelRepository.from_settings(settings, metrics)
+        repository = ModelRepository.from_settings(settings, metrics, tracing=tracing)
     repo = repository
 
     @asynccontextmanager
@@ -138,6 +145,8 @@ def create_app(
                 await grpc_server.stop()
             await control.stop(timeout_s=settings.graceful_shutdown_s)
             log.info("repository stopped")
+            if tracing is not None:  # the spans still held go out now
+                await asyncio.to_thread(tracing.shutdown)
 
     app = BitserveApp(
         title="bitserve",
@@ -151,8 +160,14 @@ def create_app(
         redirect_slashes=False,
     )
     shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
-    dataplane = DataPlane(repo, metrics, shared_memory=shm)
-    control = ControlPlane(repo, shared_memory=shm, log_level=settings.log_level, cluster=cluster)
+    dataplane = DataPlane(repo, metrics, shared_memory=shm, tracing=tracing)
+    control = ControlPlane(
+        repo,
+        shared_memory=shm,
+        log_level=settings.log_level,
+        cluster=cluster,
+        trace_settings=tracing.settings if tracing else settings_without_tracing(os.environ),
+    )
     token = settings.token
     rest = RestInference(
         dataplane,
@@ -209,6 +224,10 @@ def create_app(
         add(base + "/config", ep.model_config, "GET", "model_config" + suffix)
         add(base + "/stats", ep.statistics, "GET", "model_statistics" + suffix)
         add(base + "/infer", ep.infer, "POST", "model_infer" + suffix)
+    add("/v2/trace/setting", ep.trace_get, "GET", "trace_settings_get")
+    add("/v2/trace/setting", ep.trace_post, "POST", "trace_settings")
+    add("/v2/models/{model}/trace/setting", ep.trace_get, "GET", "model_trace_settings_get")
+    add("/v2/models/{model}/trace/setting", ep.trace_post, "POST", "model_trace_settings")
     add("/v2/repository/index", ep.repository_index, "GET", "repository_index_get")
     add("/v2/repository/index", ep.repository_index, "POST", "repository_index")
     add("/v2/repository/models/{model}/load", ep.load, "POST", "repository_model_load")

@@ -165,6 +165,13 @@ class Endpoints:
         changes = await read_json_object(request, "logging", self.body_timeout_s)
         return json_response(await self.control.update_log_settings(changes))
 
+    async def trace_get(self, model: str | None = None) -> Response:
+        return json_response(self.control.trace_settings(model))
+
+    async def trace_post(self, request: Request, model: str | None = None) -> Response:
+        changes = await read_json_object(request, "trace setting", self.body_timeout_s)
+        return json_response(await self.control.update_trace_settings(model, changes))
+
     async def repository_index(self, request: Request) -> Response:
         opts = {}
         if request.method == "POST":

@@ -21,10 +21,15 @@ Before a byte of the body is read, a request is refused when:
 The budget counts a body from before it is read until its answer is ready: the declared
 ``Content-Length`` at once, a chunked body as it arrives, and the inflated copy of a
 compressed body as it inflates (a refusal then comes mid-way, also 503).
+
+A client that closes its connection before its answer cancels the request
+(:mod:`service.rest.disconnect`): still queued, it is dropped and never computed; the
+access log shows 499 (nginx's "client closed request"), and nothing is answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -43,6 +48,7 @@ from service.errors import (
 from service.observability import Tally, printable_path
 from service.protocol import choose_encoding
 from service.rest.bodies import Message, Receive, read_body
+from service.rest.disconnect import is_gone, on_disconnect
 from service.rest.errors import send_error
 from service.rest.inference import RestInference
 
@@ -54,6 +60,10 @@ log = logging.getLogger(__name__)
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 _JSON = b"application/json"
+_SPAN = "POST /v2/models/{model}/infer"
+"""The server span's name of a traced request (OpenTelemetry's ``{method} {route}``)."""
+CLIENT_GONE = 499
+"""The status logged for a request whose client went away before its answer (nginx's)."""
 
 
 def match_infer(method: str, path: str) -> tuple[str, str | None] | None:
@@ -126,6 +136,7 @@ class InferRoute:
     ) -> int:
         """Answer one infer request; returns the status sent (for the access log)."""
         held = _Held(self)
+        task = asyncio.current_task()
         try:
             declared, encoding, header_length, accept = self._headers(scope["headers"])
 
@@ -140,15 +151,29 @@ class InferRoute:
                     held=held,
                 )
 
-            enc = await self.rest.infer(
-                route[0],
-                route[1],
-                body,
-                content_encoding=encoding,
-                header_length=header_length,
-                accept_encoding=accept,
-                reserve=held.inflated,
-            )
+            tracing = self.rest.dataplane.tracing
+            trace = None
+            if tracing is not None:  # tracing off: not a header is looked at for it
+                attributes = {
+                    "http.request.method": "POST",
+                    "url.path": printable_path(scope["path"]),
+                }
+                trace = tracing.begin(route[0], scope["headers"], _SPAN, attributes)
+            if task is not None:  # only while the data plane has the request
+                on_disconnect(scope, task.cancel)
+            try:
+                enc = await self.rest.infer(
+                    route[0],
+                    route[1],
+                    body,
+                    content_encoding=encoding,
+                    header_length=header_length,
+                    accept_encoding=accept,
+                    reserve=held.inflated,
+                    trace=trace,
+                )
+            finally:
+                on_disconnect(scope, None)
         except ServiceError as e:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
@@ -159,6 +184,12 @@ class InferRoute:
                 report(log, f"POST {path}", e)
             await send_error(send, e, request_id)
             return e.status_code
+        except asyncio.CancelledError:
+            if task is None or not is_gone(scope):
+                raise  # the server is stopping
+            task.uncancel()  # the client went away: this task ends here, unanswered
+            log.debug("POST %s: the client went away", printable_path(scope["path"]))
+            return CLIENT_GONE
         finally:
             held.release()
         headers = [

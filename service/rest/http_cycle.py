@@ -5,6 +5,9 @@ application as it arrives, writes ``100 Continue`` when the body is first asked 
 frames the response. A response goes out in one write: its head is held until the first body
 bytes (or the end of the response) and sent with them. Response header names and values are
 checked (no CR, LF or other control characters: a header must not be able to forge another).
+A connection lost before the response is complete tells the request's handler
+(:func:`service.rest.disconnect.client_gone`): a request still queued for its batch is
+dropped, never computed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ServiceError
+from service.rest.disconnect import client_gone
 from service.rest.errors import error_bytes
 
 if TYPE_CHECKING:
@@ -121,9 +125,12 @@ class Exchange:
         self.wake()
 
     def lost(self) -> None:
-        """The client went away."""
+        """The client went away: a ``receive`` waiting wakes to ``http.disconnect``, and the
+        request's handler is told (:func:`service.rest.disconnect.client_gone`: a request
+        still queued for its batch is dropped)."""
         self.disconnected = True
         self.wake()
+        client_gone(self.scope)
 
     async def run(self, app: App) -> None:
         """Run the application on this request; a failure it leaves unanswered is a JSON 500."""

@@ -45,10 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import sys
-import termios
 import urllib.parse
 from collections import OrderedDict, deque
 from typing import Any
@@ -59,6 +56,7 @@ from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout
 from service.observability import Tally
 from service.rest.errors import error_bytes
 from service.rest.http_cycle import App, Exchange, Message
+from service.rest.sockets import unread_bytes
 from service.text import safe_text
 
 log = logging.getLogger(__name__)
@@ -432,7 +430,7 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_timer = None
         if self.active is not None or self._head_begun:
             return
-        if _unread_bytes(self.transport):
+        if unread_bytes(self.transport):
             # A request arrived as the timer fired (the loop runs due timers before it reads
             # the sockets): closing now would reset it. Its bytes are read next.
             self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
@@ -453,41 +451,10 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
 
-def _unread_bytes(transport: asyncio.Transport) -> int:
-    """Bytes in the socket's receive queue that the loop has not read yet (0 if unknown)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        out = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-    except (OSError, ValueError):
-        return 0
-    return int.from_bytes(out, sys.byteorder, signed=True)
-
-
 def _address(value: object) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])
     return None
-
-
-def max_connections(wanted: int) -> int:
-    """``wanted``, lowered to leave file descriptors for files, pipes and the models' threads
-    under the process's ``RLIMIT_NOFILE`` (a cap above it would fail in ``accept`` instead)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    fit = max(16, soft - 64)
-    if fit < wanted:
-        log.warning(
-            "max_connections %d lowered to %d to fit the file-descriptor limit %d",
-            wanted,
-            fit,
-            soft,
-        )
-    return min(wanted, fit)
 
 
 def protocol_class(

@@ -11,6 +11,7 @@ plane's (:meth:`service.dataplane.DataPlane.infer_with`), as for gRPC.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from service.dataplane import THREAD_BYTES, DataPlane, decode_sized, off_loop
 from service.errors import PayloadTooLarge
@@ -27,6 +28,9 @@ from service.protocol import (
 )
 from service.protocol.compression import MIN_BYTES
 from service.protocol.response import compress_response, wants_binary
+
+if TYPE_CHECKING:
+    from service.tracing import RequestTrace
 
 # Compressed bodies above this inflate in a worker thread: at ~1000:1 even a small gzip bomb
 # is megabytes of inflating.
@@ -71,6 +75,7 @@ class RestInference:
         header_length: str | None = None,
         accept_encoding: str | None = None,
         reserve: Callable[[int], None] | None = None,
+        trace: RequestTrace | None = None,
     ) -> EncodedResponse:
         """One V2 REST inference: body in, framed (and maybe compressed) response out.
 
@@ -88,6 +93,8 @@ class RestInference:
             reserve: the transport's memory budget for a compressed body's inflated copy:
                 called with its size as it grows, possibly from a worker thread (see
                 :func:`service.protocol.decompress`); it raises to refuse.
+            trace: the request's trace, when it is traced
+                (:meth:`service.tracing.Tracing.begin`); its body sizes are recorded on it.
 
         Raises:
             ServiceError: with the status the transport answers.
@@ -98,14 +105,19 @@ class RestInference:
             nonlocal body
             if body is None:
                 body = await read_body()
+                if trace is not None:
+                    trace.set("http.request.body.size", len(body))
             return await self._decode(handle, body, content_encoding, header_length, reserve)
 
         async def encode(
             handle: ModelHandle, request: InferRequest, response: InferResponse
         ) -> EncodedResponse:
-            return await self._encode(handle, request, response, accept_encoding)
+            enc = await self._encode(handle, request, response, accept_encoding)
+            if trace is not None:
+                trace.set("http.response.body.size", len(enc.body))
+            return enc
 
-        return await self.dataplane.infer_with(name, version, decode, encode)
+        return await self.dataplane.infer_with(name, version, decode, encode, trace)
 
     async def _decode(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from service import heap
 from service.settings import Settings
 
 
@@ -27,7 +28,16 @@ def begin_shutdown(app: Any) -> None:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server: gRPC and the peers stop with HTTP (:func:`begin_shutdown`)."""
+    """uvicorn's server: gRPC and the peers stop with HTTP (:func:`begin_shutdown`); the
+    process's long-lived objects are frozen out of the garbage collector once the models are
+    loaded, and again after each load or unload (:mod:`service.heap`)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the lifespan has loaded the models
+        control = getattr(getattr(self.config.app, "state", None), "control", None)
+        if control is not None:
+            control.models_changed = heap.settle
+        heap.settle()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         begin_shutdown(self.config.app)
@@ -38,7 +48,8 @@ def uvicorn_config(
     settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
 ) -> uvicorn.Config:
     """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
-    from service.rest.http_protocol import max_connections, protocol_class
+    from service.rest.http_protocol import protocol_class
+    from service.rest.sockets import max_connections
 
     http = protocol_class(
         head_timeout_s=settings.head_timeout_s,

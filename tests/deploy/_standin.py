@@ -9,14 +9,15 @@ reach no image hub). The stand-ins, made from one Debian root file system (``deb
   the official image does (``/etc/nginx/conf.d/*.conf`` included, logs to stdout/stderr);
 - ``bitserve-standin/python:<key>``: the same plus the pinned torch wheel and NumPy in the
   system Python (where the pytorch image has them) and a wheelhouse ``/wheels`` of the
-  server's dependencies at this test environment's versions, with ``PIP_NO_INDEX=1`` and
-  ``PIP_FIND_LINKS=/wheels`` set: the Dockerfile, unmodified, then builds with
+  dependencies of the extras the Dockerfile installs (``image_extras``) at this test
+  environment's versions, with ``PIP_NO_INDEX=1`` and ``PIP_FIND_LINKS=/wheels`` set: the
+  Dockerfile, unmodified, then builds with
   ``--build-arg BASE_IMAGE=bitserve-standin/python:<key>`` and installs offline.
 
 ``<key>`` is a hash of everything that goes in (this file, the Debian suite and packages, the
-pinned versions), so an unchanged set is built once per machine (the engine keeps it) and
-any change builds anew. Building needs root (debootstrap, chroot) and Debian's mirror; it
-takes about four minutes on a 2-core machine.
+image's extras, the pinned versions), so an unchanged set is built once per machine (the
+engine keeps it) and any change builds anew. Building needs root (debootstrap, chroot) and
+Debian's mirror; it takes about four minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fcntl
 import hashlib
 import importlib.metadata as md
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -63,9 +65,18 @@ def pins() -> list[str]:
     return sorted(names.values())
 
 
+def image_extras() -> str:
+    """The extras the Dockerfile installs bitserve with (``server,tracing``): the wheelhouse
+    holds their dependencies."""
+    found = re.search(r'pip install [^\n]*"\.\[([\w,-]+)\]"', (ROOT / "Dockerfile").read_text())
+    if found is None:
+        raise RuntimeError('the Dockerfile installs no ".[extras]" of bitserve')
+    return found.group(1)
+
+
 def _key(constraints: list[str]) -> str:
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update("\n".join([SUITE, *PACKAGES, *constraints]).encode())
+    digest.update("\n".join([SUITE, *PACKAGES, image_extras(), *constraints]).encode())
     return digest.hexdigest()[:12]
 
 
@@ -127,14 +138,14 @@ def _build(tags: StandIns, constraints: list[str]) -> None:
         nginx = ['CMD ["nginx", "-g", "daemon off;"]', "EXPOSE 80"]
         _import(rootfs, tags.nginx, nginx)
 
-        # The wheelhouse: the server extra, its build backend, torch and NumPy, at the pins.
+        # The wheelhouse: the image's extras, the build backend, torch and NumPy, at the pins.
         wheels = rootfs / "wheels"
         pinned = Path(tmp) / "constraints.txt"
         pinned.write_text("\n".join(constraints) + "\n")
         torch_pin = next(c for c in constraints if c.lower().startswith("torch=="))
         numpy_pin = next(c for c in constraints if c.lower().startswith("numpy=="))
         _run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
-              "-d", str(wheels), "-c", str(pinned), f"{ROOT}[server]", "hatchling",
+              "-d", str(wheels), "-c", str(pinned), f"{ROOT}[{image_extras()}]", "hatchling",
               torch_pin, numpy_pin])  # fmt: skip
         # torch and NumPy into the system Python, with a throwaway venv's pip (Debian's
         # python3 has none); then the torch wheel itself is not needed any more.

@@ -85,12 +85,12 @@ def test_multi_stage_build_on_the_pinned_torch_image() -> None:
     assert match.group(1) == pin.group(1), "BASE_IMAGE must track the Makefile's torch pin"
 
 
-def test_package_installed_with_the_server_extra_without_replacing_torch() -> None:
+def test_package_installed_with_the_server_and_tracing_extras_without_replacing_torch() -> None:
     build = stages()[0]
     runs = " ".join(args for op, args in build if op == "RUN")
     assert "--system-site-packages" in runs
     (install,) = [a for op, a in build if op == "RUN" and " install " in a]
-    assert '".[server]"' in install
+    assert '".[server,tracing]"' in install  # traces on when the OTEL_* variables ask
     assert "--constraint /tmp/image-constraints.txt" in install
     assert not re.search(r"install[^&]*\btorch\b", runs), "torch must come from the image"
     # The constraints file pins exactly what the image brings.

@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 import torch
 
+from harness.paced import Paced as SlowByInput
 from harness.repo_utils import model_toml, tensor, torchscript, write_model_folder
 
 SLOW_CONFIG = model_toml(
@@ -31,18 +32,6 @@ class Slow(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ones(300, 300)
         for _ in range(self.rounds):
-            y = torch.tanh(y @ y / 300.0)
-        return x.float() + 0.0 * y.sum()
-
-
-class SlowByInput(torch.nn.Module):
-    """``x -> float(x)``, after ``max(x)`` 300x300 matrix products (about 5 ms each on one
-    core): the load's dry runs (zero batches) take no time, a request for ``x = 800`` takes
-    seconds."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ones(300, 300)
-        for _ in range(int(x.max())):
             y = torch.tanh(y @ y / 300.0)
         return x.float() + 0.0 * y.sum()
 

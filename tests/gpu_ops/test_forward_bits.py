@@ -64,6 +64,46 @@ def test_every_path_matches_the_float64_reference(device: str, name: str, densit
         assert_close(auto.cpu(), ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 6])
+def test_the_band_from_bits_equals_the_band_on_unpacked_floats(dtype: torch.dtype, M: int) -> None:
+    """The stored band's band path reads the bits (each row unpacked into a per-thread buffer
+    on the CPU): the same sums in the same order as on the unpacked floats, bit for bit."""
+    gen = torch.Generator().manual_seed(seed("band bits", dtype, M))
+    B = 389  # the last byte part padding, and set there
+    x, c = grid(B, gen), coarse(4, 23, gen)  # unsorted coarse points
+    params, r = RESPONSES["gaussian"]
+    op = BandedResampler.from_response(x, c, "gaussian", dtype=dtype, **params)
+    bits = torch.rand(M, 4, B, generator=gen) < 0.3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 2))  # the compiled kernel takes rows >= threads
+    try:
+        _band_from_bits(op, bits, B)
+    finally:
+        torch.set_num_threads(threads)
+    ref = dense_ref(x, c, r, bits.double())
+    rtol = 1e-2 if dtype != torch.float32 else 1e-5
+    assert_close(op.forward_bits(packbits(bits, dim=-1), path="band").float(), ref, rtol)
+
+
+def _band_from_bits(op: BandedResampler, bits: torch.Tensor, B: int) -> None:
+    """forward_bits' band path and the op against the band on the unpacked bits."""
+    dtype = op.weights.dtype
+    for bitorder in ("big", "little"):
+        packed = packbits(bits, dim=-1, bitorder=bitorder)
+        packed[..., -1] |= 0x01 if bitorder == "big" else 0x80  # a set bit past B: ignored
+        with torch.no_grad():
+            got = op.forward_bits(packed, bitorder, path="band")
+            assert torch.equal(got, op(bits.to(dtype)))
+            raw = torch.ops.bitserve.banded_bits_forward(
+                packed, op.starts, op.weights, B, bitorder == "big"
+            )
+            unpacked = torch.ops.bitserve.unpackbits(packed, 2, B, bitorder, torch.float32)
+            assert torch.equal(
+                raw, torch.ops.bitserve.banded_forward(unpacked, op.starts, op.weights, True)
+            )
+
+
 @pytest.mark.parametrize("name", sorted(RESPONSES))
 def test_float64_paths_and_options(name: str) -> None:
     """float64 modules (the torch kernels) and the shape options (normalize, border, scale)."""
@@ -125,6 +165,37 @@ def test_the_choice_follows_density_and_width() -> None:
     plan = choose(10, 2, 1000, 10, 20.0, on_the_fly=False, pieces=None)
     assert set(plan.costs) == {"band", "event"}
     assert plan.path == min(plan.costs, key=plan.costs.__getitem__)
+
+
+def test_a_light_operator_takes_the_band_without_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the band costs less per item than counting and choosing (a few fine points, a
+    coarse point or two), every item takes it whatever its bits, and nothing is counted; a
+    larger operator still counts."""
+    from gpu_ops import _bits_resample
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.arange(8, dtype=torch.float64)
+    tiny = BandedResampler.from_response(x, torch.tensor([[3.5]]), "boxcar", half_width=4.0)
+    otf = OnTheFlyResampler(x, torch.tensor([[3.5]]), "boxcar", half_width=4.0)
+    bits = torch.rand(5, 1, 8, generator=gen) < 0.5
+    bits[0] = False  # an empty item: the event path's case at any size
+    packed = packbits(bits, dim=-1)
+    big = BandedResampler.from_response(
+        torch.arange(4000, dtype=torch.float64), coarse(2, 50, gen), "gaussian", sigma=3.0
+    )
+
+    def counted(packed3: torch.Tensor) -> list[int]:
+        raise AssertionError("counted")
+
+    monkeypatch.setattr(_bits_resample, "item_events", counted)
+    with torch.no_grad():
+        for op in (tiny, otf):
+            assert op.plan_bits(packed).paths == ("band",) * 5
+            out = op.forward_bits(packed)
+            assert torch.equal(out, op(bits.float()))  # the band itself
+            assert_close(out, bits.double().sum(-1, keepdim=True), 1e-6)  # a count of ones
+        with pytest.raises(AssertionError, match="counted"):
+            big.plan_bits(torch.zeros(1, 2, 500, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("kind", ["stored", "on_the_fly"])
@@ -228,7 +299,8 @@ def test_triton_kernels_match_the_float64_reference(name: str, big: bool) -> Non
     inverse = order.argsort(dim=1).expand(2, -1, -1)
     first, last, _ = responses.windows(x, moved, *shape.window(p))
     xd, md = x.to(device), moved.to(device)
-    out = ke.events_otf(packed, big, xd, md, first.to(device), last.to(device), shape.spec.code, p)
+    resp = responses.KernelResponse(name, torch.tensor(p))
+    out = ke.events_otf(packed, big, xd, md, first.to(device), last.to(device), resp)
     assert_close(out.cpu().gather(-1, inverse), ref, 1e-5)
     got = responses.pieces(name, p)
     if got is not None:

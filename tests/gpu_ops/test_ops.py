@@ -26,6 +26,7 @@ from gpu_ops import (
     _bits_c,
     _bits_ops,
     _events_ops,
+    _lattice,
     _resample_c,
     _resample_ops,
     responses,
@@ -47,8 +48,10 @@ OPS = {
     "on_the_fly_backward_c_param": _resample_ops.on_the_fly_backward_c_param,
     "bit_counts": _events_ops.bit_counts,
     "events_band_forward": _events_ops.events_band_forward,
+    "banded_bits_forward": _events_ops.banded_bits_forward,
     "events_otf_forward": _events_ops.events_otf_forward,
     "prefix_forward": _events_ops.prefix_forward,
+    "events_lattice_forward": _events_ops.events_lattice_forward,
 }
 Case = tuple[str, tuple[Any, ...]]
 
@@ -92,6 +95,30 @@ def _cases(device: str) -> Iterator[Case]:
             yield "on_the_fly_forward", (f, x, cd, p, name, None)
             yield "on_the_fly_backward_f", (g, *common, B)
             yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # A table (2, K) for the parameter: no gradient of its own (c and f have theirs).
+    xs = torch.tensor([-4.0, -1.0, 0.5, 3.0], dtype=torch.float64)
+    ys = torch.tensor([0.2, 1.0, 0.4, 0.1], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        table = torch.stack([xs, ys]).to(device, dtype)
+        cd = c.to(dtype, copy=True).requires_grad_()
+        f = torch.randn(2, N, B, generator=gen, dtype=dtype).to(device).requires_grad_()
+        g = torch.randn(2, N, A, generator=gen, dtype=dtype).to(device)
+        common = (x, cd.detach(), table, "tabulated", None)
+        yield "on_the_fly_forward", (f, x, cd, table, "tabulated", None)
+        yield "on_the_fly_backward_f", (g, *common, B)
+        yield "on_the_fly_backward_c_param", (g, f.detach(), *common)
+    # The event path on a lattice: tables (T, step, J), rows' tables, both walks.
+    lx = torch.arange(B, dtype=torch.float64, device=device) * 0.5
+    lc = (torch.arange(A, dtype=torch.float64, device=device) * 2.5 + 0.1).expand(N, A)
+    first = torch.searchsorted(lx, lc - 3.0)
+    last = torch.searchsorted(lx, lc + 3.0, side="right")
+    gauss = responses.KernelResponse("gaussian", torch.tensor(1.0))
+    lat = _lattice.find(lx, lc.contiguous(), first, last, gauss, (-3.0, 3.0))
+    assert lat is not None
+    lbits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
+    for walk in (False, True):
+        args = (lbits.to(device), first, last, lat.tables, lat.tid, lat.jmin, walk, B, walk)
+        yield "events_lattice_forward", args
     # The bit-input paths: no autograd (the input is bits), every bit order and dtype.
     bits = torch.randint(0, 256, (2, N, (B + 7) // 8), generator=gen, dtype=torch.uint8)
     bits = bits.to(device)
@@ -99,6 +126,7 @@ def _cases(device: str) -> Iterator[Case]:
     for dtype in (torch.float32, torch.float64):
         w = torch.randn(N, A, W, generator=gen, dtype=dtype).to(device)
         yield "events_band_forward", (bits, starts, w, B, True)
+        yield "banded_bits_forward", (bits, starts, w, B, dtype == torch.float32)
         yield "events_band_forward", (bits, starts, w, B, False)
         c_sorted = c.sort(dim=1).values.contiguous()
         for name, params in PARAMS.items():
@@ -109,6 +137,11 @@ def _cases(device: str) -> Iterator[Case]:
             )
             big = dtype == torch.float32
             yield "events_otf_forward", (bits, x, c_sorted, first, last, p, name, big)
+            if name == "gaussian":  # a table on the events, in the same windows' dtype
+                table = torch.stack([xs, ys]).to(device, dtype)
+                first, last, _ = responses.windows(x, c_sorted, -4.0, 3.0)
+                args = (bits, x, c_sorted, first, last, table, "tabulated", big)
+                yield "events_otf_forward", args
             got = responses.pieces(name, value * 3)
             if got is not None:
                 bounds = piece_bounds(x, c_sorted, got[0].to(device))
@@ -133,7 +166,11 @@ def test_kernels_are_registered_per_device() -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Meta"), name
         # The op's own body: every device without a kernel of its own.
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeExplicitAutograd")
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == HAS_TRITON, name
+        # The lattice is the CPU's way to the event path (on CUDA the event kernel evaluates
+        # the response per event): its CUDA tensors take the op's own torch body.
+        # The band from bits: its CUDA tensors unpack, then take banded_forward's Triton kernel.
+        cuda = HAS_TRITON and name not in ("events_lattice_forward", "banded_bits_forward")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == cuda, name
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")

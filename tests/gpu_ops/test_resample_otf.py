@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_ops import BandedResampler, OnTheFlyResampler
+from gpu_ops import BandedResampler, OnTheFlyResampler, responses
 from tests.common_utils import needs_triton
 from tests.gpu_ops.resample_cases import (
     PARAMS,
@@ -168,9 +168,9 @@ def test_triton_kernels_match_the_torch_kernels(name: str, M: int) -> None:
     ref = op(f)
     (ref * g).sum().backward()  # the torch kernels in float64: the reference
     p = float(op.param.detach())
-    lo, hi = op.spec.window(p, op.support)
     moved = (op.c + op.shape.shift * op.param).detach()  # a causal response's centring
-    geo = ko.prepare(x.to(device), moved.float().to(device), op.spec.code, p, lo, hi)
+    resp = responses.KernelResponse(name, op.param.detach())
+    geo = ko.prepare(x.to(device), moved.float().to(device), resp, op.support)
     f32 = f.detach().float().to(device).contiguous()
     g32 = g.float().to(device).contiguous()
     _close(ko.forward(f32, geo).cpu(), ref.detach())

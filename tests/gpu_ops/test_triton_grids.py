@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_ops import responses
 from tests.common_utils import needs_triton
 
 pytestmark = needs_triton
@@ -63,10 +64,8 @@ def test_on_the_fly_grids(monkeypatch: pytest.MonkeyPatch, M: int, A: int, B: in
     geo = ko.prepare(
         torch.empty(B, dtype=torch.float64, device="meta"),
         torch.empty(N, A, device="meta"),
-        0,  # gaussian
-        1.0,
-        -4.0,  # the window lo <= c - x <= hi: four sigmas either side
-        4.0,
+        responses.KernelResponse("gaussian", torch.tensor(1.0)),
+        4.0,  # the window lo <= c - x <= hi: four sigmas either side
     )
     f = torch.empty(M, N, B, device="meta")
     g = torch.empty(M, N, A, device="meta")

@@ -59,7 +59,7 @@ class _RecordingSignature(Signature):
 
 
 class _AlwaysFull(Batcher[Bound, Result]):
-    def check_capacity(self) -> None:
+    def check_capacity(self, level: int | None = None) -> None:
         raise Overloaded(f"model {self.name!r} queue is full", retry_after=2)
 
 
@@ -92,9 +92,15 @@ class FakeHandle(ModelHandle):
         self.requests: list[InferRequest] = []
         self.checked: list[tuple[str, str, tuple[int, ...]]] = []
 
-    async def submit(self, bound: Bound, timeout_us: int | None = None) -> tuple[Result, Any]:
+    async def submit(
+        self,
+        bound: Bound,
+        timeout_us: int | None = None,
+        priority: int | None = None,
+        trace: Any = None,
+    ) -> tuple[Result, Any]:
         self.batcher.start()  # a no-op once started; tests swap handles in at any time
-        return await super().submit(bound, timeout_us)
+        return await super().submit(bound, timeout_us, priority, trace)
 
     def compute(self, bound: Bound) -> Result:
         """One request's outputs, in config order."""

@@ -200,10 +200,10 @@ async def test_infer_raw_binary_form(client: httpx.AsyncClient, repo: FakeReposi
 async def test_timeout_and_parameters_reach_the_model(
     client: httpx.AsyncClient, repo: FakeRepository
 ) -> None:
-    body, headers = binary_request(X, parameters={"timeout": 1500, "note": "x"})
+    body, headers = binary_request(X, parameters={"timeout": 1_500_000, "note": "x"})
     assert (await client.post("/v2/models/echo/infer", content=body, headers=headers)).is_success
     (req,) = repo.models["echo"].requests
-    assert req.timeout_us == 1500
+    assert req.timeout_us == 1_500_000
     assert req.parameters["note"] == "x"
     assert not req.inputs[0].data.flags.writeable
 

@@ -427,10 +427,12 @@ class _BrokenMetrics(Metrics):
         super().__init__()
         self.where = where
 
-    def observe_queue(self, model: str, waits: list[float]) -> None:
+    def observe_queue(
+        self, model: str, waits: list[float], levels: list[int] | None = None
+    ) -> None:
         if self.where == "queue":
             raise RuntimeError("metrics broke")
-        super().observe_queue(model, waits)
+        super().observe_queue(model, waits, levels)
 
     def observe_batch(self, model: str, items: int, requests: int, compute_seconds: float) -> None:
         if self.where == "batch":

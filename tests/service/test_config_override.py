@@ -31,6 +31,9 @@ def test_tritons_fields_become_config_keys() -> None:
                 "dynamic_batching": {
                     "max_queue_delay_microseconds": 250,
                     "preferred_batch_size": [16],
+                    "priority_levels": "2",
+                    "default_priority_level": 2,
+                    "priority_queue_policy": {"1": {"max_queue_size": "3"}},
                     "default_queue_policy": {
                         "max_queue_size": "7",
                         "default_timeout_microseconds": 400000,
@@ -46,6 +49,9 @@ def test_tritons_fields_become_config_keys() -> None:
     assert o.patch == {
         "max_batch_size": 16,
         "max_queue_delay_us": 250,
+        "priority_levels": 2,
+        "default_priority_level": 2,
+        "priority_queue_policy": {"1": {"max_queue_size": 3}},
         "max_queue_size": 7,
         "queue_timeout_us": 400000,
         "device": "cuda:1",
@@ -68,7 +74,12 @@ def test_tritons_fields_become_config_keys() -> None:
         ('{"max_batch_size": true}', "max_batch_size: must be an integer"),
         ('{"max_batch_size": "1_6"}', "max_batch_size: must be an integer"),
         ('{"sequence_batching": {}}', "unknown field(s) ['sequence_batching'] in the config"),
-        ('{"dynamic_batching": {"priority_levels": 2}}', "in dynamic_batching"),
+        ('{"dynamic_batching": {"preserve_ordering": true}}', "in dynamic_batching"),
+        (
+            '{"dynamic_batching": {"priority_queue_policy": {"1": {"timeout_action": "DELAY"}}}}',
+            "unknown field(s) ['timeout_action'] in dynamic_batching.priority_queue_policy.1",
+        ),
+        ('{"dynamic_batching": {"priority_queue_policy": {"x": {}}}}', "must be an integer"),
         ('{"dynamic_batching": []}', "dynamic_batching must be an object"),
         ('{"dynamic_batching": {"default_queue_policy": {"timeout_action": 1}}}', "policy"),
         (

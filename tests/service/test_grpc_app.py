@@ -250,13 +250,25 @@ async def test_log_settings(client: tgrpc.InferenceServerClient, rest: httpx.Asy
     await client.update_log_settings({"log_verbose_level": 0, "log_info": True})
 
 
-async def test_trace_setting_is_unimplemented_with_a_message(
-    client: tgrpc.InferenceServerClient,
+async def test_trace_settings_of_a_server_without_tracing(
+    client: tgrpc.InferenceServerClient, rest: httpx.AsyncClient
 ) -> None:
+    got = await client.get_trace_settings(as_json=True)
+    assert got["settings"]["trace_level"]["value"] == ["OFF"]
+    got = await client.update_trace_settings("echo", {"trace_rate": "5"}, as_json=True)
+    assert got["settings"]["trace_rate"]["value"] == ["5"]
+    assert (await rest.get("/v2/models/echo/trace/setting")).json()["trace_rate"] == "5"
+    assert (await rest.get("/v2/trace/setting")).json()["trace_rate"] == "1"
     with pytest.raises(InferenceServerException) as e:
-        await client.get_trace_settings()
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "does not support Triton's trace extension" in str(e.value.message())
+        await client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "started without tracing" in str(e.value.message())
+    with pytest.raises(InferenceServerException) as e:
+        await client.update_trace_settings(settings={"trace_rate": ["1", "2"]})
+    assert "trace_rate takes one value" in str(e.value.message())
+    with pytest.raises(InferenceServerException) as e:
+        await client.get_trace_settings("nope")
+    assert e.value.status() == "StatusCode.NOT_FOUND"
 
 
 # --- inference -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from service.config import ModelConfig
 from service.errors import InvalidInput
 from service.grpc import codec
 from service.grpc.proto import grpc_service_pb2 as pb
-from service.grpc.servicer import _deadline_us, _stream_frame
+from service.grpc.servicer import _stream_frame
 from service.protocol import decode_infer_request
 from service.protocol.tensors import float_to_bf16_bits
 from service.protocol.types import REGISTRY, InferRequest, InferResponse, ResponseOutput
@@ -413,15 +413,3 @@ def test_stream_frame_is_protobufs_encoding(size: int) -> None:
         infer_response=pb.ModelInferResponse.FromString(inner)
     ).SerializeToString()
     assert _stream_frame(inner) == expected
-
-
-@pytest.mark.parametrize(
-    ("timeout_us", "remaining_s", "expected"),
-    [(None, None, None), (500, None, 500), (None, 2.0, 2_000_000), (0, 2.0, 2_000_000),
-     (500, 2.0, 500), (5_000_000, 2.0, 2_000_000), (None, -1.0, 1), (None, 0.0, 1)],
-)  # fmt: skip
-def test_grpc_deadline_shortens_the_timeout(
-    timeout_us: int | None, remaining_s: float | None, expected: int | None
-) -> None:
-    context = type("C", (), {"time_remaining": lambda self: remaining_s})()
-    assert _deadline_us(context, timeout_us) == expected  # type: ignore[arg-type]

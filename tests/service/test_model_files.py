@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_ops.resample import BandedResampler
+from gpu_ops.resample import BandedResampler, OnTheFlyResampler
 from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
 from service.builder import check_repository
 from service.config import ConfigError, parse_config
@@ -81,6 +81,31 @@ def test_predicted_size_is_what_is_built(dtype: str, response: str, sorted_rows:
     with pytest.raises(ConfigError, match=f"would take {op.nbytes} bytes") as err:
         check_operator(cfg, t, "m/config.toml", max_operator_bytes=op.nbytes - 1)
     assert f"x {W} {dtype} weights" in err.value.problems[0]
+
+
+@pytest.mark.parametrize("response", [GAUSS, 'response = "tabulated"'])
+def test_predicted_on_the_fly_size_is_what_is_built(response: str) -> None:
+    t = grid(3, a=6)
+    t["response_x"] = torch.tensor([-2.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    t["response_y"] = torch.tensor([0.2, 1.0, 0.5, 0.0], dtype=torch.float64)
+    cfg = parse_config(tomllib.loads(text(response + "\non_the_fly = true")), "m/config.toml")
+    assert cfg.operator is not None
+    check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
+    op = build_operator(cfg.operator, t, torch.device("cpu"))
+    assert isinstance(op, OnTheFlyResampler)
+    K = 4 if response.endswith('"tabulated"') else 0
+    assert operator_bytes(cfg, 6, 1, sorted_rows=True, table_points=K) == op.nbytes
+
+
+def test_a_table_that_cannot_be_centred_is_refused() -> None:
+    t = grid()
+    t["response_x"] = torch.tensor([-1.0, 0.0, 1.0])
+    t["response_y"] = torch.tensor([0.5, 1.0, -0.5])  # a negative value: no one median
+    cfg = parse_config(
+        tomllib.loads(text('response = "tabulated"\ncenter = "median"')), "m/config.toml"
+    )
+    with pytest.raises(ConfigError, match=r"m/config\.toml: operator\.file: the table .*negative"):
+        check_operator(cfg, t, "m/config.toml", max_operator_bytes=1 << 30)
 
 
 def test_too_big_names_the_size_and_the_dense_case(tmp_path: Path) -> None:

@@ -198,19 +198,25 @@ def test_new_responses_and_options(on_the_fly: bool) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_tabulated_asymmetric_response() -> None:
+@pytest.mark.parametrize("on_the_fly", [False, True])
+@pytest.mark.parametrize("center", [None, "peak"])
+def test_tabulated_asymmetric_response(on_the_fly: bool, center: str | None) -> None:
+    """A table as given (the default) or moved so that its peak (x = 0.5) is at 0, stored or
+    evaluated in the kernels."""
     t = tensors()
-    xs = np.array([-2.0, -0.5, 0.0, 1.0, 4.0])
+    xs = np.array([-2.0, -0.5, 0.5, 1.0, 4.0])
     ys = np.array([0.1, 0.8, 1.0, 0.5, 0.2])
     t["response_x"] = torch.from_numpy(xs)
     t["response_y"] = torch.from_numpy(ys)
-    pipe = Pipeline(
-        "m", config(response='response = "tabulated"'), Artifacts(t), "cpu", warmup=False
-    )
+    keys = f'response = "tabulated"\non_the_fly = {str(on_the_fly).lower()}'
+    if center is not None:
+        keys += f'\ncenter = "{center}"'
+    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
     bits = random_bits(2, seed=11)
+    moved = xs - (0.5 if center == "peak" else 0.0)
 
     def table(d: torch.Tensor) -> torch.Tensor:
-        v = np.interp(d.numpy(), xs, ys, left=0.0, right=0.0)
+        v = np.interp(d.numpy(), moved, ys, left=0.0, right=0.0)
         return torch.from_numpy(v)
 
     ref = dense_reference(t, bits, table)

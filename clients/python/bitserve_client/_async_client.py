@@ -247,12 +247,19 @@ class AsyncClient(BaseClient):
         headers: Headers = None,
         timeout: TimeoutTypes = None,
         bitorder: Bitorder | None = None,
+        priority: int | None = None,
     ) -> InferResult:
-        """Run one inference; the arguments, result and errors of ``Client.infer``."""
+        """Run one inference; the arguments, result and errors of ``Client.infer``.
+
+        Cancelling the task that awaits it (or its ``timeout`` firing) closes the request's
+        connection: bitserve then drops the request if it is still queued, never computing
+        it.
+        """
         spec = await self.model_spec(model, version, headers=headers, timeout=timeout)
         request = self._infer_request(
             spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
             deadline=deadline, binary=binary, headers=headers, timeout=timeout, bitorder=bitorder,
+            priority=priority,
         )  # fmt: skip
         try:
             response = await self._send(request)

@@ -333,6 +333,7 @@ class BaseClient:
         headers: Mapping[str, str] | None,
         timeout: TimeoutTypes,
         bitorder: Bitorder | None = None,
+        priority: int | None = None,
     ) -> _Request:
         """Check, pack and frame one inference call (the arguments of ``Client.infer``)."""
         if not isinstance(inputs, Mapping):
@@ -352,6 +353,10 @@ class BaseClient:
                 )
         if deadline is not None and not deadline > 0:
             raise InvalidInputError(f"deadline must be > 0 seconds, got {deadline}")
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or priority < 0
+        ):
+            raise InvalidInputError(f"priority must be an integer >= 0, got {priority!r}")
         if bitorder not in (None, "big", "little"):
             raise InvalidInputError(f"bitorder must be 'big' or 'little', got {bitorder!r}")
         prepared = prepare_inputs(spec, inputs, bitorder)
@@ -361,6 +366,7 @@ class BaseClient:
             request_id=request_id,
             deadline_s=deadline,
             binary=binary,
+            priority=priority,
         )
         all_headers = dict(body.headers)
         content: EncodedBody | bytes = body

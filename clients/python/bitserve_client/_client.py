@@ -313,6 +313,7 @@ class Client(BaseClient):
         headers: Headers = None,
         timeout: TimeoutTypes = None,
         bitorder: Bitorder | None = None,
+        priority: int | None = None,
     ) -> InferResult:
         """Run one inference.
 
@@ -332,11 +333,15 @@ class Client(BaseClient):
                 :class:`~bitserve_client.DeadlineExceeded`.
             binary: binary tensors both ways (default) or JSON.
             headers: extra headers for this call.
-            timeout: this call's HTTP timeout (None: the client's).
+            timeout: this call's HTTP timeout (None: the client's). When it fires, the
+                connection is closed: a server that drops requests whose client has gone
+                (bitserve does) never computes this one if it is still queued.
             bitorder: the bit order of this call's bit-packed inputs, sent as each one's
                 ``parameters.bitorder`` (the server unpacks them in it): uint8 arrays are
                 taken as packed in it (RDKit's ``BitVectToBinaryText`` bytes: ``"little"``),
                 bool arrays are packed in it. None: the model's (its metadata says which).
+            priority: the request's priority level (V2 ``parameters.priority``, as Triton's):
+                1 is the highest; None or 0: the model's default level.
 
         Returns:
             Every output by name (read-only NumPy arrays), with model name, version, id and
@@ -351,6 +356,7 @@ class Client(BaseClient):
         request = self._infer_request(
             spec, model, inputs, outputs=outputs, version=version, request_id=request_id,
             deadline=deadline, binary=binary, headers=headers, timeout=timeout, bitorder=bitorder,
+            priority=priority,
         )  # fmt: skip
         try:
             response = self._send(request)

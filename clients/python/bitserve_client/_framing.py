@@ -67,6 +67,7 @@ def encode_request(
     request_id: str | None = None,
     deadline_s: float | None = None,
     binary: bool = True,
+    priority: int | None = None,
 ) -> EncodedBody:
     """Frame one inference request.
 
@@ -77,6 +78,8 @@ def encode_request(
         deadline_s: the server-side deadline in seconds, sent as ``parameters.timeout`` in
             microseconds.
         binary: binary tensors both ways (True) or plain JSON (False).
+        priority: the request's priority level, sent as ``parameters.priority`` (1 the
+            highest; None: the model's default).
 
     Returns:
         The body's chunks and framing headers.
@@ -87,6 +90,8 @@ def encode_request(
     params: dict[str, Any] = {}
     if deadline_s is not None:
         params["timeout"] = max(1, int(deadline_s * 1e6))
+    if priority is not None:
+        params["priority"] = priority
     if binary:
         params["binary_data_output"] = True
     if params:
