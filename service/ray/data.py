@@ -88,9 +88,9 @@ def plan_actors(
 
 
 BATCH_ROWS = 8192
-"""About the rows of one Ray batch. Ray Data's own work between two batches of an actor
-(slicing blocks, converting, bookkeeping) measured about 3 µs a row at batches of 1024
-rows on the 2-core benchmark host (benchmarks/results/ray.md), 0.4 µs at 8192."""
+"""About the rows of one Ray batch. The actor's idle time between two batches (Ray Data
+slicing blocks, converting, bookkeeping) measured 3.2 µs a row at batches of 1024 rows on
+the 2-core benchmark host, 1.3 µs at 8192 (a 1M-row ``bitserve score``)."""
 BATCH_BYTES = 32 << 20
 """The most input bytes of one Ray batch (a model with wide inputs gets fewer rows)."""
 
