@@ -27,6 +27,7 @@ file's (the actors running, their start excluded).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,20 +138,35 @@ class ActorMemory:
                 self.private[int(pid)] = max(self.private.get(int(pid), 0), uss << 10)
 
 
-Run = tuple[float, float, dict[int, int], float, dict[int, int]]
+@dataclass(frozen=True)
+class Run:
+    """One ``bitserve score`` run.
+
+    Attributes:
+        rate: the job's rows/s as it reports it (Ray's own start excluded).
+        wall: the command's seconds, Ray's start and stop included.
+        first: seconds from the command's start to its first output file.
+        steady: rows/s from the first output file to the last (the actors running).
+        peaks, private: each actor's peak RSS and peak private memory (USS), bytes.
+    """
+
+    rate: float
+    wall: float
+    first: float
+    steady: float
+    peaks: dict[int, int]
+    private: dict[int, int]
 
 
 def run_score(repo: Path, src: Path, out: Path, *args: str) -> Run:
-    """``bitserve score`` as a process: (job rows/s as it reports it, wall seconds including
-    Ray's start, each actor's peak RSS, steady rows/s: the rows after the first output file
-    over the time from its appearance to the last file's)."""
+    """``bitserve score`` as a process, watched (see :class:`Run`)."""
     cmd = [*bitserve_command(), "score", "--model-repository", str(repo), "--model", MODEL,
            *args, str(src), str(out)]  # fmt: skip
     env = {**os.environ, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     with ActorMemory(out) as mem:
-        t0 = time.perf_counter()
+        t0 = time.time()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        wall = time.perf_counter() - t0
+        wall = time.time() - t0
     if done.returncode != 0:
         raise RuntimeError(f"bitserve score failed:\n{done.stderr[-3000:]}")
     m = re.search(r"\(([\d,]+) rows/s\)", done.stdout)
@@ -157,10 +174,13 @@ def run_score(repo: Path, src: Path, out: Path, *args: str) -> Run:
     files = list(out.rglob("0*.parquet"))
     rows = sum(int(f.stem.split("-")[1]) - int(f.stem.split("-")[0]) for f in files)
     last = max(f.stat().st_mtime for f in files)
-    steady = float("nan")
-    if mem.first is not None and last > mem.first[0]:
-        steady = (rows - mem.first[1]) / (last - mem.first[0])
-    return float(m.group(1).replace(",", "")), wall, mem.peaks, steady, mem.private
+    steady, first = float("nan"), float("nan")
+    if mem.first is not None:
+        first = mem.first[0] - t0
+        if last > mem.first[0]:
+            steady = (rows - mem.first[1]) / (last - mem.first[0])
+    rate = float(m.group(1).replace(",", ""))
+    return Run(rate, wall, first, steady, mem.peaks, mem.private)
 
 
 def compute_only(repo: Path, packed: np.ndarray, device: str = "cpu") -> tuple[float, int]:
@@ -179,27 +199,39 @@ def compute_only(repo: Path, packed: np.ndarray, device: str = "cpu") -> tuple[f
 
 
 _STEPS = """
-import json, re, sys
+import json, re, sys, time
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
-out = [["python", rss()]]
-import numpy, torch, pyarrow, ray.data
-out.append(["+ numpy, torch, pyarrow, ray.data", rss()])
-import gpu_ops, service.model_files
-out.append(["+ gpu_ops, service (gpu_ops imports Triton where installed)", rss()])
+out = [["python", 0.0, rss()]]
+t = time.perf_counter()
+def step(name):
+    global t
+    now = time.perf_counter()
+    out.append([name, now - t, rss()])
+    t = now
+import numpy, pyarrow, ray.data
+step("+ numpy, pyarrow, ray.data (what a Ray Data actor imports)")
+import torch
+step("+ torch")
+import gpu_ops, service.builder
+step("+ gpu_ops, service (Triton is imported at a first CUDA call only)")
+import torch.export
+from torch.export import pt2_archive
+step("+ torch.export's loader (it imports torch._dynamo, sympy and Triton)")
 from service.ray.scorer import BatchScorer
 s = BatchScorer(sys.argv[1], sys.argv[2], device="cpu", torch_threads=1)
-out.append(["+ the model loaded (torch.export's loader) and dry-run", rss()])
+step("+ the model loaded and dry-run")
 p = numpy.random.default_rng(0).integers(0, 256, (1024, 256), dtype=numpy.uint8)
 for _ in range(3):
     s({"fp": p})
-out.append(["+ scoring batches of 1024", rss()])
+step("+ scoring batches of 1024")
 print(json.dumps(out))
 """
 
 
-def rss_steps(repo: Path) -> list[list[Any]]:
-    """Where an actor's memory goes: RSS after each import and step, in a fresh process."""
+def startup_steps(repo: Path) -> list[list[Any]]:
+    """Where an actor's start goes: the seconds and the RSS after each import and step, in a
+    fresh process (without Ray's worker runtime)."""
     import json
 
     done = subprocess.run([sys.executable, "-c", _STEPS, str(repo), MODEL], capture_output=True,
@@ -209,39 +241,56 @@ def rss_steps(repo: Path) -> list[list[Any]]:
 
 
 def conversion_cost(rows: int = 65536) -> float:
-    """Seconds per row of turning a binary column (Ray's NumPy batch: an object array of
-    256-byte ``bytes``) into the packed matrix the pipeline stages: the host work a GPU actor
-    does per row besides the copy to the device."""
+    """Seconds per row of the scorer's host work around the pipeline on an Arrow batch of
+    8192 rows (id, fp as 256-byte ``binary``, weight): the packed column read in place, the
+    output column built and the table put together. With the copy to the device, the host
+    work a GPU actor does per row."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
     from service.config import InputConfig
     from service.ray.scorer import ColumnForm
 
     form = ColumnForm.of(InputConfig(name="fp", datatype="BOOL", shape=[2048], packing="bits"))
     packed = np.random.default_rng(0).integers(0, 256, (rows, PACKED), dtype=np.uint8)
-    column = np.empty(rows, dtype=object)
-    column[:] = [r.tobytes() for r in packed]
+    table = pa.table({
+        "id": pa.array([f"mol-{i}" for i in range(rows)]),
+        "fp": pa.array([r.tobytes() for r in packed], pa.binary()),
+        "weight": pa.array(np.arange(rows, dtype=np.float64)),
+    })  # fmt: skip
+    scores = np.zeros((8192, 1), np.float32)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
-        for lo in range(0, rows, MAX_BATCH):
-            form.array(column[lo : lo + MAX_BATCH])
+        for lo in range(0, rows, 8192):
+            batch = table.slice(lo, 8192)
+            form.arrow_view(batch.column("fp"))
+            out = BlockAccessor.batch_to_block({"score": scores[: batch.num_rows]})
+            batch.drop_columns(["fp"]).append_column(out.schema.field(0), out.column(0))
         best = min(best, time.perf_counter() - t0)
     return best / rows
 
 
 def scale_model(one: float, compute: float, convert: float, cores: int = 2) -> str:
-    """A short model of rows/s against nodes and GPUs, from this run's per-row costs."""
+    """A short model of rows/s against nodes and GPUs, from this run's per-row costs (``one``:
+    the 1-node job's steady rows/s)."""
     per_row = cores / one  # CPU-seconds per row of the whole 1-node job (every core busy)
     io = max(per_row - 1 / compute, 0.0)  # reading, converting, writing, Ray's own work
-    gpu_host = convert + PACKED / 20e9  # conversion + the copy to the device (~20 GB/s)
+    # The actor's own time a row besides the model: Ray's hand-over of batches, the column
+    # read in place, the output column (at least the measured conversion alone).
+    actor_host = max(1 / one - 1 / compute, convert)
+    gpu_host = actor_host + PACKED / 20e9  # + the copy to the device (~20 GB/s)
     gpu_rate = 1 / gpu_host
     cores_per_gpu = gpu_rate * io
+    node = min(8 * gpu_rate, 64 / io) if io > 0 else 8 * gpu_rate
+    bound = "GPUs' hosts" if node == 8 * gpu_rate else "cores"
     return f"""## Rows/s against nodes and GPUs: a model from these per-row costs
 
-Measured here: the whole 1-node job costs {per_row * 1e6:.0f} µs of CPU a row ({cores} cores
-busy at {one:,.0f} rows/s); the model's compute, {1e6 / compute:.0f} µs a row on one CPU
-thread; so reading Parquet, handing batches between Ray's stages and writing the output cost
-about **{io * 1e6:.0f} µs of CPU a row**. Turning a batch's binary column into the packed
-matrix costs {convert * 1e9:.0f} ns a row.
+Measured here: the 1-node job at its steady rate (a billion rows amortize the start) costs
+{per_row * 1e6:.0f} µs of CPU a row ({cores} cores at {one:,.0f} rows/s); the model's compute,
+{1e6 / compute:.0f} µs a row on one CPU thread; so reading Parquet, handing batches between
+Ray's stages and writing the output cost about **{io * 1e6:.0f} µs of CPU a row** (an upper
+bound: the second core is not always busy).
 
 - **CPU cluster**, N nodes of C cores: every core is either scoring or moving rows, so
   rows/s ≈ N·C / ({1e6 / compute:.0f} µs + {io * 1e6:.0f} µs) ≈ **{1 / (1 / compute + io):,.0f}
@@ -250,12 +299,15 @@ matrix costs {convert * 1e9:.0f} ns a row.
   evenly (Ray Data runs read, score and write tasks on every node); the 2-node row above, on
   the same 2 cores, measures what spreading costs.
 - **GPU cluster**: the MLP's 0.5 M multiply-adds a row take a GPU nanoseconds; a GPU actor
-  is bound by its host work, the column conversion ({convert * 1e9:.0f} ns) and the copy of
-  256 bytes (~13 ns at 20 GB/s), about **{gpu_rate / 1e6:.1f} M rows/s per GPU** at most. Each
-  GPU then needs about {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.0f} µs
-  a row to keep it fed, so rows/s ≈ min(G x {gpu_rate / 1e6:.1f} M, total cores /
-  {io * 1e6:.0f} µs): on nodes of 8 GPUs and 64 cores the cores bind first, at
-  {64 / io / 1e6:.2f} M rows/s a node ({1e9 / (64 / io) / 60:.0f} minutes a billion rows).
+  is bound by its host work: the actor's time a row besides the model here,
+  {actor_host * 1e9:,.0f} ns (the steady rate's time a row less the compute's: Ray handing
+  batches over, the packed column read in place ({convert * 1e9:.0f} ns of it), the output
+  column built), and the copy of 256 bytes (~13 ns at 20 GB/s): about
+  **{gpu_rate / 1e6:.2f} M rows/s per GPU** at most. Each GPU then needs about
+  {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.0f} µs a row to keep it fed,
+  so rows/s ≈ min(G x {gpu_rate / 1e6:.2f} M, total cores / {io * 1e6:.0f} µs): on nodes of 8
+  GPUs and 64 cores the {bound} bind first, at {node / 1e6:.2f} M rows/s a node
+  ({1e9 / node / 60:.0f} minutes a billion rows).
   Bigger read tasks and blocks, fewer pass-through columns, and `--num-cpus` for the readers
   move that bound; the GPU's share is measured by `python -m benchmarks.bench_ray
   --scorer-only --device cuda` (benchmarks/gpu_check.sh), not yet on a GPU host.
@@ -304,7 +356,7 @@ def main() -> None:
         src = root / "library.parquet"
         packed = write_library(src, rows)
         compute, device_bytes = compute_only(repo, packed)
-        steps = rss_steps(repo)
+        steps = startup_steps(repo)
         convert = conversion_cost()
         base = baseline(repo, packed)
         results: list[tuple[str, Run]] = [
@@ -313,7 +365,9 @@ def main() -> None:
         if not args.smoke:
             results.append(("2 simulated nodes (1 CPU each)", two_nodes(repo, src, root / "out2")))
     body = table(rows, base, compute, device_bytes, results, steps)
-    body += "\n\n" + scale_model(results[0][1][0], compute, convert)
+    one = results[0][1]
+    steady = one.steady if math.isfinite(one.steady) else one.rate  # --smoke: one file
+    body += "\n\n" + scale_model(steady, compute, convert)
     report("ray", "bitserve score on Ray Data", body, smoke=args.smoke, devices=["cpu"])
 
 
@@ -326,34 +380,38 @@ def table(
     steps: list[list[Any]],
 ) -> str:
     limit = device_bytes + (500 << 20)
+
+    def each(values: dict[int, int]) -> str:  # MiB, one figure per actor
+        return ", ".join(f"{v / 2**20:.0f}" for v in values.values()) or "-"
+
     head = ["path", "rows/s", "vs infer_many", "steady rows/s", "steady vs infer_many",
-            "wall s (incl. Ray start)", "actor peak RSS MiB", "actor peak private MiB"]  # fmt: skip
+            "first output at s", "wall s (incl. Ray start)", "actor peak RSS MiB",
+            "actor peak private MiB"]  # fmt: skip
     body: list[list[Any]] = [
-        [f"infer_many against bitserve serve ({rows:,} rows)", base, 1.0, "-", "-", rows / base,
-         "-", "-"],
+        [f"infer_many against bitserve serve ({rows:,} rows)", base, 1.0, "-", "-", "-",
+         rows / base, "-", "-"],
         *[
-            [name, rate, rate / base, steady, steady / base, wall,
-             ", ".join(f"{v / 2**20:.0f}" for v in mem.values()) or "-",
-             ", ".join(f"{v / 2**20:.0f}" for v in private.values()) or "-"]
-            for name, (rate, wall, mem, steady, private) in results
+            [name, r.rate, r.rate / base, r.steady, r.steady / base, r.first, r.wall,
+             each(r.peaks), each(r.private)]
+            for name, r in results
         ],
-        ["BatchScorer alone, 1 thread (no Ray, no I/O)", compute, compute / base, "-", "-", "-",
-         "-", "-"],
+        ["BatchScorer alone, 1 thread (no Ray, no I/O)", compute, compute / base, "-", "-",
+         "-", "-", "-", "-"],
     ]  # fmt: skip
     lines = [markdown_table(head, body), ""]
-    targets: list[list[Any]] = []
-    one, one_steady = results[0][1][0], results[0][1][3]
-    targets.append(["bitserve score, 1 node vs infer_many", ">= 0.8x", f"{one / base:.2f}x",
-                     "yes" if one >= 0.8 * base else "NO"])  # fmt: skip
-    targets.append(["the same, steady (after the actor's start)", "(>= 0.8x)",
-                     f"{one_steady / base:.2f}x",
-                     "yes" if one_steady >= 0.8 * base else "NO"])  # fmt: skip
+    one = results[0][1]
+    targets: list[list[Any]] = [
+        ["bitserve score, 1 node vs infer_many", ">= 0.8x", f"{one.rate / base:.2f}x",
+         "yes" if one.rate >= 0.8 * base else "NO"],
+        ["the same, steady (after the actor's start)", "(>= 0.8x)", f"{one.steady / base:.2f}x",
+         "yes" if one.steady >= 0.8 * base else "NO"],
+    ]  # fmt: skip
     if len(results) > 1:
-        two = results[1][1][0]
-        targets.append(["2 simulated nodes vs 1 node", ">= 0.8x", f"{two / one:.2f}x",
-                         "yes" if two >= 0.8 * one else "NO"])  # fmt: skip
-    peaks = [v for _, (_, _, mem, _, _) in results for v in mem.values()]
-    private = [v for _, (_, _, _, _, p) in results for v in p.values()]
+        two = results[1][1].rate
+        targets.append(["2 simulated nodes vs 1 node", ">= 0.8x", f"{two / one.rate:.2f}x",
+                        "yes" if two >= 0.8 * one.rate else "NO"])  # fmt: skip
+    peaks = [v for _, r in results for v in r.peaks.values()]
+    private = [v for _, r in results for v in r.private.values()]
     if peaks:
         worst = max(peaks)
         targets.append([
@@ -372,27 +430,47 @@ def table(
         "Steady rows/s is estimated from the output files' times (rows after the first file "
         "over the time from its appearance to the last file's write): a job that writes its "
         "files in a burst at the end inflates it. RSS counts the object store's shared pages "
-        "an actor maps to read its blocks; the private column leaves them out.\n"
+        "an actor maps to read its blocks and the shared pages of torch's libraries; the "
+        "private column leaves them out.\n"
     )
+    lines.append(start_up(rows, base, one, steps))
     lines.append(
-        "Where a scoring actor's memory goes (RSS of a fresh process after each step, "
+        "Where a scoring actor's start and memory go (a fresh process, each step timed, "
         "without Ray's worker runtime):\n"
     )
-    lines.append(
-        markdown_table(
-            ["step", "RSS MiB", "added MiB"],
-            [
-                [name, f"{v / 2**20:.0f}", f"{(v - steps[i - 1][1]) / 2**20:+.0f}" if i else "-"]
-                for i, (name, v) in enumerate(steps)
-            ],
-        )
-    )
+    step_rows = [
+        [name, f"{sec:.2f}" if i else "-", f"{v / 2**20:.0f}",
+         f"{(v - steps[i - 1][2]) / 2**20:+.0f}" if i else "-"]
+        for i, (name, sec, v) in enumerate(steps)
+    ]  # fmt: skip
+    lines.append(markdown_table(["step", "seconds", "RSS MiB", "added MiB"], step_rows))
     lines.append("")
     lines.append(
         f"Per-row compute on one CPU thread: {1e6 / compute:.1f} µs ({compute:,.0f} rows/s); "
         f"the model's device buffers: {device_bytes / 2**20:.1f} MiB."
     )
     return "\n".join(lines)
+
+
+def start_up(rows: int, base: float, one: Run, steps: list[list[Any]]) -> str:
+    """What the job spends off its steady rate (start-up, the last blocks' drain), and the
+    job size from which the whole job would reach 0.8x ``infer_many`` at this cost."""
+    job = rows / one.rate
+    off = max(job - rows / one.steady, 0.0)
+    start = sum(sec for _, sec, _ in steps[1:-1])
+    if one.steady > 0.8 * base:
+        need = 0.8 * base * off / (1 - 0.8 * base / one.steady)
+        reach = f"a job of about **{need / 1e6:.1f} M rows** or more reaches 0.8x at this cost"
+    else:
+        reach = "the steady rate itself is below 0.8x, so no job size reaches it"
+    return f"""The 1-node job took {job:.1f} s for {rows:,} rows; at its steady rate the rows
+alone take {rows / one.steady:.1f} s, so **{off:.1f} s** went to the start (Ray Data's own
+actors and tasks starting, the scoring actor importing torch and loading the model, the
+first block) and the drain of the last blocks. The scoring actor's own start, measured
+alone below, is {start:.1f} s of imports and loading on one core; in the job it shares the 2
+cores with Ray Data's start. The whole-job rate is rows / ({off:.1f} s + rows / steady
+rate): {reach}.
+"""
 
 
 if __name__ == "__main__":

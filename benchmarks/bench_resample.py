@@ -232,7 +232,8 @@ The server's demo: bit-packed spike rows at 10% density, a stored Gaussian band 
 125 fine points cut at 4 sigma (W = 1000), 500 sorted random coarse points per row. Before:
 what the pipeline ran until issue 20, `unpackbits` into float32 then the band
 (`op(unpackbits(packed, count=B))`); after: `op.forward_bits(packed)`, whose cost model picks
-per input the band or the event scatter. Both in this run, interleaved rounds, wall time
+per input the band or the event scatter (its band path on the CPU reads the bits itself,
+each row unpacked into a per-thread buffer). Both in this run, interleaved rounds, wall time
 (CPU: also one thread in CPU time)."""
 
 

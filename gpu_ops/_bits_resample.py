@@ -5,7 +5,9 @@ tolerance) and reads each packed byte once. Three paths compute it:
 
 - ``band``: unpack into the compute dtype, then the band kernels. Cost ~ M N A W (every fine
   point of every window), whatever the density; best for dense inputs and narrow windows, and
-  the path whenever the operator's own tensors need gradients (the bits have none).
+  the path whenever the operator's own tensors need gradients (the bits have none). A stored
+  band on the CPU reads the bits itself (``banded_bits_forward``: each row unpacked into a
+  per-thread buffer, then the same dot kernels).
 - ``event``: each set bit adds its response to the coarse points whose window holds it. Cost
   ~ the events times the coarse points per window, plus one pass over the bytes.
 - ``prefix``: for piecewise polynomial responses (boxcar, triangle, epanechnikov, on the fly),

@@ -8,6 +8,8 @@ other two, and the bit count that the choice reads:
 op                          computes
 ==========================  ==================================================================
 ``bit_counts``              set bits per row of packed (R, nbytes): int64 (R,)
+``banded_bits_forward``     out (M, N, A): the band path, the stored band on the bits (each
+                            row unpacked into a per-thread buffer on the CPU)
 ``events_band_forward``     out (M, N, A): each event adds its stored weights to the windows
                             that hold it
 ``events_otf_forward``      the same, the response (named, or a table) evaluated per event
@@ -101,11 +103,9 @@ def _torch_events_band(
     """out (M, N, A) float32 (float64 weights: float64) from packed (M, N, nbytes).
 
     ``starts (N, A)`` int32, non-decreasing along each row, in ``[0, B - W]``; ``weights
-    (N, A, W)``.
+    (N, A, W)``. Without an event kernel: the band on the unpacked bits (the same sums).
     """
-    ct = _out_dtype(weights)
-    f = _events_torch.unpacked(packed, num_fine, big, ct)
-    return _resample_torch.forward(f, starts, weights).to(ct)
+    return _torch_banded_bits(packed, starts, weights, num_fine, big)
 
 
 @events_band_forward.register_kernel("cpu")
@@ -118,8 +118,48 @@ def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool)
 
 
 @events_band_forward.register_fake
-def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
+def _band_fake(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
+    """The stored band's bit ops' fake kernel: (M, N, A) in the output dtype."""
     return weights.new_empty((packed.shape[0], *starts.shape), dtype=_out_dtype(weights))
+
+
+# --- the band, from bits -------------------------------------------------------------------------
+
+banded_bits_forward = Op(
+    "banded_bits_forward(Tensor packed, Tensor starts, Tensor weights, SymInt num_fine, "
+    "bool big) -> Tensor"
+)
+
+
+@banded_bits_forward.register_kernel(None)
+def _torch_banded_bits(
+    packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool
+) -> Tensor:
+    """out (M, N, A) float32 (float64 weights: float64): the stored band on the bits
+    unpacked, ``banded_forward(unpackbits(packed))``.
+
+    Args:
+        packed: (M, N, nbytes) uint8.
+        starts: (N, A) int32, non-decreasing along each row; weights: (N, A, W).
+        num_fine: B.
+        big: the bit order.
+    """
+    f = _events_torch.unpacked(packed, num_fine, big, _out_dtype(weights))
+    out: Tensor = torch.ops.bitserve.banded_forward(f, starts, weights, True)
+    return out
+
+
+@banded_bits_forward.register_kernel("cpu")
+def _(packed: Tensor, starts: Tensor, weights: Tensor, num_fine: int, big: bool) -> Tensor:
+    lib = _resample_c.kernels()
+    # Tasks are rows: with fewer rows than threads, unpacking first keeps every thread busy.
+    if lib is None or _wide(weights) or starts.shape[0] < torch.get_num_threads():
+        return _torch_banded_bits(packed, starts, weights, num_fine, big)
+    s, w = starts.contiguous(), weights.contiguous()
+    return _resample_c.forward_bits(lib, packed.contiguous(), big, s, w, num_fine)
+
+
+banded_bits_forward.register_fake(_band_fake)
 
 
 # --- event scatter, on the fly ------------------------------------------------------------------

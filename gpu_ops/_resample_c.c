@@ -199,6 +199,51 @@ void bs_forward(const float *f, const void *w, int wdt, const int32_t *starts, f
     }
 }
 
+/* The stored band on bit-packed rows, packed (M, N, nbytes) uint8 (bits b < B): each row n's
+ * M inputs are unpacked into a per-thread buffer of floats (M x ceil(B / 8) * 8, from a
+ * 256-entry table of 8 floats per byte), then its coarse points take exactly bs_forward's
+ * dots: the same sums in the same order as the band on unpacked floats, with no (M, N, B)
+ * float tensor written to memory and read back. Tasks are whole rows (the caller takes
+ * bs_forward where rows are fewer than threads). */
+void bs_forward_bits(const uint8_t *packed, int64_t nbytes, int big, const void *w, int wdt,
+                     const int32_t *starts, float *out, int64_t M, int64_t N, int64_t A,
+                     int64_t B, int64_t W, int nthreads) {
+    float lut[256][8];
+    for (int v = 0; v < 256; v++)
+        for (int j = 0; j < 8; j++) lut[v][j] = (float)((v >> (big ? 7 - j : j)) & 1);
+    const int64_t nb = (B + 7) / 8, Bp = nb * 8, os = N * A;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *f = (float *)malloc(sizeof(float) * (size_t)(M * Bp > 0 ? M * Bp : 1));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(W > 0 ? W : 1));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t m = 0; m < M; m++) {
+                const uint8_t *row = packed + (m * N + n) * nbytes;
+                float *dst = f + m * Bp;
+                for (int64_t k = 0; k < nb; k++) memcpy(dst + 8 * k, lut[row[k]], sizeof lut[0]);
+            }
+            for (int64_t a = 0; a < A; a++) {
+                const void *wa = wrow(w, wdt, n * A + a, W);
+                const float *fr = f + starts[n * A + a];
+                float *o = out + n * A + a;
+                if (wdt != 0 && M > 4) { /* as forward_points: half weights widened once */
+                    for (int64_t j = 0; j < W; j++) buf[j] = wload(wa, wdt, j);
+                    dots(fr, Bp, buf, 0, W, o, os, M);
+                } else if (wdt == 0) {
+                    dots(fr, Bp, wa, 0, W, o, os, M);
+                } else if (wdt == 1) {
+                    dots(fr, Bp, wa, 1, W, o, os, M);
+                } else {
+                    dots(fr, Bp, wa, 2, W, o, os, M);
+                }
+            }
+        }
+        free(f);
+        free(buf);
+    }
+}
+
 /* --- grad_f, any start order: scan every window per block of fine points ---------------- */
 
 INLINE void scan_block(const int wdt, const float *g, const void *w, const int32_t *starts,

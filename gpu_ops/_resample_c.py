@@ -41,6 +41,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.bs_bit_counts.argtypes = [ptr, i64, i64, ptr, cint]
     lib.bs_events_band.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
+    lib.bs_forward_bits.argtypes = [ptr, i64, cint, ptr, cint, ptr, ptr, *[i64] * 5, cint]
     lib.bs_events_otf.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, *resp, ptr,
                                   *[i64] * 4, cint]  # fmt: skip
     lib.bs_prefix.argtypes = [ptr, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 4, cint]
@@ -50,6 +51,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.bs_forward, lib.bs_backward_f, lib.bs_backward_f_sorted, lib.bs_backward_w,
         lib.bs_otf_forward, lib.bs_otf_backward_f, lib.bs_otf_backward_cp, lib.bs_bit_counts,
         lib.bs_events_band, lib.bs_events_otf, lib.bs_prefix, lib.bs_events_lattice,
+        lib.bs_forward_bits,
     ):  # fmt: skip
         fn.restype = None
     return lib
@@ -228,6 +230,41 @@ def bit_counts(lib: ctypes.CDLL, packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _band_on_bits(
+    fn: Any, packed: torch.Tensor, big: bool, starts: torch.Tensor,
+    weights: torch.Tensor, B: int,
+) -> torch.Tensor:  # fmt: skip
+    M, N, nbytes = packed.shape
+    _, A, W = weights.shape
+    out = torch.empty(M, N, A, dtype=torch.float32)
+    fn(
+        packed.data_ptr(),
+        nbytes,
+        int(big),
+        weights.data_ptr(),
+        _WEIGHT_CODES[weights.dtype],
+        starts.data_ptr(),
+        out.data_ptr(),
+        M,
+        N,
+        A,
+        B,
+        W,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def forward_bits(
+    lib: ctypes.CDLL, packed: torch.Tensor, big: bool, starts: torch.Tensor,
+    weights: torch.Tensor, B: int,
+) -> torch.Tensor:  # fmt: skip
+    """out (M, N, A) float32: the stored band on ``packed (M, N, nbytes)`` (bits ``b < B``),
+    each row unpacked into a per-thread buffer; ``starts (N, A)`` int32 and ``weights
+    (N, A, W)`` contiguous (float32, bfloat16 or float16)."""
+    return _band_on_bits(lib.bs_forward_bits, packed, big, starts, weights, B)
+
+
 def events_band(
     lib: ctypes.CDLL, packed: torch.Tensor, big: bool, starts: torch.Tensor,
     weights: torch.Tensor, B: int,
@@ -237,14 +274,7 @@ def events_band(
     ``starts (N, A)`` int32 must be non-decreasing along each row; ``weights (N, A, W)``
     contiguous float32, bfloat16 or float16.
     """
-    M, N, nbytes = packed.shape
-    _, A, W = weights.shape
-    out = torch.empty(M, N, A, dtype=torch.float32)
-    lib.bs_events_band(
-        packed.data_ptr(), nbytes, int(big), weights.data_ptr(), _WEIGHT_CODES[weights.dtype],
-        starts.data_ptr(), out.data_ptr(), M, N, A, B, W, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
+    return _band_on_bits(lib.bs_events_band, packed, big, starts, weights, B)
 
 
 def events_otf(

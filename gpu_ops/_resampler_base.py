@@ -56,6 +56,11 @@ class Resampler(nn.Module):
         """Each item's path for ``packed3 (M, N, nbytes)`` (see :mod:`gpu_ops._bits_resample`)."""
         raise NotImplementedError
 
+    def _band_bits(self, items: torch.Tensor, bitorder: str, dtype: torch.dtype) -> torch.Tensor:
+        """The ``band`` path on ``items (M, N, nbytes)``: unpacked into ``dtype``, then the
+        module (with its autograd): (M, N, A)."""
+        return self._resample(_bits_resample.unpack(items, self.num_fine, bitorder, dtype))
+
     def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
         """The ``event`` or ``prefix`` path on ``items (M, N, nbytes)``: (M, N, A)."""
         raise NotImplementedError
@@ -109,7 +114,7 @@ class Resampler(nn.Module):
 
         def run(name: str, items: torch.Tensor) -> torch.Tensor:
             if name == "band":
-                return self._resample(_bits_resample.unpack(items, B, bitorder, out_dtype))
+                return self._band_bits(items, bitorder, out_dtype)
             return self._sparse(name, items, bitorder == "big")
 
         out = _bits_resample.run(plan, packed3, run)

@@ -329,6 +329,20 @@ class BandedResampler(_resampler_base.Resampler):
             raise ValueError("a stored band has no prefix-sum path (OnTheFlyResampler has)")
         return self.weights.dtype
 
+    def _band_bits(self, items: torch.Tensor, bitorder: str, dtype: torch.dtype) -> torch.Tensor:
+        """On the CPU, without gradients for the weights: the band straight from the bits
+        (each row unpacked into a per-thread buffer, the same sums as on unpacked floats)."""
+        if self.weights.device.type != "cpu" or (
+            torch.is_grad_enabled() and self.weights.requires_grad
+        ):
+            return super()._band_bits(items, bitorder, dtype)
+        out: torch.Tensor = _events_ops.banded_bits_forward(
+            items, self.starts, self.weights, self.num_fine, bitorder == "big"
+        )
+        if self.inverse_order is not None:
+            out = out.gather(-1, self.inverse_order.expand(out.shape[0], -1, -1))
+        return out
+
     def _sparse(self, name: str, items: torch.Tensor, big: bool) -> torch.Tensor:
         out: torch.Tensor = _events_ops.events_band_forward(
             items, self.starts, self.weights, self.num_fine, big

@@ -103,7 +103,7 @@ def score_files(
     """
     import ray
 
-    from service.ray.data import score
+    from service.ray.data import batch_rows, score
 
     t0 = time.perf_counter()
     fs_in, in_path = filesystem(input)
@@ -130,7 +130,9 @@ def score_files(
         blocks = max(len(tasks), math.ceil((total - skipped) / block_rows))
         source = datasource(fs_in, files, tasks, block_rows)
         ds = ray.data.read_datasource(source, override_num_blocks=blocks)
-        ds = score(ds, root, model, version=version, keep_inputs=keep_inputs, **score_args)
+        ds = score(ds, root, model, version=version, keep_inputs=keep_inputs,
+                   batch_size=batch_rows(cfg, most=min(block_rows, rows_per_task)),
+                   **score_args)  # fmt: skip
         ds.write_datasink(datasink(fs_out, folders))
     after = [settle(fs_out, folder, f.rows) for f, folder in zip(files, folders, strict=True)]
     short = [(f.path, c.missing) for f, c in zip(files, after, strict=True) if c.missing]

@@ -17,6 +17,12 @@ shape, packed along the last axis with the model's ``bitorder``): Arrow ``binary
 other input holds its item in its datatype's NumPy dtype. Every output becomes a column named
 after it, one item's tensor ``(rows, *shape)`` per row; every column that is not an input
 passes through unchanged.
+
+Batches are NumPy columns (Ray's ``"numpy"`` format) or an Arrow table (``"pyarrow"``, what
+:func:`service.ray.score` asks for): from a table, packed ``binary``, ``fixed_size_binary``
+and fixed-size list columns are read as NumPy views of their Arrow buffers (no copy,
+:meth:`ColumnForm.arrow_view`), any other column is converted as Ray converts it for NumPy
+batches, and the columns that pass through are not touched.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +47,9 @@ from service.errors import InvalidInput
 from service.layout import VersionSource, model_versions
 from service.protocol.types import DATATYPES, InferRequest, RequestInput
 from service.signature import Signature
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 Batch = dict[str, np.ndarray[Any, Any]]
 """A batch in Ray Data's NumPy batch format: column name -> array, rows first."""
@@ -159,6 +168,43 @@ class ColumnForm:
             return np.empty((0, *self.shape), self.dtype)
         return np.stack([np.asarray(v).reshape(self.shape) for v in values])
 
+    def arrow_view(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray[Any, Any] | None:
+        """An Arrow column as ``(rows, *shape)`` of the datatype's dtype, a view of its
+        buffer (no copy): ``binary`` rows of exactly :attr:`row_bytes` each,
+        ``fixed_size_binary[row_bytes]``, or a fixed-size list of the dtype, without nulls
+        (a column of several chunks is joined first). None for any other column: the caller
+        converts it as Ray does and :meth:`array` checks each row."""
+        import pyarrow as pa
+
+        if isinstance(column, pa.ChunkedArray):
+            column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        n, width, t = len(column), self.row_bytes, column.type
+        if column.null_count:
+            return None
+        if n == 0:
+            return np.empty((0, *self.shape), self.dtype)
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            kind = np.int64 if pa.types.is_large_binary(t) else np.int32
+            bounds = np.frombuffer(
+                column.buffers()[1], kind, n + 1, column.offset * kind(0).itemsize
+            )
+            if not (np.diff(bounds) == width).all():
+                return None
+            data = np.frombuffer(column.buffers()[2], np.uint8, n * width, int(bounds[0]))
+        elif pa.types.is_fixed_size_binary(t) and t.byte_width == width:
+            data = np.frombuffer(column.buffers()[1], np.uint8, n * width, column.offset * width)
+        elif (
+            pa.types.is_fixed_size_list(t)
+            and t.list_size == math.prod(self.shape)
+            and t.value_type == pa.from_numpy_dtype(self.dtype)
+            and column.flatten().null_count == 0
+        ):
+            flat: np.ndarray[Any, Any] = column.flatten().to_numpy()
+            return flat.reshape(n, *self.shape)
+        else:
+            return None
+        return data.view(self.dtype).reshape(n, *self.shape)
+
     def _bad_row(self, i: int, got: str) -> ScoringError:
         return ScoringError(
             f"column '{self.spec.name}', row {i} of the batch: {got}; the model's input "
@@ -241,35 +287,68 @@ class BatchScorer:
         """The rows computed at once: the model's ``max_batch_size`` (1 without batching)."""
         return self.pipeline.capacity
 
-    def __call__(self, batch: Mapping[str, np.ndarray[Any, Any]]) -> Batch:
+    def __call__(self, batch: Mapping[str, np.ndarray[Any, Any]] | pa.Table) -> Batch | pa.Table:
         """Score one batch.
 
         Args:
-            batch: NumPy columns, rows first: one per model input (see the module), any
-                others passed through.
+            batch: NumPy columns, rows first (Ray's ``"numpy"`` batches), or an Arrow table
+                (its ``"pyarrow"`` batches): one column per model input (see the module),
+                any others passed through.
 
         Returns:
-            the pass-through columns (and the inputs with ``keep_inputs``), then one column
-            per output: ``(rows, *shape)`` in the output's datatype.
+            the batch's kind: the pass-through columns (and the inputs with
+            ``keep_inputs``), then one column per output: ``(rows, *shape)`` in the output's
+            datatype (in a table, as Ray Data converts such an array: a tensor column).
 
         Raises:
             ScoringError: a missing input column, a row of the wrong size, an output name
                 that is also a pass-through column, or a request the model refuses (its
                 message, as the server's 400).
         """
-        missing = [f.spec.name for f in self.forms if f.spec.name not in batch]
+        if not isinstance(batch, Mapping):
+            return self._score_table(batch)
+        self._check_columns(list(batch))
+        out: Batch = {k: v for k, v in batch.items() if self._keep_inputs or k not in self._inputs}
+        out.update(self._score([f.array(np.asarray(batch[f.spec.name])) for f in self.forms]))
+        return out
+
+    def _score_table(self, table: pa.Table) -> pa.Table:
+        """:meth:`__call__` on an Arrow table: packed columns read in place (no copy, see
+        :meth:`ColumnForm.arrow_view`), the other columns left as they are."""
+        from ray.data.block import BlockAccessor
+
+        self._check_columns(table.column_names)
+        columns = []
+        for f in self.forms:
+            column = table.column(f.spec.name)
+            view = f.arrow_view(column)
+            if view is None:  # converted as Ray converts it for NumPy batches
+                one = BlockAccessor.for_block(table.select([f.spec.name]))
+                view = f.array(np.asarray(one.to_batch_format("numpy")[f.spec.name]))
+            columns.append(view)
+        out = table if self._keep_inputs else table.drop_columns(list(self._inputs))
+        scored = BlockAccessor.batch_to_block(self._score(columns))
+        for name in self.outputs:
+            out = out.append_column(scored.schema.field(name), scored.column(name))
+        return out
+
+    def _check_columns(self, names: list[str]) -> None:
+        missing = [f.spec.name for f in self.forms if f.spec.name not in names]
         if missing:
             raise ScoringError(
-                f"model '{self.model}' needs column(s) {missing}; the batch has {sorted(batch)}"
+                f"model '{self.model}' needs column(s) {missing}; the batch has {sorted(names)}"
             )
-        out: Batch = {k: v for k, v in batch.items() if self._keep_inputs or k not in self._inputs}
-        clash = sorted(set(out) & set(self.outputs))
+        passed = names if self._keep_inputs else [n for n in names if n not in self._inputs]
+        clash = sorted(set(passed) & set(self.outputs))
         if clash:
             raise ScoringError(
                 f"column(s) {clash} would be overwritten by the model's outputs of the same "
                 "name; rename them (or drop them) first"
             )
-        columns = [f.array(np.asarray(batch[f.spec.name])) for f in self.forms]
+
+    def _score(self, columns: list[np.ndarray[Any, Any]]) -> Batch:
+        """Every output of the rows of ``columns`` (one per input, ``(rows, *shape)``), run
+        ``max_batch_size`` rows at a time."""
         rows = len(columns[0])
         results: list[list[np.ndarray[Any, Any]]] = [[] for _ in self.outputs]
         step = self.batch_size if self.signature.batched else 1
@@ -277,6 +356,7 @@ class BatchScorer:
             parts = [c[start : start + step] for c in columns]
             for i, arr in enumerate(self._run(parts)):
                 results[i].append(arr)
+        out: Batch = {}
         for name, shape, parts in zip(
             self.outputs, self.signature.output_shapes, results, strict=True
         ):

@@ -255,7 +255,12 @@ def test_readiness_waits_for_every_worker(repo: Path, tmp_path: Path) -> None:
         finally:
             os.kill(frozen, signal.SIGCONT)
         server.wait_ready()
-        assert "w1 [-] Application startup complete" in server.log()
+        # Worker 1 reports ready to the gateway a moment before its startup line reaches the
+        # shared log file: wait for the line rather than read the log once.
+        deadline = time.monotonic() + 30
+        while "w1 [-] Application startup complete" not in server.log():
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
     finally:
         # Stopped either way; its exit status is checked only when the test got this far
         # (an assert here would hide the failure that ended the test early).

@@ -64,6 +64,46 @@ def test_every_path_matches_the_float64_reference(device: str, name: str, densit
         assert_close(auto.cpu(), ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 6])
+def test_the_band_from_bits_equals_the_band_on_unpacked_floats(dtype: torch.dtype, M: int) -> None:
+    """The stored band's band path reads the bits (each row unpacked into a per-thread buffer
+    on the CPU): the same sums in the same order as on the unpacked floats, bit for bit."""
+    gen = torch.Generator().manual_seed(seed("band bits", dtype, M))
+    B = 389  # the last byte part padding, and set there
+    x, c = grid(B, gen), coarse(4, 23, gen)  # unsorted coarse points
+    params, r = RESPONSES["gaussian"]
+    op = BandedResampler.from_response(x, c, "gaussian", dtype=dtype, **params)
+    bits = torch.rand(M, 4, B, generator=gen) < 0.3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 2))  # the compiled kernel takes rows >= threads
+    try:
+        _band_from_bits(op, bits, B)
+    finally:
+        torch.set_num_threads(threads)
+    ref = dense_ref(x, c, r, bits.double())
+    rtol = 1e-2 if dtype != torch.float32 else 1e-5
+    assert_close(op.forward_bits(packbits(bits, dim=-1), path="band").float(), ref, rtol)
+
+
+def _band_from_bits(op: BandedResampler, bits: torch.Tensor, B: int) -> None:
+    """forward_bits' band path and the op against the band on the unpacked bits."""
+    dtype = op.weights.dtype
+    for bitorder in ("big", "little"):
+        packed = packbits(bits, dim=-1, bitorder=bitorder)
+        packed[..., -1] |= 0x01 if bitorder == "big" else 0x80  # a set bit past B: ignored
+        with torch.no_grad():
+            got = op.forward_bits(packed, bitorder, path="band")
+            assert torch.equal(got, op(bits.to(dtype)))
+            raw = torch.ops.bitserve.banded_bits_forward(
+                packed, op.starts, op.weights, B, bitorder == "big"
+            )
+            unpacked = torch.ops.bitserve.unpackbits(packed, 2, B, bitorder, torch.float32)
+            assert torch.equal(
+                raw, torch.ops.bitserve.banded_forward(unpacked, op.starts, op.weights, True)
+            )
+
+
 @pytest.mark.parametrize("name", sorted(RESPONSES))
 def test_float64_paths_and_options(name: str) -> None:
     """float64 modules (the torch kernels) and the shape options (normalize, border, scale)."""

@@ -48,6 +48,7 @@ OPS = {
     "on_the_fly_backward_c_param": _resample_ops.on_the_fly_backward_c_param,
     "bit_counts": _events_ops.bit_counts,
     "events_band_forward": _events_ops.events_band_forward,
+    "banded_bits_forward": _events_ops.banded_bits_forward,
     "events_otf_forward": _events_ops.events_otf_forward,
     "prefix_forward": _events_ops.prefix_forward,
     "events_lattice_forward": _events_ops.events_lattice_forward,
@@ -125,6 +126,7 @@ def _cases(device: str) -> Iterator[Case]:
     for dtype in (torch.float32, torch.float64):
         w = torch.randn(N, A, W, generator=gen, dtype=dtype).to(device)
         yield "events_band_forward", (bits, starts, w, B, True)
+        yield "banded_bits_forward", (bits, starts, w, B, dtype == torch.float32)
         yield "events_band_forward", (bits, starts, w, B, False)
         c_sorted = c.sort(dim=1).values.contiguous()
         for name, params in PARAMS.items():
@@ -166,7 +168,8 @@ def test_kernels_are_registered_per_device() -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeExplicitAutograd")
         # The lattice is the CPU's way to the event path (on CUDA the event kernel evaluates
         # the response per event): its CUDA tensors take the op's own torch body.
-        cuda = HAS_TRITON and name != "events_lattice_forward"
+        # The band from bits: its CUDA tensors unpack, then take banded_forward's Triton kernel.
+        cuda = HAS_TRITON and name not in ("events_lattice_forward", "banded_bits_forward")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == cuda, name
 
 

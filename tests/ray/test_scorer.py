@@ -7,6 +7,7 @@ tensor columns), and the pass-through, chunking, bit order and error behaviour.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,139 @@ def test_column_form_describes_packed_and_plain_inputs(repository: Path) -> None
     _, cfg = read_config(repository, MODEL)
     form = ColumnForm.of(cfg.inputs[0])
     assert (form.datatype, form.shape, form.row_bytes) == ("UINT8", (PACKED,), PACKED)
+
+
+# --- Arrow batches (what service.ray.score asks Ray Data for) --------------------------------
+
+
+def _arrow_forms(packed: np.ndarray) -> dict[str, Any]:
+    """One packed matrix in each Arrow column form a Parquet file or Ray Data gives."""
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    rows = [r.tobytes() for r in packed]
+    fixed = pa.array(rows, pa.binary(PACKED))
+    lists = pa.FixedSizeListArray.from_arrays(pa.array(packed.ravel()), PACKED)
+    return {
+        "binary": pa.array(rows, pa.binary()),
+        "large_binary": pa.array(rows, pa.large_binary()),
+        "fixed_size_binary": fixed,
+        "fixed_size_list": lists,
+        "list": pa.array([r.tolist() for r in packed], pa.list_(pa.uint8())),
+        "tensor": ArrowTensorArray.from_numpy(packed),
+        # several chunks, and a chunk that is a slice (an offset into its buffers)
+        "chunked": pa.chunked_array([pa.array(rows[:7]), pa.array(["x" * 9, *rows[7:]]).slice(1)]),
+    }
+
+
+ARROW_FORMS = ("binary", "large_binary", "fixed_size_binary", "fixed_size_list", "list",
+               "tensor", "chunked")  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ARROW_FORMS)
+def test_arrow_batches_score_as_numpy_batches(scorer: BatchScorer, form: str) -> None:
+    """Every Arrow form scores as the reference does; the other columns pass through as
+    they were (the same Arrow types, no Python objects in between)."""
+    import pyarrow as pa
+
+    rows = 150
+    packed = packed_fingerprints(rows, seed=21)
+    ids = pa.array([f"mol-{i}" for i in range(rows)])
+    weight = pa.array(np.random.default_rng(3).random(rows))
+    table = pa.table({"id": ids, "fp": _arrow_forms(packed)[form], "weight": weight})
+    out = scorer(table)
+    assert isinstance(out, pa.Table)
+    assert out.column_names == ["id", "weight", "score"]
+    assert out.column("id").type == pa.string()
+    assert out.column("id").equals(table.column("id"))
+    assert out.column("weight").equals(table.column("weight"))
+    scores = np.stack(out.column("score").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(scores, reference_scores(packed), rtol=1e-5, atol=1e-5)
+    # the same type Ray Data makes of the NumPy path's (rows, 1) float32 column
+    from ray.data.block import BlockAccessor
+
+    numpy_out = BlockAccessor.batch_to_block(scorer({"fp": packed}))
+    assert out.schema.field("score") == numpy_out.schema.field("score")
+
+
+def test_arrow_views_are_the_bytes_in_place(scorer: BatchScorer) -> None:
+    """The fast path against the plain one, on fresh random bytes: each Arrow form's view
+    equals the per-row conversion, and for binary columns it is the Arrow buffer itself."""
+    import pyarrow as pa
+
+    form = scorer.forms[0]
+    for seed in range(3):
+        packed = np.random.default_rng(seed).integers(0, 256, (40, PACKED), dtype=np.uint8)
+        for (name, whole), cut in itertools.product(_arrow_forms(packed).items(), (0, 3)):
+            column = whole.slice(cut)  # a slice: an offset into the same buffers
+            view = form.arrow_view(column)
+            if name in ("list", "tensor"):
+                assert view is None, name  # Ray's own conversion, then the per-row checks
+                continue
+            assert view is not None, name
+            plain = form.array(column.to_numpy(zero_copy_only=False))
+            np.testing.assert_array_equal(view, packed[cut:])
+            np.testing.assert_array_equal(view, plain)
+        binary = pa.array([r.tobytes() for r in packed]).slice(5)
+        view = form.arrow_view(binary)
+        assert view is not None
+        assert np.shares_memory(view, np.frombuffer(binary.buffers()[2], np.uint8))
+        np.testing.assert_array_equal(view, packed[5:])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([b"\x00" * PACKED, b"\x00" * 255], r"column 'fp', row 1 of the batch: 255 bytes"),
+        ([b"\x00" * PACKED, None], r"column 'fp', row 1 of the batch: null"),
+    ],
+)
+def test_bad_arrow_rows_are_named_as_numpy_ones(
+    scorer: BatchScorer, values: list[bytes | None], message: str
+) -> None:
+    import pyarrow as pa
+
+    with pytest.raises(ScoringError, match=message):
+        scorer(pa.table({"fp": pa.array(values, pa.binary())}))
+
+
+def test_arrow_keep_inputs_missing_and_clashing_columns(repository: Path) -> None:
+    import pyarrow as pa
+
+    packed = packed_fingerprints(3, seed=4)
+    fp = pa.array([r.tobytes() for r in packed])
+    kept = BatchScorer(repository, MODEL, device="cpu", keep_inputs=True)(pa.table({"fp": fp}))
+    assert kept.column_names == ["fp", "score"]
+    assert kept.column("fp").equals(pa.chunked_array([fp]))
+    s = BatchScorer(repository, MODEL, device="cpu")
+    with pytest.raises(ScoringError, match=r"needs column\(s\) \['fp'\]; the batch has \['x'\]"):
+        s(pa.table({"x": fp}))
+    with pytest.raises(ScoringError, match=r"column\(s\) \['score'\] would be overwritten"):
+        s(pa.table({"fp": fp, "score": pa.array([1, 2, 3])}))
+    empty = s(pa.table({"fp": pa.array([], pa.binary())}))
+    assert (empty.num_rows, empty.column_names) == (0, ["score"])
+
+
+def test_ray_batches_are_whole_model_batches(tmp_path: Path) -> None:
+    from service.ray.data import BATCH_BYTES, BATCH_ROWS, batch_rows
+
+    for mbs, want in ((1024, 8192), (64, 8192), (1000, 8000), (10000, 10000), (0, 8192)):
+        cfg = parse_fp_config(mbs, [BITS])
+        assert batch_rows(cfg) == want, mbs
+        assert batch_rows(cfg) % max(mbs, 1) == 0
+    wide = parse_fp_config(4, [8 * (BATCH_BYTES // 1000)])  # 1000 rows fill BATCH_BYTES
+    assert batch_rows(wide) == 1000
+    # a job of small blocks: a batch is at most a block, and at least one model batch
+    assert batch_rows(parse_fp_config(64, [BITS]), most=250) == 192
+    assert batch_rows(parse_fp_config(64, [BITS]), most=10) == 64
+    assert BATCH_ROWS == 8192
+
+
+def parse_fp_config(mbs: int, shape: list[int]) -> Any:
+    import tomllib
+
+    from service.config import parse_config
+
+    text = model_toml(max_batch_size=mbs, inputs=[tensor("fp", "BOOL", shape, packing="bits")],
+                      model={"file": "m.pt2"}, outputs=[tensor("score", "FP32", [1])])  # fmt: skip
+    return parse_config(tomllib.loads(text), "config.toml")
