@@ -39,6 +39,7 @@ CONCURRENCY = 4
 """``infer_many``'s default: requests in flight at once."""
 DEFAULTS = "bitserve (defaults: --workers auto)"
 WORKERS_1 = "bitserve --workers 1"
+WORKERS_2 = "bitserve --workers 2"
 FASTAPI = "hand-written FastAPI, float32 rows"
 
 
@@ -101,6 +102,38 @@ def gpu_sweep(root: Path, per_gpu: list[int]) -> list[tuple[str, list[str]]]:
     ]  # fmt: skip
 
 
+def servers(root: Path, program: Path, *labels: str) -> list[tuple[str, list[str]]]:
+    """The MLP's servers by label: bitserve's defaults, ``--workers 1``, ``--workers 2`` and
+    the hand-written float32 endpoint (``program``) over the repository ``root``."""
+    known = {
+        DEFAULTS: perf.bitserve(root),
+        WORKERS_1: perf.bitserve(root, "--workers", "1"),
+        WORKERS_2: perf.bitserve(root, "--workers", "2"),
+        FASTAPI: [*perf.module("benchmarks.overhead.fastapi_mlp"), "--program", str(program)],
+    }
+    return [(label, known[label]) for label in labels]
+
+
+def measure_rounds(
+    running: list[Running], bits: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], rounds: int
+) -> dict[str, list[float]]:
+    """Rows/s of every server over all of ``bits``, in interleaved rounds after a warm-up;
+    every score is checked against ``expected``."""
+    results: dict[str, list[float]] = {}
+    warm = bits[: 4 * mlp.BATCH]
+    for r in running:  # warm-up: every worker's connections and allocator pools
+        (run_fastapi if r.label == FASTAPI else run_bitserve)(r, warm)
+    for k in range(rounds):
+        for r in running[k % len(running) :] + running[: k % len(running)]:
+            # Each round starts with the next server: no one is always first.
+            run = run_fastapi if r.label == FASTAPI else run_bitserve
+            seconds, got = run(r, bits)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+            results.setdefault(r.label, []).append(len(bits) / seconds)
+            print(f"{r.label}: {len(bits) / seconds:,.0f} rows/s", flush=True)
+    return results
+
+
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workers-per-gpu", default=None, help="e.g. 1,2,4: a GPU host's sweep")
@@ -110,29 +143,14 @@ def main() -> None:
     rounds, rows = (1, 20 * mlp.BATCH) if args.smoke else (3, 1000 * mlp.BATCH)
     rng = np.random.default_rng(0)
     bits = rng.random((rows, mlp.BITS)) < 0.5
-    results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-mlp-") as tmp:
         program = mlp.write_repository(Path(tmp))
         expected = reference(program, bits)
-        servers = [
-            (DEFAULTS, perf.bitserve(Path(tmp))),
-            (WORKERS_1, perf.bitserve(Path(tmp), "--workers", "1")),
-            (FASTAPI, [*perf.module("benchmarks.overhead.fastapi_mlp"), "--program", str(program)]),
-        ]
+        chosen = servers(Path(tmp), program, DEFAULTS, WORKERS_1, FASTAPI)
         if sweep:
-            servers = [servers[0], *gpu_sweep(Path(tmp), sweep)]
-        with perf.start(servers) as running:
-            warm = bits[: 4 * mlp.BATCH]
-            for r in running:  # warm-up: every worker's connections and allocator pools
-                (run_fastapi if r.label == FASTAPI else run_bitserve)(r, warm)
-            for k in range(rounds):
-                for r in running[k % len(running) :] + running[: k % len(running)]:
-                    # Each round starts with the next server: no one is always first.
-                    run = run_fastapi if r.label == FASTAPI else run_bitserve
-                    seconds, got = run(r, bits)
-                    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
-                    results.setdefault(r.label, []).append(rows / seconds)
-                    print(f"{r.label}: {rows / seconds:,.0f} rows/s", flush=True)
+            chosen = [chosen[0], *gpu_sweep(Path(tmp), sweep)]
+        with perf.start(chosen) as running:
+            results = measure_rounds(running, bits, expected, rounds)
 
     def med(label: str) -> float:
         return statistics.median(results[label])

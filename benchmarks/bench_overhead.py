@@ -5,7 +5,7 @@ The tiny model (``benchmarks/overhead/tiny.py``: one packed byte in, one float o
 maths free; every server answers the same V2 binary requests from Triton's perf_analyzer (C++,
 so the load costs the measured cores little) at concurrency 8 and 32:
 
-- bitserve with its defaults, and with ``--workers 1`` and ``--workers 2``;
+- bitserve with its defaults (``--workers auto``), ``--workers 1`` and ``--workers 2``;
 - the hand-written FastAPI V2 endpoint (``benchmarks/overhead/fastapi_v2.py``): one route,
   ``await request.body()``, ``json.loads`` of the header, a ``Response``;
 - the floor: a raw ASGI app on uvicorn + httptools + uvloop doing the same V2 framing
@@ -15,8 +15,11 @@ Every server is started once and measured in interleaved rounds (the median of t
 reported), so drift in a shared machine's load hits all of them alike. ``--before DIR`` adds
 one more server: an earlier bitserve checked out in DIR (``git worktree add DIR <rev>``), with
 its defaults, so a change is measured before and after in the same run. Each answer's maths is
-checked first. Then the demo workload (20 x 50000 bits per request) runs on bitserve at
-concurrency 8 and 32: throughput should hold or rise with the deeper queue.
+checked first. Then, in the same run: the demo workload (20 x 50000 bits per request) on
+bitserve's defaults, ``--workers 1`` and ``2`` at concurrency 8 and 32 (its tail: p99 / p50), and
+the 2048-bit fingerprint MLP through ``infer_many`` on both against a hand-written FastAPI
+endpoint on float32 rows (:mod:`benchmarks.bench_mlp`'s rounds). The targets table says
+what issue 23 wanted, what was measured and whether it was met.
 
     python -m benchmarks.bench_overhead            # writes benchmarks/results/overhead.md
     python -m benchmarks.bench_overhead --smoke    # short runs, prints only
@@ -146,10 +149,36 @@ def demo_tail(server: Running, concurrency: int, seconds: float) -> list[list[ob
     ]  # fmt: skip
 
 
+def _targets(rows: list[tuple[str, str, float, bool]]) -> str:
+    """The targets table: measure, wanted, measured, met."""
+    return markdown_table(
+        ["measure", "wanted", "measured", "met"],
+        [[name, wanted, value, "yes" if ok else "NO"] for name, wanted, value, ok in rows],
+    )
+
+
+def _mlp_rows(tmp: Path, smoke: bool, rounds: int) -> tuple[dict[str, list[float]], int]:
+    """The 2048-bit MLP through ``infer_many`` (bench_mlp's rounds) on bitserve's defaults,
+    ``--workers 1`` and ``2``, and the hand-written float32 endpoint; rows/s per round."""
+    from benchmarks import bench_mlp
+    from benchmarks.overhead import mlp
+
+    rows = 20 * mlp.BATCH if smoke else 256 * mlp.BATCH
+    bits = np.random.default_rng(0).random((rows, mlp.BITS)) < 0.5
+    program = mlp.write_repository(tmp)
+    expected = bench_mlp.reference(program, bits)
+    labels = (bench_mlp.DEFAULTS, bench_mlp.WORKERS_1, bench_mlp.WORKERS_2, bench_mlp.FASTAPI)
+    with perf.start(bench_mlp.servers(tmp, program, *labels)) as running:
+        return bench_mlp.measure_rounds(running, bits, expected, rounds), rows
+
+
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--before", type=Path, default=None)
     pre.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    pre.add_argument(
+        "--interval-ms", type=int, default=3000, help="perf_analyzer's window (default 3000)"
+    )
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
     command = perf_analyzer()
@@ -158,6 +187,7 @@ def main() -> None:
             raise SystemExit("perf_analyzer not found: set PERF_ANALYZER (benchmarks/overhead)")
         print("perf_analyzer not found: a small Python load stands in for this smoke run")
     rounds = 1 if args.smoke else known.rounds
+    interval = known.interval_ms
     before = known.before.resolve() if known.before is not None else None
     before_label = f"{BEFORE} ({_revision(before)})" if before is not None else ""
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -180,27 +210,38 @@ def main() -> None:
                 for c in CONCURRENCY:
                     # Each round starts with the next server: no one is always first.
                     for r in running[k % len(running) :] + running[: k % len(running)]:
-                        load = perf.measure(command, r, tiny.NAME, c, smoke=args.smoke)
+                        load = perf.measure(
+                            command, r, tiny.NAME, c, interval_ms=interval, smoke=args.smoke
+                        )
                         loads.setdefault((r.label, c), []).append(load)
                         print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
         from service.demo import write_demo_repository
 
         demo_repo = Path(tmp) / "demo"
         write_demo_repository(demo_repo)
-        demo_servers = [(DEFAULTS, perf.bitserve(demo_repo))]
+        demo_servers = [
+            (DEFAULTS, perf.bitserve(demo_repo)),
+            (WORKERS_1, perf.bitserve(demo_repo, "--workers", "1")),
+            (WORKERS_2, perf.bitserve(demo_repo, "--workers", "2")),
+        ]
         if before is not None:
             demo_servers.insert(0, (before_label, before_server(before, demo_repo)))
         demo: dict[tuple[str, int], Load] = {}
         tail: list[list[object]] = []
         with perf.start(demo_servers) as running:
-            for r in running:
-                for c in CONCURRENCY:
-                    demo[(r.label, c)] = perf.measure(command, r, "demo", c, smoke=args.smoke)
-                    print(f"demo {r.label} c={c}: {demo[(r.label, c)].rps:.1f} req/s", flush=True)
-            tail = demo_tail(running[-1], 32, seconds=2.0 if args.smoke else 12.0)
+            for c in CONCURRENCY:
+                for r in running:
+                    d = perf.measure(command, r, "demo", c, interval_ms=interval, smoke=args.smoke)
+                    demo[(r.label, c)] = d
+                    print(f"demo {r.label} c={c}: {d.rps:.1f} req/s", flush=True)
+            defaults = next(r for r in running if r.label == DEFAULTS)
+            tail = demo_tail(defaults, 32, seconds=2.0 if args.smoke else 12.0)
+        mlp_dir = Path(tmp) / "mlp"
+        mlp_dir.mkdir()
+        mlp_rps, mlp_rows = _mlp_rows(mlp_dir, args.smoke, rounds=1 if args.smoke else 3)
 
     def med(label: str, c: int, field: str) -> float:
-        return statistics.median(getattr(x, field) for x in loads[(label, c)])
+        return float(statistics.median(getattr(x, field) for x in loads[(label, c)]))
 
     labels = [s[0] for s in servers]
     rows = [
@@ -216,76 +257,124 @@ def main() -> None:
     def ratio(a: str, b: str, c: int) -> float:
         return med(a, c, "rps") / med(b, c, "rps")
 
-    targets: list[list[object]] = []
+    from benchmarks import bench_mlp
+
+    def mlp_med(label: str) -> float:
+        return statistics.median(mlp_rps[label])
+
+    d32 = demo[(DEFAULTS, 32)]
+    demo_tail_ratio = d32.p99_us / d32.p50_us
+    wanted: list[tuple[str, str, float, bool]] = []
     for c in CONCURRENCY:
-        for label, base, target in (
-            (DEFAULTS, FASTAPI, ">= 1.0"),
-            (WORKERS_1, FASTAPI, ">= 0.7"),
-            (DEFAULTS, FLOOR, "goal >= 0.6"),
-            (WORKERS_1, FLOOR, "reported"),
-        ):
-            targets.append([f"c={c}: {label} / {base}", ratio(label, base, c), target])
+        x = ratio(DEFAULTS, FASTAPI, c)
+        wanted.append((f"tiny c={c}: bitserve (defaults) / {FASTAPI}", ">= 1.0", x, x >= 1.0))
     for c in CONCURRENCY:
-        targets.append(
-            [f"c={c}: defaults (auto) / --workers 1", ratio(DEFAULTS, WORKERS_1, c), ">= 0.95"]
-        )
-    targets.append(["c=32: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, 32), "reported"])
+        x = ratio(DEFAULTS, WORKERS_1, c)
+        wanted.append((f"tiny c={c}: defaults (auto) / --workers 1", ">= 0.95", x, x >= 0.95))
+    x = mlp_med(bench_mlp.DEFAULTS) / mlp_med(bench_mlp.WORKERS_1)
+    wanted.append(("MLP infer_many: defaults (auto) / --workers 1", ">= 0.95", x, x >= 0.95))
+    wanted.append(("demo c=32 (perf_analyzer): p99 / p50", "<= 3", demo_tail_ratio,
+                   demo_tail_ratio <= 3.0))  # fmt: skip
+    x = mlp_med(bench_mlp.DEFAULTS) / mlp_med(bench_mlp.FASTAPI)
+    wanted.append((f"MLP infer_many: defaults / {bench_mlp.FASTAPI}", ">= 1.5", x, x >= 1.5))
+
+    reported: list[list[object]] = []
+    for c in CONCURRENCY:
+        reported.append([f"tiny c={c}: {WORKERS_1} / {FASTAPI}", ratio(WORKERS_1, FASTAPI, c)])
+        reported.append([f"tiny c={c}: {DEFAULTS} / {FLOOR}", ratio(DEFAULTS, FLOOR, c)])
+        reported.append([f"tiny c={c}: --workers 2 / --workers 1", ratio(WORKERS_2, WORKERS_1, c)])
     if before is not None:
         for c in CONCURRENCY:
-            was = ratio(before_label, FASTAPI, c)
-            targets.append([f"c={c}: {before_label} / {FASTAPI}", was, "was"])
-            gain = ratio(DEFAULTS, before_label, c)
-            targets.append([f"c={c}: {DEFAULTS} / {before_label}", gain, "gain"])
+            reported.append([f"tiny c={c}: {before_label} / {FASTAPI}",
+                             ratio(before_label, FASTAPI, c)])  # fmt: skip
+            reported.append([f"tiny c={c}: {DEFAULTS} / {before_label}",
+                             ratio(DEFAULTS, before_label, c)])  # fmt: skip
+    reported.append(["MLP infer_many: --workers 2 / --workers 1",
+                     mlp_med(bench_mlp.WORKERS_2) / mlp_med(bench_mlp.WORKERS_1)])  # fmt: skip
+    for c in CONCURRENCY:
+        reported.append([f"demo c={c}: --workers 2 / --workers 1 (req/s)",
+                         demo[(WORKERS_2, c)].rps / demo[(WORKERS_1, c)].rps])  # fmt: skip
     for label, _ in demo_servers:
-        d8, d32 = demo[(label, 8)], demo[(label, 32)]
-        targets.append([f"demo, {label}: req/s at c=32 / c=8", d32.rps / d8.rps, ">= 1.0"])
-        targets.append([f"demo, {label}: p99 at c=32 / c=8", d32.p99_us / d8.p99_us, "<= 4"])
+        reported.append([f"demo, {label}: req/s at c=32 / c=8",
+                         demo[(label, 32)].rps / demo[(label, 8)].rps])  # fmt: skip
+        reported.append([f"demo, {label}: p99 / p50 at c=32",
+                         demo[(label, 32)].p99_us / demo[(label, 32)].p50_us])  # fmt: skip
     demo_rows = [
-        [label, c, d.rps, d.p50_us / 1e3, d.p99_us / 1e3, d.cpu_us_per_request]
-        for (label, c), d in demo.items()
-    ]
+        [label, c, d.rps, d.p50_us / 1e3, d.p99_us / 1e3, d.p99_us / d.p50_us,
+         d.cpu_us_per_request]
+        for (label, c), d in sorted(demo.items(), key=lambda kv: kv[0][1])
+    ]  # fmt: skip
     demo_table = markdown_table(
-        ["server", "concurrency", "req/s", "p50 ms", "p99 ms", "server CPU µs/req"], demo_rows
+        ["server", "concurrency", "req/s", "p50 ms", "p99 ms", "p99 / p50", "server CPU µs/req"],
+        demo_rows,
     )
     tail_table = markdown_table(
         ["load generator (c=32, bitserve defaults)", "req/s", "p50 ms", "p99 ms", "p99 / p50",
          "server's own p50 ms", "server's own p99 ms"],
         tail,
     )  # fmt: skip
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    mlp_table = markdown_table(
+        ["server", "rows/s (median)", "rounds"],
+        [[label, mlp_med(label), ", ".join(f"{x:,.0f}" for x in xs)]
+         for label, xs in mlp_rps.items()],
+    )  # fmt: skip
+    from service.workers import available_cores, plan_workers
+
+    plan = plan_workers("auto", cores=available_cores(), gpus=0)
+    load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
     unstable = sum(not x.stable for runs in loads.values() for x in runs)
     unstable += sum(not d.stable for d in demo.values())
     body = f"""
-Load average when the tables were written: {load} (other work shares the machine; the rows
+Load average when the tables were written: {load_avg} (other work shares the machine; the rows
 of a table are interleaved rounds, so it weighs on every server alike). perf_analyzer found
 no stable window (50%) in {unstable} of its runs, which then took the last of three windows.
+Every section below is from this one run. bitserve's defaults on this host: {plan.reason}.
+
+## Targets (issue 23)
+
+{_targets(wanted)}
+
+{markdown_table(["also measured", "value"], reported)}
 
 {PROFILE}
 
+## The tiny model
+
 Tiny model (one packed byte in, one float out: the serving layer is the whole cost), V2 binary
-requests from perf_analyzer (`--measurement-interval 4000 --stability-percentage 50`) over
-loopback; {rounds} interleaved round(s), medians. The load generator shares the machine's
+requests from perf_analyzer (`--measurement-interval {interval} --stability-percentage 50`)
+over loopback; {rounds} interleaved round(s), medians. The load generator shares the machine's
 {os.cpu_count()} cores with the server. "server CPU µs/req" is the server's process tree
-(user + system) over the run divided by the requests it served.
+(user + system) over the run divided by the requests it served. bitserve's rows log every
+request (its default); the baselines log none.
 
 {table}
 
-Demo workload on bitserve (defaults; 20 x 50000 bits packed per request, dynamic batching up
-to 16, perf_analyzer random data; its operator runs on torch's threads, so this is bound by the
-two cores, not by serving):
+## The demo workload
+
+Demo workload on bitserve (20 x 50000 bits packed per request, dynamic batching up to 16,
+perf_analyzer random data; its operator runs on torch's threads, so this is bound by the two
+cores, not by serving), one perf_analyzer run per row:
 
 {demo_table}
 
-The demo's tail at concurrency 32, the same server driven by each load generator in turn:
-perf_analyzer (C++), then the Python load generator of the e2e benchmark (httpx, asyncio, every
-answer checked against a float64 reference, on the same two cores). "server's own" is the
-server's latency histogram (`bitserve_request_latency_seconds`: from a request's arrival to its
-answer) over the Python run, read from `/metrics` before and after it and interpolated within
-its buckets.
+The demo's tail at concurrency 32 on the defaults' server from the Python load generator of
+the e2e benchmark (httpx, asyncio, every answer checked against a float64 reference, on the
+same two cores). "server's own" is the server's latency histogram
+(`bitserve_request_latency_seconds`: from a request's arrival to its answer) over the Python
+run, read from `/metrics` before and after it and interpolated within its buckets.
 
 {tail_table}
 
-{markdown_table(["measure", "value", "target"], targets)}
+## A light model: the 2048-bit fingerprint MLP through `infer_many`
+
+2048 -> 256 -> 1 (`torch.export`), {mlp_rows:,} random fingerprints a round, 64 rows a
+request, 4 requests in flight (`Client.infer_many`'s default), {1 if args.smoke else 3}
+interleaved rounds. bitserve gets the rows bit-packed (256 bytes each); the hand-written
+endpoint (`benchmarks/overhead/fastapi_mlp.py`) gets them as float32 (8,192 bytes each) from a
+thread pool of the same size. Every score is checked against the program run in the
+benchmark.
+
+{mlp_table}
 """
     report(
         "overhead",

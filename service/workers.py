@@ -62,6 +62,13 @@ log = logging.getLogger(__name__)
 CPU_WORKERS_CAP = 8
 """``auto`` on a host without a GPU: one worker per core, at most this many (each worker holds
 its own copy of every model; past a few, more processes add memory, not throughput)."""
+SMALL_HOST_CORES = 2
+"""``auto`` on a host without a GPU and with at most this many cores: one worker. Measured on
+2 cores (issue 23, ``benchmarks/results/overhead.md``): a light model is bound by its
+worker's event loop, and a second worker's loop and torch thread share the same two cores
+with the first and with the clients, so two workers served the tiny model at concurrency 8
+and the 2048-bit MLP at 0.89-0.90x of one (using 1.7x the CPU per request); a compute-heavy
+model (the demo) gains from two (1.2-1.5x), and ``--workers 2`` is the setting for it."""
 WORKERS_PER_GPU = 2
 """``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
 overlaps another's kernels (with CUDA MPS their kernels can also run side by side).
@@ -99,8 +106,9 @@ def plan_workers(
 ) -> WorkerPlan:
     """The worker count for ``--workers`` and the torch threads of each worker.
 
-    ``auto`` is ``min(cores, 8)`` on a host without a GPU, and ``2 x GPUs`` on a GPU host,
-    bounded by the cores but never fewer than one worker per GPU. Each worker gets its share of
+    ``auto`` is ``min(cores, 8)`` on a host without a GPU (one worker where it has at most
+    :data:`SMALL_HOST_CORES` cores), and ``2 x GPUs`` on a GPU host, bounded by the cores but
+    never fewer than one worker per GPU. Each worker gets its share of
     the cores less one, for its event loop (``cores // workers - 1`` intra-op threads, at least
     1), so workers x (threads + loop) stays within the cores; and one inter-op thread (a
     worker runs one batch at a time per device). Measured on 2 cores: with a torch thread per
@@ -129,6 +137,9 @@ def plan_workers(
         workers = max(gpus, min(WORKERS_PER_GPU * gpus, cores))
         why = f"auto: {WORKERS_PER_GPU} per GPU for {gpus} GPU(s), at most one per core"
         why += " but at least one per GPU" if workers > cores else ""
+    elif cores <= SMALL_HOST_CORES:
+        workers = 1
+        why = f"auto: one on a host of at most {SMALL_HOST_CORES} cores, no GPU"
     else:
         workers = min(cores, CPU_WORKERS_CAP)
         why = f"auto: one per core, at most {CPU_WORKERS_CAP}, no GPU"

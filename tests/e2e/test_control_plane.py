@@ -30,7 +30,7 @@ from google.protobuf.message import Message
 from harness.server import BitserveServer, start_server, worker_pids_in
 from service.demo import N_COARSE, N_FINE, N_FUNCTIONS
 from service.grpc.proto import grpc_service_pb2 as pb
-from service.workers import available_cores
+from service.workers import available_cores, plan_workers
 
 pytestmark = pytest.mark.e2e
 
@@ -46,9 +46,10 @@ SERVICE = "/inference.GRPCInferenceService/"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]:
-    # The default worker count; on a host where it is one worker (one core), two: what is
-    # tested is the workers' control plane.
-    workers = "auto" if available_cores() >= 2 else "2"
+    # The default worker count; on a host where it is one worker (two cores or fewer), two:
+    # what is tested is the workers' control plane.
+    auto = plan_workers("auto", cores=available_cores(), gpus=0).workers
+    workers = "auto" if auto >= 2 else "2"
     env = {"BITSERVE_WORKERS": workers, "BITSERVE_LOG_LEVEL": "info"}
     log_dir = tmp_path_factory.mktemp("control")
     with start_server(args=["--allow-client-shm"], env=env, log_dir=log_dir) as server:

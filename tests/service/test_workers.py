@@ -46,7 +46,8 @@ def test_bad_workers_flag_or_env_exits_2_naming_the_setting(
     ("cores", "gpus", "workers", "threads"),
     [
         (1, 0, 1, 1),  # a single core: serve in one process
-        (2, 0, 2, 1),
+        (2, 0, 1, 1),  # a small host: one worker's loop, one torch thread (issue 23)
+        (3, 0, 3, 1),
         (6, 0, 6, 1),
         (64, 0, 8, 7),  # capped: each worker holds its own models; a core for each loop
         (16, 1, 2, 7),  # two per GPU...
