@@ -117,9 +117,20 @@ class OrtRunner:
 
 def _options(ort: Any) -> Any:
     """Session options: ONNX Runtime's own log quiet but for fatal errors (a failed run is
-    raised, and reported with its message, by bitserve; ORT would print it to stderr too)."""
+    raised, and reported with its message, by bitserve; ORT would print it to stderr too),
+    and its threads those torch was given.
+
+    By default ONNX Runtime runs one thread per core whatever the process was given, and its
+    idle threads spin: a server worker whose torch threads leave a core to its event loop
+    (see ``service.workers``) then had both cores taken by ONNX Runtime, which served 0.60x
+    the rows of the same model as torch.export while it computed as fast alone
+    (benchmarks/results/formats.md). Its intra-op threads are torch's, and they sleep when
+    idle."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 

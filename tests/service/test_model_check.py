@@ -228,6 +228,28 @@ def test_onnx_on_cuda_binds_the_device_tensors(tmp_path: Path) -> None:
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_onnx_runs_on_torchs_threads_that_sleep_when_idle(tmp_path: Path) -> None:
+    """ONNX Runtime's defaults (a thread per core, spinning when idle) would take the core a
+    server worker leaves to its event loop."""
+    pytest.importorskip("onnxruntime")
+    path = write_model(tmp_path / "m.onnx", "onnx", fingerprint_mlp(bits=BITS), 4, bits=BITS)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            model = load_model_file(path)
+            opts = model.session.get_session_options()  # type: ignore[attr-defined]
+            assert (opts.intra_op_num_threads, opts.inter_op_num_threads) == (threads, 1)
+            assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+            x = (torch.rand(3, BITS) < 0.3).float()
+            (out,) = model.to(torch.device("cpu"))(x)
+            with torch.no_grad():
+                ref = fingerprint_mlp(bits=BITS)(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_config_names_every_format_and_unpack_dtype() -> None:
     """config.py keeps the names (it imports no torch); the registries are the truth."""
     import typing
