@@ -15,12 +15,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from service.errors import ServiceError
+from service.errors import DeadlineExceeded, Overloaded, ServiceError
+
+if TYPE_CHECKING:
+    from service.metrics import Metrics
 
 P = TypeVar("P")
 R = TypeVar("R")
+R_contra = TypeVar("R_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,22 @@ class BatchInfo:
     """Requests merged into it."""
 
 
+class Answer(Protocol[R_contra]):
+    """Where a queued request's result goes: an ``asyncio.Future``, or any object with the
+    three methods the batcher calls (``service.rest.express``)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: tuple[R_contra, BatchInfo], /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 @dataclass(eq=False)
 class Pending(Generic[P, R]):
     """One request waiting for (or in) its batch."""
 
     payload: P
     size: int
-    future: asyncio.Future[tuple[R, BatchInfo]]
+    future: Answer[R]
     enqueued: float
     """The event loop's time when it was queued."""
     deadline: float | None
@@ -164,6 +177,42 @@ class LevelQueue(Generic[P, R]):
         self._level_items[pending.level] += sign * pending.size
 
 
+class QueueGauges:
+    """A queue's depth gauges (``bitserve_queue_depth``, and each priority level's when it
+    has several), written once per turn of the event loop (``Metrics.defer``) as deltas:
+    other versions of the model share the series' labels.
+
+    Args:
+        metrics: the server's metrics.
+        name: the model (the series' label).
+        queue: the queue whose depths they show.
+    """
+
+    def __init__(self, metrics: Metrics, name: str, queue: LevelQueue[Any, Any]) -> None:
+        self.metrics = metrics
+        self.queue = queue
+        self.depth = metrics.queue_depth.labels(name)
+        self.levels = metrics.level_depths(name, queue.levels) if queue.levels > 1 else []
+        self._shown = 0
+        self._shown_levels = [0] * queue.levels
+
+    def changed(self) -> None:
+        """The queue changed: its gauges are written at the end of the loop's turn."""
+        self.metrics.defer(self.report)
+
+    def report(self) -> None:
+        """Write the gauges now."""
+        depth = len(self.queue)
+        if depth != self._shown:
+            self.depth.inc(depth - self._shown)
+            self._shown = depth
+        for i, gauge in enumerate(self.levels):
+            n = self.queue.count(i)
+            if n != self._shown_levels[i]:
+                gauge.inc(n - self._shown_levels[i])
+                self._shown_levels[i] = n
+
+
 def timed(
     fn: Callable[[list[P]], Sequence[R]], payloads: list[P]
 ) -> tuple[Sequence[R], float, float]:
@@ -171,6 +220,24 @@ def timed(
     t0, c0 = time.perf_counter(), time.thread_time()
     out = fn(payloads)
     return out, time.perf_counter() - t0, time.thread_time() - c0
+
+
+def expired_error(
+    name: str, by_policy: bool, waited: float, queue_timeout_s: float
+) -> ServiceError:
+    """The answer of a request of model ``name`` that waited ``waited`` seconds in the queue
+    and was dropped, never computed: by the queue timeout (``by_policy``), or by its own."""
+    if by_policy:
+        return Overloaded(
+            f"model '{name}' is overloaded: the request waited {waited * 1e3:.0f} ms in the "
+            f"queue (queue_timeout_us {queue_timeout_s * 1e6:.0f}); it was not computed; "
+            "retry later",
+            retry_after=1.0,
+        )
+    return DeadlineExceeded(
+        f"model '{name}': the request's timeout expired after {waited * 1e3:.1f} ms in the "
+        "queue; it was not computed"
+    )
 
 
 def request_error(name: str, exc: BaseException, request_id: str) -> ServiceError:

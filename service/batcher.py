@@ -1,12 +1,12 @@
 """Dynamic batching: concurrent requests of one model merged along the batch dimension.
 
-The asyncio side keeps the waiting requests, each with a future, in one FIFO per priority
-level (:class:`service.batch_queue.LevelQueue`; one level without priorities). One scheduler
-task per model closes a batch when it holds ``max_batch_size`` items or when its oldest request
-has waited ``max_queue_delay_us``, and hands it to the device's single worker thread, so the
-event loop never waits on device work. Batches take the highest level first, FIFO within a
-level. Requests are never split: one whose items do not fit in what is left of a batch opens
-the next one.
+The asyncio side keeps the waiting requests, each with its answer (a future, or a call back:
+:meth:`Batcher.enqueue`), in one FIFO per priority level (:class:`service.batch_queue.LevelQueue`;
+one level without priorities). One scheduler task per model closes a batch when it holds
+``max_batch_size`` items or when its oldest request has waited ``max_queue_delay_us``, and hands
+it to the device's single worker thread, so the event loop never waits on device work. Batches
+take the highest level first, FIFO within a level. Requests are never split: one whose items do
+not fit in what is left of a batch opens the next one.
 
 - A full queue (all levels together, or the request's own level) answers
   :class:`~service.errors.Overloaded` at once (503 + Retry-After).
@@ -36,8 +36,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from service.batch_queue import BatchInfo, LevelQueue, Pending, request_error, timed
-from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
+from service.batch_queue import (
+    Answer,
+    BatchInfo,
+    LevelQueue,
+    Pending,
+    QueueGauges,
+    expired_error,
+    request_error,
+    timed,
+)
+from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.statistics import ModelStats
@@ -120,10 +129,7 @@ class Batcher(Generic[P, R]):
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._running: list[Pending[P, R]] = []
-        self._reported_depth = 0
-        self._depth_gauge: Any = None
-        self._level_gauges: list[Any] = []
-        self._reported_levels = [0] * self._queue.levels
+        self._gauges: QueueGauges | None = None
         self._cancelled: Any = None
         self._inline_below_s = inline_below_s
         self._batch_cpu_s = math.inf  # moving average; unknown until a batch has run
@@ -140,12 +146,10 @@ class Batcher(Generic[P, R]):
             )
             self._task.add_done_callback(self._scheduler_done)
             if self._metrics is not None:
-                # The series exists from the start; its child is looked up once, not per
-                # request (the repository forgets it only after this batcher has stopped).
-                self._depth_gauge = self._metrics.queue_depth.labels(self.name)
+                # The series exist from the start; their children are looked up once, not per
+                # request (the repository forgets them only after this batcher has stopped).
+                self._gauges = QueueGauges(self._metrics, self.name, self._queue)
                 self._cancelled = self._metrics.cancelled(self.name, self.version)
-                if self._queue.levels > 1:
-                    self._level_gauges = self._metrics.level_depths(self.name, self._queue.levels)
 
     @property
     def depth(self) -> int:
@@ -209,7 +213,7 @@ class Batcher(Generic[P, R]):
         level: int = 1,
         trace: Any = None,
     ) -> tuple[R, BatchInfo]:
-        """Queue one request and wait for its result.
+        """Queue one request and wait for its result: ``(result, info)``.
 
         Args:
             payload: what ``run_batch`` receives for this request.
@@ -219,14 +223,39 @@ class Batcher(Generic[P, R]):
             level: its priority level, 1 (the highest) to the number of levels.
             trace: its :class:`service.tracing.RequestTrace` when it is traced.
 
-        Returns:
-            ``(result, info)`` for this request.
-
         Raises:
             Overloaded: the queue is full.
             ModelNotReady: the batcher is stopping.
             DeadlineExceeded: the timeout expired first.
             ServiceError: the batch's computation failed.
+        """
+        future: asyncio.Future[tuple[R, BatchInfo]] = asyncio.get_running_loop().create_future()
+        pending = self.enqueue(payload, size, future, timeout_us=timeout_us, level=level,
+                               trace=trace)  # fmt: skip
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.cancel(pending)  # the client went away
+            raise
+
+    def enqueue(
+        self,
+        payload: P,
+        size: int,
+        answer: Answer[R],
+        *,
+        timeout_us: int | None = None,
+        level: int = 1,
+        trace: Any = None,
+        request_id: str | None = None,
+    ) -> Pending[P, R]:
+        """:meth:`submit` without the wait: ``answer`` gets the result or the error (an
+        ``asyncio.Future``, or an object with its three methods that calls back:
+        ``service.rest.express``); ``request_id`` names the request in the log (default: the
+        request being handled). Returns the queued request, for :meth:`cancel`.
+
+        Raises:
+            see :meth:`submit` (what is refused before the request is queued).
         """
         if self._closing or self._task is None or self._task.done():
             raise ModelNotReady(f"model '{self.name}' is not accepting requests (unloading)")
@@ -246,10 +275,10 @@ class Batcher(Generic[P, R]):
         pending: Pending[P, R] = Pending(
             payload,
             size,
-            loop.create_future(),
+            answer,
             now,
             None if wait is None else now + wait,
-            request_id=request_id_var.get(),
+            request_id=request_id_var.get() if request_id is None else request_id,
             queue_policy=by_policy,
             level=level - 1,
             trace=trace,
@@ -259,13 +288,13 @@ class Batcher(Generic[P, R]):
         self._queue.append(pending)
         self._depth_changed()
         self._wake()
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            # The client went away: a queued request is dropped, never computed.
-            if self._remove(pending) and self._cancelled is not None:
-                self._cancelled.inc()
-            raise
+        return pending
+
+    def cancel(self, pending: Pending[P, R]) -> None:
+        """The client of a queued request went away: still queued, it is dropped, never
+        computed (and counted); already in a batch, it is computed and its answer dropped."""
+        if self._remove(pending) and self._cancelled is not None:
+            self._cancelled.inc()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish the queued and running ones, then stop.
@@ -286,8 +315,8 @@ class Batcher(Generic[P, R]):
         for p in self._queue.drain():
             self._cancel_timer(p)
             p.fail(ModelNotReady(f"model '{self.name}' was unloaded before this request ran"))
-        if self._depth_gauge is not None:
-            self._report_depth()  # now: the repository may forget the series next
+        if self._gauges is not None:
+            self._gauges.report()  # now: the repository may forget the series next
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
@@ -308,17 +337,7 @@ class Batcher(Generic[P, R]):
 
     def _expired(self, pending: Pending[P, R]) -> ServiceError:
         waited = asyncio.get_running_loop().time() - pending.enqueued
-        if pending.queue_policy:
-            return Overloaded(
-                f"model '{self.name}' is overloaded: the request waited {waited * 1e3:.0f} ms "
-                f"in the queue (queue_timeout_us {self.queue_timeout_s * 1e6:.0f}); it was not "
-                "computed; retry later",
-                retry_after=1.0,
-            )
-        return DeadlineExceeded(
-            f"model '{self.name}': the request's timeout expired after {waited * 1e3:.1f} ms "
-            "in the queue; it was not computed"
-        )
+        return expired_error(self.name, pending.queue_policy, waited, self.queue_timeout_s)
 
     @staticmethod
     def _cancel_timer(pending: Pending[P, R]) -> None:
@@ -327,21 +346,8 @@ class Batcher(Generic[P, R]):
             pending.timer = None
 
     def _depth_changed(self) -> None:
-        if self._depth_gauge is not None and self._metrics is not None:
-            self._metrics.defer(self._report_depth)  # written once per turn of the loop
-
-    def _report_depth(self) -> None:
-        assert self._depth_gauge is not None
-        # Deltas, not the value: other versions of the model share the metric's label.
-        depth = len(self._queue)
-        if depth != self._reported_depth:
-            self._depth_gauge.inc(depth - self._reported_depth)
-            self._reported_depth = depth
-        for i, gauge in enumerate(self._level_gauges):
-            n = self._queue.count(i)
-            if n != self._reported_levels[i]:
-                gauge.inc(n - self._reported_levels[i])
-                self._reported_levels[i] = n
+        if self._gauges is not None:
+            self._gauges.changed()
 
     # --- scheduler ------------------------------------------------------------------------
 
@@ -438,7 +444,7 @@ class Batcher(Generic[P, R]):
         start_ns = time.perf_counter_ns()
         waits_ns = [start_ns - p.enqueued_ns for p in batch]
         if self._metrics is not None:
-            levels = [p.level + 1 for p in batch] if self._level_gauges else None
+            levels = [p.level + 1 for p in batch] if self._queue.levels > 1 else None
             self._metrics.observe_queue(self.name, [w / 1e9 for w in waits_ns], levels)
         if self.stats is not None:
             self.stats.queued(len(batch), sum(waits_ns))

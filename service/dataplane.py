@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 import service
+from service.batcher import BatchInfo
 from service.config_override import ConfigOverride
 from service.errors import (
     InvalidInput,
@@ -118,13 +119,7 @@ async def infer(
         if trace is not None:
             trace.queued(queued_ns)
     outputs = handle.signature.outputs
-    rid = request.id
-    if rid is None:
-        # KServe's response model requires an id; Triton's clients log it: the request id
-        # that X-Request-ID carries (sent or made by the transport) stands in.
-        sent = request_id_var.get()
-        rid = None if sent == "-" else sent
-    shared = {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
+    shared = shared_outputs(request)
     if shared:
         await _write_shared(
             [
@@ -133,6 +128,36 @@ async def infer(
                 if outputs[i].name in shared
             ]
         )
+    return build_response(
+        handle, request, bound.outputs, arrays, info, request_id_var.get(), shared
+    )
+
+
+def shared_outputs(request: InferRequest) -> dict[str, SharedOutput]:
+    """The outputs ``request`` wants written into shared memory, by name."""
+    return {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
+
+
+def build_response(
+    handle: ModelHandle,
+    request: InferRequest,
+    wanted: tuple[int, ...],
+    arrays: list[np.ndarray[Any, Any]],
+    info: BatchInfo,
+    request_id: str,
+    shared: dict[str, SharedOutput] | None = None,
+) -> InferResponse:
+    """The response to ``request`` from its batch's outputs (``arrays``, in config order;
+    ``wanted``: the indices of those it asked for, ``Bound.outputs``); ``request_id``: the
+    transport's id of the request (its response's id when the request gave none; ``-``:
+    none); ``shared``: the outputs already written to shared memory."""
+    outputs = handle.signature.outputs
+    shared = shared or {}
+    rid = request.id
+    if rid is None:
+        # KServe's response model requires an id; Triton's clients log it: the request id
+        # that X-Request-ID carries (sent or made by the transport) stands in.
+        rid = None if request_id == "-" else request_id
     return InferResponse(
         model_name=handle.name,
         model_version=handle.version,
@@ -145,7 +170,7 @@ async def infer(
                 data=arrays[i],
                 in_shared_memory=outputs[i].name in shared,
             )
-            for i in bound.outputs
+            for i in wanted
         ],
         parameters={"batch_size": info.batch_size, "batch_requests": info.batch_requests},
     )
@@ -292,14 +317,13 @@ class DataPlane:
         Raises:
             ServiceError: with the status the transport answers.
         """
-        t0 = time.perf_counter_ns()
+        t0 = self.started()
         label = "_unknown"  # unknown names must not grow the metrics' label set
         outcome = "success"
         handle: ModelHandle | None = None
         request = response = None
         submitted = False
         status = 200
-        self.metrics.request_started()
         try:
             handle = self.repository.get(name, version)
             label = handle.name
@@ -335,9 +359,20 @@ class DataPlane:
         finally:
             if trace is not None:
                 _end_trace(trace, handle, request, response, outcome, status)
-            ns = time.perf_counter_ns() - t0
-            self.metrics.request_finished(label, outcome, ns / 1e9)
-            # Triton's statistics: every transport's requests, except those whose client
-            # went away (neither a success nor a failure of the server's).
-            if handle is not None and outcome != "Cancelled":
-                handle.stats.request_done(outcome == "success", ns)
+            self.finished(t0, label, outcome, handle)
+
+    def started(self) -> int:
+        """Count a request in flight (every transport's, from the data plane's start);
+        returns its start, for :meth:`finished`."""
+        self.metrics.request_started()
+        return time.perf_counter_ns()
+
+    def finished(self, t0: int, label: str, outcome: str, handle: ModelHandle | None) -> None:
+        """Count a request that :meth:`started` at ``t0`` as done: its outcome and latency in
+        the metrics (labelled ``label``), and in its model version's statistics (every
+        transport's requests, except those whose client went away: neither a success nor a
+        failure of the server's)."""
+        ns = time.perf_counter_ns() - t0
+        self.metrics.request_finished(label, outcome, ns / 1e9)
+        if handle is not None and outcome != "Cancelled":
+            handle.stats.request_done(outcome == "success", ns)

@@ -26,9 +26,11 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import io
 import logging
 import pstats
+import statistics
 import struct
 import tempfile
 import time
@@ -36,9 +38,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httptools
-
 from benchmarks.overhead import tiny
+from harness.fake_transport import FakeClient, Response, host_config
+from service.devices import set_torch_threads
+from service.observability import configure_logging
+from service.workers import available_cores, plan_workers
 
 _HEAD = (
     b'{"inputs":[{"name":"bits","datatype":"UINT8","shape":[1,1,1],'
@@ -54,93 +58,38 @@ REQUEST = (
 """One binary V2 request of one item (the byte 0b1011: three ones), as perf_analyzer sends."""
 
 
-class _Client(asyncio.Transport):
-    """A fake transport: one keep-alive client that sends its next request when the answer
-    to its last one is complete."""
-
-    def __init__(self, driver: _Driver) -> None:
-        super().__init__()
-        self.driver = driver
-        self.protocol: asyncio.Protocol | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.body = b""
-        self.closed = False
-        self.paused = False
-
-    # the response parser's callbacks
-    def on_body(self, body: bytes) -> None:
-        self.body += body
-
-    def on_message_complete(self) -> None:
-        status = self.parser.get_status_code()
-        body, self.body = self.body, b""
-        if status != 200 or struct.unpack("<f", body[-4:])[0] != 3.0:
-            raise AssertionError(f"answer {status}: {body[:200]!r}")
-        self.driver.answered(self)
-
-    # the transport's side
-    def write(self, data: Any) -> None:
-        self.parser.feed_data(bytes(data))
-
-    def writelines(self, list_of_data: Any) -> None:
-        for data in list_of_data:
-            self.write(data)
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        self.paused = True
-
-    def resume_reading(self) -> None:
-        self.paused = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(
-            name, default
-        )
-
-    def send(self) -> None:
-        assert self.protocol is not None
-        self.protocol.data_received(REQUEST)
-
-
 class _Driver:
+    """``connections`` keep-alive clients, each sending its next request when its answer is
+    complete (in the next loop turn, as a socket read would), until ``requests`` are sent."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, requests: int) -> None:
         self.loop = loop
-        self.left = requests
+        self.left = self.total = requests
         self.sent = 0
         self.done: asyncio.Future[None] = loop.create_future()
 
-    def answered(self, client: _Client) -> None:
+    def answered(self, client: FakeClient, response: Response) -> None:
+        if response.status != 200 or struct.unpack("<f", response.body[-4:])[0] != 3.0:
+            raise AssertionError(f"answer {response.status}: {bytes(response.body[:200])!r}")
+        client.responses.clear()
         self.left -= 1
         if self.left <= 0:
             if not self.done.done():
                 self.done.set_result(None)
         elif self.sent < self.total:
             self.sent += 1
-            self.loop.call_soon(client.send)
+            self.loop.call_soon(client.send, REQUEST)
 
     async def run(self, make: Callable[[], asyncio.Protocol], connections: int) -> None:
-        self.total = self.left
         for _ in range(connections):
-            client = _Client(self)
-            protocol = make()
-            client.protocol = protocol
-            protocol.connection_made(client)
+            client = FakeClient(self.answered).attach(make())
             self.sent += 1
-            self.loop.call_soon(client.send)
+            self.loop.call_soon(client.send, REQUEST)
         await self.done
 
 
 @contextlib.asynccontextmanager
 async def _bitserve(tmp: Path) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
-    import uvicorn
-    from uvicorn.server import ServerState
-
     from service.rest.app import create_app
     from service.rest.http_protocol import protocol_class
     from service.settings import Settings
@@ -149,9 +98,7 @@ async def _bitserve(tmp: Path) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
     settings = Settings(model_repository=repo, grpc_port=0)
     app = create_app(settings)
     cls = protocol_class(head_timeout_s=10.0, max_header_bytes=65536, max_connections=0)
-    config = uvicorn.Config(app, http=cls, lifespan="off", proxy_headers=False)
-    config.load()
-    state = ServerState()
+    config, state = host_config(app, cls)
     async with app.router.lifespan_context(app):
         yield lambda: cls(config, state, {})
 
@@ -160,15 +107,11 @@ async def _bitserve(tmp: Path) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
 async def _uvicorn(module: str) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
     import importlib
 
-    import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    from uvicorn.server import ServerState
 
     mod = importlib.import_module(module)
     app = mod.create_app() if hasattr(mod, "create_app") else mod.app
-    config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False)
-    config.load()
-    state = ServerState()
+    config, state = host_config(app, "httptools")
     yield lambda: HttpToolsProtocol(config, state, {})
 
 
@@ -187,6 +130,7 @@ async def measure(
     with tempfile.TemporaryDirectory() as tmp:
         async with SERVERS[name](Path(tmp)) as make:
             await _Driver(loop, max(200, requests // 10)).run(make, connections)  # warm-up
+            gc.collect()
             driver = _Driver(loop, requests)
             t0 = time.process_time()
             if profile is not None:
@@ -206,16 +150,23 @@ def main() -> None:
     p.add_argument("--servers", default="bitserve,fastapi,floor")
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--connections", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", default=None, help="a server to cProfile, printing its stats")
     p.add_argument("--sort", default="tottime")
     p.add_argument("--lines", type=int, default=40)
     p.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    # The access log is on, as bitserve's default: its lines go nowhere here.
-    logging.getLogger("service.rest.gateway.access").addHandler(logging.NullHandler())
-    logging.getLogger("service.rest.gateway.access").propagate = False
-    logging.getLogger("service.rest.gateway.access").setLevel(logging.INFO)
+    # The server's logging, as ``bitserve serve`` sets it up; its lines (bitserve's access
+    # log is on by default) go nowhere here.
+    configure_logging("info")
+    # Torch's threads as ``bitserve serve --workers 1`` sets them here (the FastAPI baseline
+    # runs no torch); left at torch's default, an idle intra-op thread's spinning would be
+    # counted as the server's CPU.
+    plan = plan_workers(1, cores=available_cores(), gpus=0)
+    set_torch_threads(plan.torch_threads, plan.interop_threads)
+    for name in ("service", "gpu_ops", "uvicorn"):
+        for handler in logging.getLogger(name).handlers:
+            handler.setStream(io.StringIO())  # type: ignore[attr-defined]
     run: Any = asyncio.run
     if args.uvloop:
         import uvloop
@@ -232,14 +183,22 @@ def main() -> None:
         print(out.getvalue())
         print(f"{args.profile}: {us:.0f} µs/req under cProfile, {calls} Python calls/req")
         return
-    for name in args.servers.split(","):
-        us, _ = run(measure(name, requests=args.requests, connections=args.connections))
+    names = args.servers.split(",")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.rounds):  # interleaved: drift on a shared machine hits every server
+        for name in names:
+            us, _ = run(measure(name, requests=args.requests, connections=args.connections))
+            times[name].append(us)
+    for name in names:
         prof = cProfile.Profile()
         _, calls = run(
             measure(name, requests=args.requests // 4, connections=args.connections,
                     profile=prof)
         )  # fmt: skip
-        print(f"{name}: {us:.0f} µs/req, {calls} Python calls/req", flush=True)
+        runs = ", ".join(f"{us:.0f}" for us in times[name])
+        print(f"{name}: {statistics.median(times[name]):.0f} µs/req, least {min(times[name]):.0f} "
+              f"(rounds: {runs}), "
+              f"{calls} Python calls/req", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

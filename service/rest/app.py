@@ -35,6 +35,7 @@ from service.observability import printable_path
 from service.rest.auth import make_auth_check
 from service.rest.endpoints import Endpoints, json_response
 from service.rest.errors import error_response
+from service.rest.express import ExpressLanes
 from service.rest.fastpath import InferRoute
 from service.rest.gateway import Gateway
 from service.rest.inference import RestInference
@@ -80,6 +81,9 @@ class BitserveApp(FastAPI):
     """FastAPI with :class:`Gateway` in front: every HTTP request passes the gateway once."""
 
     gateway: Gateway | None = None
+    express: ExpressLanes | None = None
+    """The infer route's express lane, which bitserve's HTTP connection takes plain infer
+    requests to (``service.rest.express``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.gateway is not None and scope["type"] == "http":
@@ -262,4 +266,5 @@ def create_app(
         access_log=settings.access_log,
         limit_concurrency=settings.limit_concurrency,
     )
+    app.express = ExpressLanes(infer, app.gateway)
     return app

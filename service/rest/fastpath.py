@@ -119,12 +119,14 @@ class InferRoute:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
-        self._token = auth_token.encode() if auth_token is not None else None
+        self.token = auth_token.encode() if auth_token is not None else None
+        """The bearer token every request must carry, or None."""
         self.inflight_bytes = 0
         """Body bytes reserved now by requests being received or computed."""
         self.lock = threading.Lock()
         """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
-        self._shed = Tally(log, log_level(Overloaded("")), "POST %s -> 503 (shed): %s")
+        self.shed = Tally(log, log_level(Overloaded("")), "POST %s -> 503 (shed): %s")
+        """Counts (and now and then logs) a request shed: by the thousand under overload."""
 
     async def __call__(
         self,
@@ -135,7 +137,7 @@ class InferRoute:
         request_id: str,
     ) -> int:
         """Answer one infer request; returns the status sent (for the access log)."""
-        held = _Held(self)
+        held = Held(self)
         task = asyncio.current_task()
         try:
             declared, encoding, header_length, accept = self._headers(scope["headers"])
@@ -179,7 +181,7 @@ class InferRoute:
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
             path = printable_path(scope["path"])
             if isinstance(e, Overloaded):
-                self._shed(path, shown_message(e))  # by the thousand: counted, not each logged
+                self.shed(path, shown_message(e))  # by the thousand: counted, not each logged
             else:
                 report(log, f"POST {path}", e)
             await send_error(send, e, request_id)
@@ -219,7 +221,7 @@ class InferRoute:
                 accept = v.decode("latin-1")
             elif k == b"authorization":
                 token = v.decode("latin-1")
-        check_bearer(token, self._token)
+        check_bearer(token, self.token)
         if declared is not None and declared > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"
@@ -231,7 +233,7 @@ class InferRoute:
         return declared, encoding, header_length, accept
 
 
-class _Held:
+class Held:
     """One request's share of the route's in-flight byte budget: its body as received, and
     the inflated copy of a compressed body (counted from a worker thread: hence the lock)."""
 

@@ -17,7 +17,7 @@ import http
 import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import ServiceError
 from service.rest.disconnect import client_gone
@@ -51,6 +51,32 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
+class Request(Protocol):
+    """A request on a connection, as the connection sees it: an :class:`Exchange`, or an
+    express request (``service.rest.express``)."""
+
+    complete: bool
+    """Its response has been written whole (or nothing more will be)."""
+    more_body: bool
+    """Its body has not been received whole yet."""
+    keep_alive: bool
+
+    def add_body(self, data: bytes) -> int:
+        """Body bytes received; returns the bytes now held for the application."""
+
+    def body_done(self) -> None:
+        """The whole body has been received."""
+
+    def body_incomplete(self) -> None:
+        """A read of the connection ended before the body did."""
+
+    def start(self) -> None:
+        """Its turn has come: the requests before it on the connection are answered."""
+
+    def lost(self) -> None:
+        """The client went away."""
 
 
 class Exchange:
@@ -131,6 +157,17 @@ class Exchange:
         self.disconnected = True
         self.wake()
         client_gone(self.scope)
+
+    def body_incomplete(self) -> None:
+        """Nothing to do: the application's body reader keeps its own time."""
+
+    def start(self) -> None:
+        """Run the application on this request in a task of its own."""
+        conn = self.conn
+        task = conn.loop.create_task(self.run(conn.app))
+        tasks = conn.state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def run(self, app: App) -> None:
         """Run the application on this request; a failure it leaves unanswered is a JSON 500."""

@@ -47,17 +47,19 @@ import asyncio
 import contextlib
 import logging
 import urllib.parse
-from collections import OrderedDict, deque
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import httptools
 
 from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
-from service.observability import Tally
 from service.rest.errors import error_bytes
-from service.rest.http_cycle import App, Exchange, Message
-from service.rest.sockets import unread_bytes
+from service.rest.http_cycle import App, Exchange, Message, Request
+from service.rest.sockets import Waiting, unread_bytes
 from service.text import safe_text
+
+if TYPE_CHECKING:
+    from service.rest.express import ExpressLanes, ExpressRequest
 
 log = logging.getLogger(__name__)
 
@@ -68,38 +70,6 @@ _METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPT
 
 class _HeadTooLarge(Exception):
     """Raised in a parser callback to stop parsing a head past a bound (431)."""
-
-
-class _Waiting:
-    """One server's connections waiting for a request head, oldest first, in two classes:
-    those that were never answered (slowloris holds only these) and those that were (a
-    keep-alive client between requests). The first are evicted first; evictions are counted
-    and logged at most every 10 s."""
-
-    def __init__(self) -> None:
-        self.fresh: OrderedDict[HttpProtocol, None] = OrderedDict()
-        self.served: OrderedDict[HttpProtocol, None] = OrderedDict()
-        self.evicted = Tally(
-            log,
-            logging.WARNING,
-            "connection cap %d reached: closed connection(s) waiting for a head",
-        )
-
-    def add(self, conn: HttpProtocol, *, served: bool) -> None:
-        """Add ``conn`` as the newest of its class."""
-        self.remove(conn)
-        (self.served if served else self.fresh)[conn] = None
-
-    def remove(self, conn: HttpProtocol) -> None:
-        self.fresh.pop(conn, None)
-        self.served.pop(conn, None)
-
-    def oldest(self) -> HttpProtocol | None:
-        """The connection to evict first, if any."""
-        for group in (self.fresh, self.served):
-            if group:
-                return next(iter(group))
-        return None
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -115,7 +85,7 @@ class HttpProtocol(asyncio.Protocol):
     max_head_bytes: int = 64 << 10
     max_headers: int = 100
     max_connections: int = 0  # 0: no cap
-    waiting: _Waiting = _Waiting()  # one per server: protocol_class makes a fresh one
+    waiting: Waiting[HttpProtocol] = Waiting(log)  # one per server: protocol_class makes one
 
     def __init__(
         self,
@@ -127,6 +97,11 @@ class HttpProtocol(asyncio.Protocol):
         if not config.loaded:
             config.load()
         self.app: App = config.loaded_app
+        self.express: ExpressLanes | None = None
+        """The infer route's express lane (``service.rest.express``), when the application
+        has one and no ``root_path`` moves its paths."""
+        if not config.root_path:
+            self.express = getattr(self.app, "express", None)
         self.loop = _loop or asyncio.get_event_loop()
         self.state = server_state
         self.app_state = app_state
@@ -141,12 +116,14 @@ class HttpProtocol(asyncio.Protocol):
         self.server: tuple[str, int] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
-        self.active: Exchange | None = None
+        self.active: Request | None = None
         """The request being answered."""
-        self.queued: deque[Exchange] = deque()
+        self.queued: deque[Request] = deque()
         """Pipelined requests waiting for ``active``'s response, oldest first."""
-        self.parsing: Exchange | None = None
+        self.parsing: Request | None = None
         """The newest request, whose body the parser is reading."""
+        self.reading = False
+        """Inside ``data_received``: the parser is at work."""
         self.stopping = False
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -203,6 +180,7 @@ class HttpProtocol(asyncio.Protocol):
             return  # refused, timed out or evicted: what else arrives is not parsed
         self._cancel_idle()
         self._began_in_this_read = False
+        self.reading = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -217,6 +195,11 @@ class HttpProtocol(asyncio.Protocol):
             log.info("malformed HTTP request: %s", text)
             self._close(InvalidInput(f"malformed HTTP request: {text}"))
             return
+        finally:
+            self.reading = False
+        parsing = self.parsing
+        if parsing is not None and parsing.more_body:
+            parsing.body_incomplete()
         if self._head_begun:
             # The parser keeps an unfinished header line to itself: its bytes are counted as
             # they come (from the read after the head began: the part of that read which
@@ -274,7 +257,25 @@ class HttpProtocol(asyncio.Protocol):
         parser = self.parser
         method = parser.get_method()
         version = parser.get_http_version()
-        url = self._url
+        keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
+        request: Request | None = None
+        url, headers = self._url, self._headers
+        if self.express is not None and not self._expect:
+            request = self.express.begin(self, method, version, url, headers, keep_alive)
+        if request is None:
+            scope = self.scope(method, version, url, headers)
+            request = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
+        self.parsing = request
+        if self.active is None:
+            self._start(request)
+        else:
+            self.queued.append(request)  # answered in order
+            self._pause_reading()
+
+    def scope(
+        self, method: bytes, version: str, url: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> Message:
+        """The ASGI scope of a request with this head."""
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
             raw_path, query = url, b""
         else:
@@ -283,7 +284,7 @@ class HttpProtocol(asyncio.Protocol):
         path = raw_path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
-        scope: Message = {
+        return {
             "type": "http",
             "asgi": self.asgi,
             "http_version": version,
@@ -295,17 +296,26 @@ class HttpProtocol(asyncio.Protocol):
             "path": self.root_path + path,
             "raw_path": self.root_path.encode("ascii") + raw_path,
             "query_string": query,
-            "headers": self._headers,
+            "headers": headers,
             "state": self.app_state.copy(),
         }
-        keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
-        exchange = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
-        self.parsing = exchange
-        if self.active is None:
-            self._start(exchange)
+
+    def take_over(self, express: ExpressRequest) -> Exchange:
+        """An express request handed to the general way: an exchange with its head, its body
+        so far and its place on the connection (started if it was)."""
+        method, version, url, headers = express.head
+        scope = self.scope(method, version, url, headers)
+        exchange = Exchange(self, scope, keep_alive=express.keep_alive, expect_continue=False)
+        exchange.chunks = express.chunks
+        exchange.more_body = express.more_body
+        if self.parsing is express:
+            self.parsing = exchange
+        if self.active is express:
+            self.active = exchange
+            exchange.start()
         else:
-            self.queued.append(exchange)  # answered in order
-            self._pause_reading()
+            self.queued = deque(exchange if r is express else r for r in self.queued)
+        return exchange
 
     def on_body(self, body: bytes) -> None:
         exchange = self.parsing
@@ -321,20 +331,17 @@ class HttpProtocol(asyncio.Protocol):
 
     # --- requests -------------------------------------------------------------------------
 
-    def _start(self, exchange: Exchange) -> None:
-        self.active = exchange
-        task = self.loop.create_task(exchange.run(self.app))
-        tasks = self.state.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    def _start(self, request: Request) -> None:
+        self.active = request
+        request.start()
 
-    def body_taken(self, exchange: Exchange) -> None:
+    def body_taken(self, exchange: Request) -> None:
         """``exchange``'s application took its body bytes: reading may resume."""
         if self._reading_paused and exchange is self.parsing and not self.queued:
             self._reading_paused = False
             self.transport.resume_reading()
 
-    def response_done(self, exchange: Exchange) -> None:
+    def response_done(self, exchange: Request) -> None:
         """``exchange``'s response is complete (called by the exchange)."""
         self.state.total_requests += 1
         self._served = True
@@ -473,6 +480,6 @@ def protocol_class(
             "max_head_bytes": max_header_bytes,
             "max_headers": max_headers,
             "max_connections": max_connections,
-            "waiting": _Waiting(),
+            "waiting": Waiting(log),
         },
     )

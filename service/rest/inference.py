@@ -136,6 +136,18 @@ class RestInference:
                 )
             else:
                 body = decompress(raw, encoding, limit=limit, reserve=reserve)
+        data = body
+        return await decode_sized(len(body), lambda: self.decode_now(handle, data, header_length))
+
+    def decode_now(
+        self, handle: ModelHandle, body: bytes | bytearray, header_length: str | None
+    ) -> InferRequest:
+        """Decode an uncompressed body for ``handle``'s model (its JSON part bounded by
+        ``max_json_bytes``), here and now.
+
+        Raises:
+            InvalidInput, PayloadTooLarge: the body does not decode for the model.
+        """
         n = parse_header_length(header_length, len(body))
         json_bytes = len(body) if n is None else n
         if json_bytes > self.max_json_bytes:
@@ -145,8 +157,7 @@ class RestInference:
                 "binary_tensor_data extension: Inference-Header-Content-Length and "
                 "parameters.binary_data_size)"
             )
-        data, signature, shm = body, handle.signature, self.dataplane.shared_memory
-        return await decode_sized(len(body), lambda: handle.headers.decode(data, n, signature, shm))
+        return handle.headers.decode(body, n, handle.signature, self.dataplane.shared_memory)
 
     async def _encode(
         self,
@@ -155,11 +166,7 @@ class RestInference:
         response: InferResponse,
         accept: str | None,
     ) -> EncodedResponse:
-        # Binary outputs are one memcpy; JSON lists cost CPU per element.
-        # (Outputs in shared memory are not in the body at all.)
-        outs = [o for o in response.outputs if not o.in_shared_memory]
-        all_binary = all(wants_binary(request, o.name) for o in outs)
-        if not all_binary and sum(o.data.nbytes for o in outs) > THREAD_BYTES:
+        if encodes_in_thread(request, response):
             enc = await off_loop(lambda: encode_infer_response(response, request))
         else:
             enc = encode_infer_response(response, request)
@@ -179,6 +186,16 @@ class RestInference:
         if mode == "auto" and enc.binary_from:
             self._verdicts[key] = ("Content-Encoding" in out.headers, _VERDICT_REUSE)
         return out
+
+
+def encodes_in_thread(request: InferRequest, response: InferResponse) -> bool:
+    """Whether framing ``response`` belongs in a worker thread: binary outputs are one
+    memcpy, JSON lists cost CPU per element (outputs in shared memory are not in the body
+    at all)."""
+    outs = [o for o in response.outputs if not o.in_shared_memory]
+    if all(wants_binary(request, o.name) for o in outs):
+        return False
+    return sum(o.data.nbytes for o in outs) > THREAD_BYTES
 
 
 def _compressed(enc: EncodedResponse, encoding: str, mode: CompressionMode) -> EncodedResponse:
