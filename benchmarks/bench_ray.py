@@ -27,7 +27,6 @@ file's (the actors running, their start excluded).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -86,11 +85,43 @@ def baseline(repo: Path, packed: np.ndarray) -> float:
     return len(packed) / seconds
 
 
+ROLES = {
+    "actor": "the scoring actor (imports, model load, scoring)",
+    "data": "Ray Data's own actors (_StatsActor, _AutoscalingCoordinatorActor, "
+    "ActorLocationTracker)",
+    "tasks": "the read and write tasks' workers",
+    "driver": "bitserve score itself (planning, Ray Data's scheduler)",
+    "ray": "Ray's own processes (GCS, raylet, agents)",
+}
+_DATA_ACTORS = ("_StatsActor", "_AutoscalingCoordinatorActor", "ActorLocationTracker")
+
+
+def role(pid: int, root: int, cmd: str) -> str:
+    """Which of :data:`ROLES` a process of a ``bitserve score`` run (``root``: its pid) is."""
+    if "BatchScorer" in cmd:
+        return "actor"
+    if any(a in cmd for a in _DATA_ACTORS):
+        return "data"
+    if pid == root:
+        return "driver"
+    if cmd.startswith("ray::") and "Agent" not in cmd:
+        return "tasks"
+    return "ray"
+
+
 class ActorMemory:
     """Polls the peak RSS (``VmHWM``) of every process whose command line names the scorer,
-    and when the first output file appears in ``out`` (``first``: its time and rows)."""
+    when the first output file appears in ``out`` (``first``: its time and rows), and the CPU
+    time of every process descended from ``root`` (the command, once started), by
+    :func:`role`: up to the first output file (:attr:`cpu_first`) and in all
+    (:attr:`cpu_total`)."""
 
     def __init__(self, out: Path) -> None:
+        self.root = -1
+        self.cpu: dict[int, tuple[float, str]] = {}
+        """Each descendant's latest CPU seconds and role."""
+        self.cpu_at_first: dict[int, float] = {}
+        """Each descendant's CPU seconds when the first output file appeared."""
         self.peaks: dict[int, int] = {}
         self.private: dict[int, int] = {}
         """Peak private memory (USS: RSS less the shared pages, such as the object store's
@@ -108,13 +139,57 @@ class ActorMemory:
         self._stop.set()
         self._thread.join()
 
+    @property
+    def cpu_total(self) -> dict[str, float]:
+        out = dict.fromkeys(ROLES, 0.0)
+        for cpu, kind in self.cpu.values():
+            out[kind] += cpu
+        return out
+
+    @property
+    def cpu_first(self) -> dict[str, float]:
+        """By each process's last role (a worker's title changes with what it runs)."""
+        out = dict.fromkeys(ROLES, 0.0)
+        for pid, cpu in self.cpu_at_first.items():
+            out[self.cpu[pid][1]] += cpu
+        return out
+
+    def _cpu(self) -> None:
+        """Every process descended from the command: its CPU seconds so far."""
+        tick = os.sysconf("SC_CLK_TCK")
+        procs: dict[int, tuple[int, float, str]] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, UnicodeDecodeError):
+                continue
+            procs[int(pid)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / tick, cmd)
+        ours = {self.root} | set(self.cpu)
+        grown = True
+        while grown:
+            new = {p for p, (ppid, _, _) in procs.items() if ppid in ours and p not in ours}
+            ours |= new
+            grown = bool(new)
+        for pid in ours & set(procs):
+            _, cpu, cmd = procs[pid]
+            kind = role(pid, self.root, cmd)
+            if pid in self.cpu and self.cpu[pid][1] in ("actor", "data"):
+                kind = self.cpu[pid][1]  # an actor's title changes with its method
+            self.cpu[pid] = (cpu, kind)
+
     def _poll(self) -> None:
         while not self._stop.wait(0.25):
+            if self.root > 0:
+                self._cpu()
             if self.first is None:
                 done = list(self.out.rglob("0*.parquet"))
                 if done:
                     a, b = (int(x) for x in done[0].stem.split("-"))
                     self.first = (time.time(), b - a)
+                    self.cpu_at_first = {pid: cpu for pid, (cpu, _) in self.cpu.items()}
             for pid in os.listdir("/proc"):
                 if not pid.isdigit():
                     continue
@@ -148,6 +223,9 @@ class Run:
         first: seconds from the command's start to its first output file.
         steady: rows/s from the first output file to the last (the actors running).
         peaks, private: each actor's peak RSS and peak private memory (USS), bytes.
+        cpu_first, cpu_total: CPU seconds of the command's processes by :data:`ROLES`, up to
+            the first output file and in all.
+        rows_after: the rows written after the first output file.
     """
 
     rate: float
@@ -156,6 +234,9 @@ class Run:
     steady: float
     peaks: dict[int, int]
     private: dict[int, int]
+    cpu_first: dict[str, float]
+    cpu_total: dict[str, float]
+    rows_after: int
 
 
 def run_score(repo: Path, src: Path, out: Path, *args: str) -> Run:
@@ -165,22 +246,27 @@ def run_score(repo: Path, src: Path, out: Path, *args: str) -> Run:
     env = {**os.environ, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     with ActorMemory(out) as mem:
         t0 = time.time()
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)  # fmt: skip
+        mem.root = proc.pid
+        stdout, stderr = proc.communicate()
         wall = time.time() - t0
-    if done.returncode != 0:
-        raise RuntimeError(f"bitserve score failed:\n{done.stderr[-3000:]}")
-    m = re.search(r"\(([\d,]+) rows/s\)", done.stdout)
-    assert m, done.stdout
+    if proc.returncode != 0:
+        raise RuntimeError(f"bitserve score failed:\n{stderr[-3000:]}")
+    m = re.search(r"\(([\d,]+) rows/s\)", stdout)
+    assert m, stdout
     files = list(out.rglob("0*.parquet"))
     rows = sum(int(f.stem.split("-")[1]) - int(f.stem.split("-")[0]) for f in files)
     last = max(f.stat().st_mtime for f in files)
-    steady, first = float("nan"), float("nan")
+    steady, first, after = float("nan"), float("nan"), 0
     if mem.first is not None:
         first = mem.first[0] - t0
+        after = rows - mem.first[1]
         if last > mem.first[0]:
-            steady = (rows - mem.first[1]) / (last - mem.first[0])
+            steady = after / (last - mem.first[0])
     rate = float(m.group(1).replace(",", ""))
-    return Run(rate, wall, first, steady, mem.peaks, mem.private)
+    return Run(rate, wall, first, steady, mem.peaks, mem.private, mem.cpu_first,
+               mem.cpu_total, after)  # fmt: skip
 
 
 def compute_only(repo: Path, packed: np.ndarray, device: str = "cpu") -> tuple[float, int]:
@@ -199,39 +285,49 @@ def compute_only(repo: Path, packed: np.ndarray, device: str = "cpu") -> tuple[f
 
 
 _STEPS = """
-import json, re, sys, time
-def rss():
-    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
-out = [["python", 0.0, rss()]]
-t = time.perf_counter()
-def step(name):
-    global t
-    now = time.perf_counter()
-    out.append([name, now - t, rss()])
-    t = now
-import numpy, pyarrow, ray.data
-step("+ numpy, pyarrow, ray.data (what a Ray Data actor imports)")
-import torch
-step("+ torch")
-import gpu_ops, service.builder
-step("+ gpu_ops, service (Triton is imported at a first CUDA call only)")
-import torch.export
-from torch.export import pt2_archive
-step("+ torch.export's loader (it imports torch._dynamo, sympy and Triton)")
-from service.ray.scorer import BatchScorer
-s = BatchScorer(sys.argv[1], sys.argv[2], device="cpu", torch_threads=1)
-step("+ the model loaded and dry-run")
-p = numpy.random.default_rng(0).integers(0, 256, (1024, 256), dtype=numpy.uint8)
-for _ in range(3):
-    s({"fp": p})
-step("+ scoring batches of 1024")
-print(json.dumps(out))
+import json, os, re, sys, time
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import ray
+
+def measure(repo, model):
+    def mem():
+        rss = re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)
+        rollup = open("/proc/self/smaps_rollup").read()
+        uss = sum(int(v) for v in re.findall(r"Private_(?:Clean|Dirty):\\s+(\\d+) kB", rollup))
+        return int(rss) << 10, uss << 10
+    out = [["a Ray worker (Python, Ray's core worker), idle", 0.0, *mem()]]
+    t = [time.perf_counter()]
+    def step(name):
+        now = time.perf_counter()
+        out.append([name, now - t[0], *mem()])
+        t[0] = now
+    import numpy, pyarrow, ray.data
+    step("+ numpy, pyarrow, ray.data (what a Ray Data actor imports)")
+    import torch
+    step("+ torch")
+    import gpu_ops, service.builder
+    step("+ gpu_ops, service (Triton is imported at a first CUDA call only)")
+    import torch.export
+    from torch.export import pt2_archive
+    step("+ torch.export's loader (it imports torch._dynamo, sympy and Triton)")
+    from service.ray.scorer import BatchScorer
+    s = BatchScorer(repo, model, device="cpu", torch_threads=1)
+    step("+ the model loaded and dry-run")
+    p = numpy.random.default_rng(0).integers(0, 256, (1024, 256), dtype=numpy.uint8)
+    for _ in range(3):
+        s({"fp": p})
+    step("+ scoring batches of 1024")
+    return out
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+print(json.dumps(ray.get(ray.remote(num_cpus=1)(measure).remote(sys.argv[1], sys.argv[2]))))
+ray.shutdown()
 """
 
 
 def startup_steps(repo: Path) -> list[list[Any]]:
-    """Where an actor's start goes: the seconds and the RSS after each import and step, in a
-    fresh process (without Ray's worker runtime)."""
+    """Where an actor's start and memory go: the seconds, RSS and private memory (USS) after
+    each import and step, in a Ray worker (a task of a Ray of one CPU; nothing else runs)."""
     import json
 
     done = subprocess.run([sys.executable, "-c", _STEPS, str(repo), MODEL], capture_output=True,
@@ -271,14 +367,14 @@ def conversion_cost(rows: int = 65536) -> float:
     return best / rows
 
 
-def scale_model(one: float, compute: float, convert: float, cores: int = 2) -> str:
-    """A short model of rows/s against nodes and GPUs, from this run's per-row costs (``one``:
-    the 1-node job's steady rows/s)."""
-    per_row = cores / one  # CPU-seconds per row of the whole 1-node job (every core busy)
-    io = max(per_row - 1 / compute, 0.0)  # reading, converting, writing, Ray's own work
+def scale_model(actor: float, compute: float, convert: float, io: float) -> str:
+    """A short model of rows/s against nodes and GPUs, from this run's per-row costs
+    (``actor``: the scoring actor's CPU seconds a row in the 1-node job after its first output
+    file; ``io``: every other process's, :func:`io_cost`)."""
+    per_row = actor + io  # CPU-seconds per row of the whole job: the actor's and the rest
     # The actor's own time a row besides the model: Ray's hand-over of batches, the column
     # read in place, the output column (at least the measured conversion alone).
-    actor_host = max(1 / one - 1 / compute, convert)
+    actor_host = max(actor - 1 / compute, convert)
     gpu_host = actor_host + PACKED / 20e9  # + the copy to the device (~20 GB/s)
     gpu_rate = 1 / gpu_host
     cores_per_gpu = gpu_rate * io
@@ -286,26 +382,27 @@ def scale_model(one: float, compute: float, convert: float, cores: int = 2) -> s
     bound = "GPUs' hosts" if node == 8 * gpu_rate else "cores"
     return f"""## Rows/s against nodes and GPUs: a model from these per-row costs
 
-Measured here: the 1-node job at its steady rate (a billion rows amortize the start) costs
-{per_row * 1e6:.0f} µs of CPU a row ({cores} cores at {one:,.0f} rows/s); the model's compute,
-{1e6 / compute:.0f} µs a row on one CPU thread; so reading Parquet, handing batches between
-Ray's stages and writing the output cost about **{io * 1e6:.0f} µs of CPU a row** (an upper
-bound: the second core is not always busy).
+Measured here, the 1-node job after its first output file (a billion rows amortize the
+start): the scoring actor, one thread, takes {actor * 1e6:.1f} µs of CPU a row (the model's
+compute alone, measured apart, {1e6 / compute:.1f} µs a row); every other process of the
+job together (reading Parquet, Ray Data's scheduling and hand-over, writing the output,
+Ray's own processes) takes **{io * 1e6:.1f} µs of CPU a row** (the CPU table above):
+{per_row * 1e6:.1f} µs of CPU a row in all.
 
 - **CPU cluster**, N nodes of C cores: every core is either scoring or moving rows, so
-  rows/s ≈ N·C / ({1e6 / compute:.0f} µs + {io * 1e6:.0f} µs) ≈ **{1 / (1 / compute + io):,.0f}
-  rows/s per core**, {16 / (1 / compute + io):,.0f} for a 16-core node, and a billion rows
-  take {1e9 / (16 / (1 / compute + io)) / 3600:.1f} node-hours. This assumes the work spreads
+  rows/s ≈ N·C / {per_row * 1e6:.1f} µs ≈ **{1 / per_row:,.0f} rows/s per core**,
+  {16 / per_row:,.0f} for a 16-core node, and a billion rows take
+  {1e9 / (16 / per_row) / 3600:.1f} node-hours. This assumes the work spreads
   evenly (Ray Data runs read, score and write tasks on every node); the 2-node row above, on
   the same 2 cores, measures what spreading costs.
 - **GPU cluster**: the MLP's 0.5 M multiply-adds a row take a GPU nanoseconds; a GPU actor
   is bound by its host work: the actor's time a row besides the model here,
-  {actor_host * 1e9:,.0f} ns (the steady rate's time a row less the compute's: Ray handing
+  {actor_host * 1e9:,.0f} ns (the actor's CPU a row less the compute's: Ray handing
   batches over, the packed column read in place ({convert * 1e9:.0f} ns of it), the output
   column built), and the copy of 256 bytes (~13 ns at 20 GB/s): about
   **{gpu_rate / 1e6:.2f} M rows/s per GPU** at most. Each GPU then needs about
-  {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.0f} µs a row to keep it fed,
-  so rows/s ≈ min(G x {gpu_rate / 1e6:.2f} M, total cores / {io * 1e6:.0f} µs): on nodes of 8
+  {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.1f} µs a row to keep it fed,
+  so rows/s ≈ min(G x {gpu_rate / 1e6:.2f} M, total cores / {io * 1e6:.1f} µs): on nodes of 8
   GPUs and 64 cores the {bound} bind first, at {node / 1e6:.2f} M rows/s a node
   ({1e9 / node / 60:.0f} minutes a billion rows).
   Bigger read tasks and blocks, fewer pass-through columns, and `--num-cpus` for the readers
@@ -366,8 +463,7 @@ def main() -> None:
             results.append(("2 simulated nodes (1 CPU each)", two_nodes(repo, src, root / "out2")))
     body = table(rows, base, compute, device_bytes, results, steps)
     one = results[0][1]
-    steady = one.steady if math.isfinite(one.steady) else one.rate  # --smoke: one file
-    body += "\n\n" + scale_model(steady, compute, convert)
+    body += "\n\n" + scale_model(actor_cost(one), compute, convert, io_cost(one))
     report("ray", "bitserve score on Ray Data", body, smoke=args.smoke, devices=["cpu"])
 
 
@@ -434,16 +530,19 @@ def table(
         "private column leaves them out.\n"
     )
     lines.append(start_up(rows, base, one, steps))
+    lines.append(cpu_table(one))
     lines.append(
-        "Where a scoring actor's start and memory go (a fresh process, each step timed, "
-        "without Ray's worker runtime):\n"
+        "Where a scoring actor's start and memory go, step by step in a Ray worker (a task on "
+        "a Ray of one CPU, nothing else running):\n"
     )
     step_rows = [
         [name, f"{sec:.2f}" if i else "-", f"{v / 2**20:.0f}",
-         f"{(v - steps[i - 1][2]) / 2**20:+.0f}" if i else "-"]
-        for i, (name, sec, v) in enumerate(steps)
+         f"{(v - steps[i - 1][2]) / 2**20:+.0f}" if i else "-", f"{u / 2**20:.0f}"]
+        for i, (name, sec, v, u) in enumerate(steps)
     ]  # fmt: skip
-    lines.append(markdown_table(["step", "seconds", "RSS MiB", "added MiB"], step_rows))
+    lines.append(
+        markdown_table(["step", "seconds", "RSS MiB", "added MiB", "private MiB"], step_rows)
+    )
     lines.append("")
     lines.append(
         f"Per-row compute on one CPU thread: {1e6 / compute:.1f} µs ({compute:,.0f} rows/s); "
@@ -452,24 +551,65 @@ def table(
     return "\n".join(lines)
 
 
+def cpu_table(one: Run) -> str:
+    """The 1-node job's CPU seconds by process, up to its first output file and after."""
+    after = one.rows_after or 1
+    body = [
+        [ROLES[k], one.cpu_first.get(k, 0.0), one.cpu_total[k] - one.cpu_first.get(k, 0.0),
+         (one.cpu_total[k] - one.cpu_first.get(k, 0.0)) / after * 1e6]
+        for k in ROLES
+    ]  # fmt: skip
+    first = sum(one.cpu_first.values())
+    rest = sum(one.cpu_total.values()) - first
+    body.append(["all", first, rest, rest / after * 1e6])
+    head = ["process", f"CPU s to the first output ({one.first:.1f} s, Ray's start included)",
+            f"CPU s after it ({one.rows_after:,} rows)", "µs a row after it"]  # fmt: skip
+    return (
+        "The 1-node job's CPU time by process (every process the command started, sampled "
+        "every 0.25 s; the 2 cores give 2 CPU-seconds a second):\n\n"
+        + markdown_table(head, body)
+        + "\n"
+    )
+
+
+def actor_cost(one: Run) -> float:
+    """CPU seconds a row of the scoring actor after the first output file (the 1-node job)."""
+    return (one.cpu_total["actor"] - one.cpu_first.get("actor", 0.0)) / max(one.rows_after, 1)
+
+
+def io_cost(one: Run) -> float:
+    """CPU seconds a row of everything but the scoring actor after the first output file:
+    reading, Ray Data's scheduling and hand-over, writing (measured, the 1-node job)."""
+    rest = sum(one.cpu_total[k] - one.cpu_first.get(k, 0.0) for k in ROLES if k != "actor")
+    return rest / max(one.rows_after, 1)
+
+
 def start_up(rows: int, base: float, one: Run, steps: list[list[Any]]) -> str:
-    """What the job spends off its steady rate (start-up, the last blocks' drain), and the
-    job size from which the whole job would reach 0.8x ``infer_many`` at this cost."""
+    """What the job spends off its steady rate (start-up, the last blocks' drain), what the
+    start is made of, and the job size from which the whole job would reach 0.8x
+    ``infer_many`` at this cost."""
     job = rows / one.rate
     off = max(job - rows / one.steady, 0.0)
-    start = sum(sec for _, sec, _ in steps[1:-1])
+    start = sum(step[1] for step in steps[1:-1])
+    loader = steps[4][1] if len(steps) > 4 else float("nan")
+    cpu = one.cpu_first
+    others = cpu.get("data", 0.0) + cpu.get("tasks", 0.0)
     if one.steady > 0.8 * base:
         need = 0.8 * base * off / (1 - 0.8 * base / one.steady)
         reach = f"a job of about **{need / 1e6:.1f} M rows** or more reaches 0.8x at this cost"
     else:
         reach = "the steady rate itself is below 0.8x, so no job size reaches it"
     return f"""The 1-node job took {job:.1f} s for {rows:,} rows; at its steady rate the rows
-alone take {rows / one.steady:.1f} s, so **{off:.1f} s** went to the start (Ray Data's own
-actors and tasks starting, the scoring actor importing torch and loading the model, the
-first block) and the drain of the last blocks. The scoring actor's own start, measured
-alone below, is {start:.1f} s of imports and loading on one core; in the job it shares the 2
-cores with Ray Data's start. The whole-job rate is rows / ({off:.1f} s + rows / steady
-rate): {reach}.
+alone take {rows / one.steady:.1f} s, so **{off:.1f} s** went to the start and the drain of
+the last blocks. The start is CPU-bound on the 2 cores: up to the first output file the
+scoring actor used {cpu.get("actor", 0.0):.1f} CPU-seconds (its own start, alone in a Ray
+worker below, is {start:.1f} s of imports and loading on one core, {loader:.1f} s of it
+torch.export's loader), while Ray Data's own actors and the read and write workers, each a
+process importing Ray Data, used {others:.1f} more beside Ray's own processes (the table
+below). None of that work is bitserve's to remove: the actor must import Ray Data, torch and
+the loader before it can read the model. After the first file the actor is the bottleneck
+(one thread, the model's compute) and the other core is mostly idle. The whole-job rate is
+rows / ({off:.1f} s + rows / steady rate): {reach}.
 """
 
 
