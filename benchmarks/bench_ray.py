@@ -401,7 +401,7 @@ Ray's own processes) takes **{io * 1e6:.1f} µs of CPU a row** (the CPU table ab
   batches over, the packed column read in place ({convert * 1e9:.0f} ns of it), the output
   column built), and the copy of 256 bytes (~13 ns at 20 GB/s): about
   **{gpu_rate / 1e6:.2f} M rows/s per GPU** at most. Each GPU then needs about
-  {cores_per_gpu:.0f} cores of reading and writing at {io * 1e6:.1f} µs a row to keep it fed,
+  {cores_per_gpu:.1f} cores of reading and writing at {io * 1e6:.1f} µs a row to keep it fed,
   so rows/s ≈ min(G x {gpu_rate / 1e6:.2f} M, total cores / {io * 1e6:.1f} µs): on nodes of 8
   GPUs and 64 cores the {bound} bind first, at {node / 1e6:.2f} M rows/s a node
   ({1e9 / node / 60:.0f} minutes a billion rows).
