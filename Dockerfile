@@ -55,7 +55,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('BITSERVE_PORT', '8000'), timeout=2)"]
 # Exec form: bitserve is PID 1 and receives SIGTERM itself; with several workers (the default
-# on more than one core) it is their supervisor and passes the SIGTERM on, and every worker
+# with a GPU or on more than two cores) it is their supervisor and passes the SIGTERM on, and every worker
 # drains its in-flight requests (give it time: docker stop -t / compose stop_grace_period /
 # k8s terminationGracePeriodSeconds). The workers' run directory is in /tmp.
 ENTRYPOINT ["bitserve"]

@@ -128,8 +128,10 @@ def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
     # seconds of loading): a repository from `bitserve demo-repo`, plus a slow model.
     models = write_slow_model(demo_repository(tmp_path / "models"), rounds=None)
     # A drain deadline far beyond the slow requests' few seconds, on a loaded machine too.
+    # Two workers, as `auto` gives one GPU: the supervisor passes the SIGTERM on and every
+    # worker drains (`auto` on a host of 2 cores or fewer is one worker in PID 1 itself).
     run = ["-p", f"127.0.0.1::{PORT}", "-v", f"{models}:/models:ro",
-           "-e", "BITSERVE_GRACEFUL_SHUTDOWN_S=120"]  # fmt: skip
+           "-e", "BITSERVE_GRACEFUL_SHUTDOWN_S=120", "-e", "BITSERVE_WORKERS=2"]  # fmt: skip
     with container(images.bitserve, run) as box:
         url = box.url(PORT)
         wait_ready(box, url)
