@@ -280,19 +280,7 @@ async def test_the_tiny_model_through_its_real_pipeline() -> None:
         async with serving(app) as server:
             for k in range(10):
                 packed = rng.integers(0, 256, (int(rng.integers(1, 5)), 1, 1), dtype=np.uint8)
-                header = {
-                    "inputs": [
-                        {
-                            "name": "bits",
-                            "datatype": "UINT8",
-                            "shape": list(packed.shape),
-                            "parameters": {"binary_data_size": packed.nbytes},
-                        }
-                    ],
-                    "outputs": [{"name": "count", "parameters": {"binary_data": True}}],
-                }
-                extra = f"X-Request-ID: t{k}\r\n"
-                [raw] = await server.both([request("tiny", header, packed.tobytes(), extra=extra)])
+                [raw] = await server.both([_tiny_request(packed, f"t{k}")])
                 n = int(raw.split(b"inference-header-content-length: ")[1].split(b"\r\n")[0])
                 counts = np.frombuffer(raw.split(b"\r\n\r\n", 1)[1][n:], np.float32)
                 expected = np.unpackbits(packed.reshape(-1)).reshape(-1, 8).sum(1)
