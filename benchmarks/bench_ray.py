@@ -94,6 +94,7 @@ ROLES = {
     "ray": "Ray's own processes (GCS, raylet, agents)",
 }
 _DATA_ACTORS = ("_StatsActor", "_AutoscalingCoordinatorActor", "ActorLocationTracker")
+_RANK = {"ray": 0, "driver": 1, "tasks": 2, "data": 3, "actor": 4}
 
 
 def role(pid: int, root: int, cmd: str) -> str:
@@ -176,8 +177,10 @@ class ActorMemory:
         for pid in ours & set(procs):
             _, cpu, cmd = procs[pid]
             kind = role(pid, self.root, cmd)
-            if pid in self.cpu and self.cpu[pid][1] in ("actor", "data"):
-                kind = self.cpu[pid][1]  # an actor's title changes with its method
+            # A worker's title changes with what it runs (an actor's with its method, a task
+            # worker's back to its command line when idle): it keeps its most specific role.
+            if pid in self.cpu and _RANK[self.cpu[pid][1]] > _RANK[kind]:
+                kind = self.cpu[pid][1]
             self.cpu[pid] = (cpu, kind)
 
     def _poll(self) -> None:
@@ -383,8 +386,9 @@ def scale_model(actor: float, compute: float, convert: float, io: float) -> str:
     return f"""## Rows/s against nodes and GPUs: a model from these per-row costs
 
 Measured here, the 1-node job after its first output file (a billion rows amortize the
-start): the scoring actor, one thread, takes {actor * 1e6:.1f} µs of CPU a row (the model's
-compute alone, measured apart, {1e6 / compute:.1f} µs a row); every other process of the
+start): the scoring actor (alone on its node: a torch thread per core) takes
+{actor * 1e6:.1f} µs of CPU a row (the model's compute alone, measured apart on one thread,
+{1e6 / compute:.1f} µs a row); every other process of the
 job together (reading Parquet, Ray Data's scheduling and hand-over, writing the output,
 Ray's own processes) takes **{io * 1e6:.1f} µs of CPU a row** (the CPU table above):
 {per_row * 1e6:.1f} µs of CPU a row in all.
@@ -607,8 +611,9 @@ worker below, is {start:.1f} s of imports and loading on one core, {loader:.1f} 
 torch.export's loader), while Ray Data's own actors and the read and write workers, each a
 process importing Ray Data, used {others:.1f} more beside Ray's own processes (the table
 below). None of that work is bitserve's to remove: the actor must import Ray Data, torch and
-the loader before it can read the model. After the first file the actor is the bottleneck
-(one thread, the model's compute) and the other core is mostly idle. The whole-job rate is
+the loader before it can read the model. After the first file the actor is the bottleneck:
+alone on its 2-CPU node it runs a torch thread per core (`plan_actors`), beside the reads
+and writes, which take a fraction of a core. The whole-job rate is
 rows / ({off:.1f} s + rows / steady rate): {reach}.
 """
 

@@ -72,7 +72,15 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         metavar="C",
-        help="CPUs per actor, its torch threads [default 1]",
+        help="CPUs per actor [default 1]",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="T",
+        help="torch threads per actor [default: its CPUs; a CPU actor alone on its node "
+        "(a 2-core machine) takes every CPU of the node]",
     )
     p.add_argument(
         "--device",
@@ -109,7 +117,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``bitserve score``; the exit status: 0 done, 1 failed, 2 bad usage."""
-    for flag, value in (("--actors", args.actors), ("--rows-per-task", args.rows_per_task)):
+    for flag, value in (("--actors", args.actors), ("--rows-per-task", args.rows_per_task),
+                        ("--threads", args.threads)):  # fmt: skip
         if value is not None and value < 1:
             print(f"bitserve score: {flag} must be at least 1", file=sys.stderr)
             return 2
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             actors=args.actors,
             num_gpus=args.num_gpus,
             num_cpus=args.num_cpus,
+            threads=args.threads,
             **extra,
         )
     except (ScoringError, IncompleteOutput, ValueError) as e:

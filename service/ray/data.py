@@ -37,21 +37,25 @@ class Actors:
     Attributes:
         min_actors, max_actors: the actor pool's size (Ray Data grows it with the work).
         num_gpus: GPUs per actor (1 on a GPU cluster; 0 on CPUs).
-        num_cpus: CPUs per actor (its torch threads).
+        num_cpus: CPUs per actor (what Ray reserves for it).
+        threads: torch's intra-op threads per actor.
     """
 
     min_actors: int
     max_actors: int
     num_gpus: float
     num_cpus: float
+    threads: int
 
 
 def plan_actors(
     resources: Mapping[str, float],
     *,
+    node_cpus: float | None = None,
     actors: int | None = None,
     num_gpus: float | None = None,
     num_cpus: float | None = None,
+    threads: int | None = None,
 ) -> Actors:
     """The actors for a cluster of ``resources`` (``ray.cluster_resources()``).
 
@@ -59,10 +63,18 @@ def plan_actors(
     Without: CPU actors of ``num_cpus`` (default 1) each, a pool of 1 up to the cluster's CPUs
     less one per actor-sized share for the reads and writes (at least 1).
 
+    Threads: an actor runs ``num_cpus`` torch threads, except a CPU actor alone on its node
+    (a node of at most ``num_cpus + 1`` CPUs, such as a 2-core machine): it runs one thread
+    per CPU of the node. The reads and writes beside it take a fraction of the CPU the
+    scoring does (4 µs a row against 17 µs for the 2048-bit MLP, ``benchmarks/results/ray.md``),
+    so the CPU kept for them would otherwise idle most of the time.
+
     Args:
         resources: the cluster's total resources.
+        node_cpus: the CPUs of the smallest node (None: the cluster's, one node).
         actors: a fixed number of actors instead.
         num_gpus, num_cpus: per actor, instead of the defaults.
+        threads: torch threads per actor instead of the rule above.
 
     Raises:
         ValueError: a negative or zero count.
@@ -75,16 +87,35 @@ def plan_actors(
         num_cpus = 1.0
     if num_gpus < 0 or num_cpus <= 0:
         raise ValueError(f"num_gpus must be >= 0 and num_cpus > 0 (got {num_gpus}, {num_cpus})")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1 (got {threads})")
+    if actors is not None and actors < 1:
+        raise ValueError(f"actors must be at least 1 (got {actors})")
+    own = max(1, int(num_cpus))
+    if threads is None:
+        node = cpus if node_cpus is None else float(node_cpus)
+        alone = num_gpus == 0 and node - 1 < 2 * num_cpus
+        threads = max(own, int(node)) if alone else own
     if actors is not None:
-        if actors < 1:
-            raise ValueError(f"actors must be at least 1 (got {actors})")
-        return Actors(actors, actors, num_gpus, num_cpus)
+        return Actors(actors, actors, num_gpus, num_cpus, threads)
     if num_gpus > 0:
         n = max(1, int(gpus // num_gpus))
-        return Actors(n, n, num_gpus, num_cpus)
+        return Actors(n, n, num_gpus, num_cpus, threads)
     # Keep a share of the CPUs for the read and write tasks that feed and drain the actors.
     n = max(1, int((cpus - 1) // num_cpus))
-    return Actors(1, n, 0.0, num_cpus)
+    return Actors(1, n, 0.0, num_cpus, threads)
+
+
+def smallest_node_cpus() -> float | None:
+    """The CPUs of the cluster's smallest live node that has any (None: no such node)."""
+    import ray
+
+    cpus = [
+        float(node["Resources"]["CPU"])
+        for node in ray.nodes()  # type: ignore[no-untyped-call]
+        if node.get("Alive") and node.get("Resources", {}).get("CPU")
+    ]
+    return min(cpus) if cpus else None
 
 
 BATCH_ROWS = 8192
@@ -124,6 +155,7 @@ def score(
     num_gpus: float | None = None,
     num_cpus: float | None = None,
     batch_size: int | None = None,
+    threads: int | None = None,
     **ray_remote_args: Any,
 ) -> ray.data.Dataset:
     """``ds`` with every row scored by ``model`` (lazily, as every Dataset transform).
@@ -138,7 +170,7 @@ def score(
         bitorder: the packed columns' bit order; None: the model's.
         keep_inputs: keep the input columns in the result.
         device: the device for a config that says ``auto`` (each actor's own GPU by default).
-        actors, num_gpus, num_cpus: see :func:`plan_actors`.
+        actors, num_gpus, num_cpus, threads: see :func:`plan_actors`.
         batch_size: rows of one Ray batch; None: :func:`batch_rows` (best a multiple of the
             model's ``max_batch_size``: the scorer runs that many rows at a time).
         ray_remote_args: passed on to ``map_batches`` (``resources``, ``scheduling_strategy``,
@@ -158,7 +190,8 @@ def score(
     root = Path(repository).resolve()
     version, cfg = read_config(root, model, version)
     resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    plan = plan_actors(resources, actors=actors, num_gpus=num_gpus, num_cpus=num_cpus)
+    plan = plan_actors(resources, node_cpus=smallest_node_cpus(), actors=actors,
+                       num_gpus=num_gpus, num_cpus=num_cpus, threads=threads)  # fmt: skip
     return ds.map_batches(
         BatchScorer,
         fn_constructor_kwargs={
@@ -168,6 +201,7 @@ def score(
             "device": device,
             "bitorder": bitorder,
             "keep_inputs": keep_inputs,
+            "torch_threads": plan.threads,
         },
         batch_size=batch_size if batch_size is not None else batch_rows(cfg),
         batch_format="pyarrow",

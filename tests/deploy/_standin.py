@@ -3,7 +3,9 @@
 The Dockerfile's ``BASE_IMAGE`` is ``pytorch/pytorch`` (Python, torch, CUDA) and
 docker-compose's nginx is ``nginx:1.28-alpine``; neither can be pulled here (these machines
 reach no image hub). The stand-ins, made from one Debian root file system (``debootstrap
---variant=minbase`` with python3, python3-venv, python-is-python3, nginx-light and wget):
+--variant=minbase`` with python3, python3-venv, python-is-python3, nginx-light, wget, and
+gcc with libc6-dev, which pytorch's CUDA runtime images carry since pytorch#170235 for Triton's
+launchers, and which build bitserve's CPU kernels):
 
 - ``bitserve-standin/nginx:<key>``: that file system running ``nginx -g "daemon off;"`` as
   the official image does (``/etc/nginx/conf.d/*.conf`` included, logs to stdout/stderr);
@@ -38,7 +40,8 @@ from ._engine import docker, image_exists
 from ._manifests import ROOT
 
 SUITE = "bookworm"  # its python3 is 3.11, the Python the pinned torch wheel is built for
-PACKAGES = ("python3", "python3-venv", "python-is-python3", "nginx-light", "wget")
+PACKAGES = ("python3", "python3-venv", "python-is-python3", "nginx-light", "wget", "gcc",
+            "libc6-dev")  # fmt: skip
 MIRROR = os.environ.get("BITSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 _LOCK = Path("/tmp/bitserve-standin.lock")
 # Our own distributions: the image builds them from the source it is given.

@@ -143,8 +143,13 @@ def test_image_runs_as_its_user_serves_turns_healthy_and_drains_on_sigterm(
         status = box.exec("sh", "-c", "grep -h '^Uid:' /proc/[0-9]*/status")
         uids = {line.split()[1] for line in status.splitlines()}
         assert uids == {str(uid)}, status
-        # 2. The demo, through the Python client, against the float64 reference.
+        # 2. The demo, through the Python client, against the float64 reference, on the C
+        # kernels built in the container (pytorch's CUDA runtime images bring gcc, for
+        # Triton's launchers): no fallback to the torch code paths.
         check_demo(url, seed=8)
+        built = box.exec("sh", "-c", "ls /home/bitserve/.cache/bitserve")
+        assert re.search(r"\.so$", built, re.M), built
+        assert "no C compiler found" not in box.logs()
         # 3. Healthy by the image's own HEALTHCHECK (its first run is one interval in).
         wait_healthy(box)
 

@@ -157,14 +157,36 @@ def test_runs_sort_and_split_a_block(tmp_path: Path) -> None:
 
 
 def test_plan_actors() -> None:
-    assert plan_actors({"CPU": 16.0, "GPU": 4.0}) == Actors(4, 4, 1.0, 1.0)
-    assert plan_actors({"CPU": 16.0}) == Actors(1, 15, 0.0, 1.0)
-    assert plan_actors({"CPU": 16.0}, num_cpus=4) == Actors(1, 3, 0.0, 4.0)
-    assert plan_actors({"CPU": 1.0}) == Actors(1, 1, 0.0, 1.0)
-    assert plan_actors({"CPU": 8.0, "GPU": 2.0}, actors=3) == Actors(3, 3, 1.0, 1.0)
-    assert plan_actors({"CPU": 8.0, "GPU": 2.0}, num_gpus=0.5) == Actors(4, 4, 0.5, 1.0)
+    assert plan_actors({"CPU": 16.0, "GPU": 4.0}) == Actors(4, 4, 1.0, 1.0, 1)
+    assert plan_actors({"CPU": 16.0}) == Actors(1, 15, 0.0, 1.0, 1)
+    assert plan_actors({"CPU": 16.0}, num_cpus=4) == Actors(1, 3, 0.0, 4.0, 4)
+    assert plan_actors({"CPU": 1.0}) == Actors(1, 1, 0.0, 1.0, 1)
+    assert plan_actors({"CPU": 8.0, "GPU": 2.0}, actors=3) == Actors(3, 3, 1.0, 1.0, 1)
+    assert plan_actors({"CPU": 8.0, "GPU": 2.0}, num_gpus=0.5) == Actors(4, 4, 0.5, 1.0, 1)
     with pytest.raises(ValueError, match="actors must be at least 1"):
         plan_actors({"CPU": 2.0}, actors=0)
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        plan_actors({"CPU": 2.0}, threads=0)
+
+
+def test_plan_actors_threads() -> None:
+    """A CPU actor alone on its node runs a torch thread per CPU of the node; otherwise an
+    actor's threads are its CPUs."""
+    # A 2-core machine: one actor, and the core kept for the reads and writes is shared.
+    assert plan_actors({"CPU": 2.0}).threads == 2
+    assert plan_actors({"CPU": 2.0}, actors=1).threads == 2
+    # Two simulated 1-CPU nodes: one actor, on a node of one CPU.
+    assert plan_actors({"CPU": 2.0}, node_cpus=1.0) == Actors(1, 1, 0.0, 1.0, 1)
+    # Room for two actors or more on a node: each keeps to its own CPUs.
+    assert plan_actors({"CPU": 3.0}).threads == 1
+    assert plan_actors({"CPU": 64.0}, node_cpus=16.0).threads == 1
+    # An actor of 4 CPUs alone on an 8-CPU node; two fit on 9.
+    assert plan_actors({"CPU": 8.0}, num_cpus=4).threads == 8
+    assert plan_actors({"CPU": 9.0}, num_cpus=4).threads == 4
+    # GPU actors and explicit threads are left as asked.
+    assert plan_actors({"CPU": 2.0, "GPU": 1.0}).threads == 1
+    assert plan_actors({"CPU": 2.0}, threads=1).threads == 1
+    assert plan_actors({"CPU": 16.0}, threads=3).threads == 3
 
 
 def test_serve_run_arguments(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def test_score_cli_matches_the_server_and_resumes(
     lost = sorted((out / "a").iterdir())[1]
     first, stop = (int(x) for x in lost.stem.split("-"))
     lost.unlink()
-    said = _score_cli(cluster, repository, library, out)
+    said = _score_cli(cluster, repository, library, out, "--threads", "1")
     assert f"{stop - first} row(s) scored, {1000 - (stop - first)} already there" in said
     again = _read_output(out)
     assert sorted(again.column("id").to_pylist()) == sorted(ids)

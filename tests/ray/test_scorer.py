@@ -341,3 +341,25 @@ def parse_fp_config(mbs: int, shape: list[int]) -> Any:
     text = model_toml(max_batch_size=mbs, inputs=[tensor("fp", "BOOL", shape, packing="bits")],
                       model={"file": "m.pt2"}, outputs=[tensor("score", "FP32", [1])])  # fmt: skip
     return parse_config(tomllib.loads(text), "config.toml")
+
+
+def test_scorer_runs_the_threads_it_is_given(repository: Path) -> None:
+    """``torch_threads`` (what ``plan_actors`` chose) becomes torch's intra-op thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        BatchScorer(repository, MODEL, device="cpu", torch_threads=before + 1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_score_cli_refuses_zero_threads(
+    repository: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    argv = ["score", "--model-repository", str(repository), "--model", MODEL, "--threads", "0"]
+    assert main([*argv, str(tmp_path / "in.parquet"), str(tmp_path / "out")]) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
