@@ -26,19 +26,7 @@ from service.observability import (
     logging_config,
     request_id_var,
 )
-
-
-class Stream:
-    """Records each write."""
-
-    def __init__(self) -> None:
-        self.writes: list[str] = []
-
-    def write(self, text: str) -> None:
-        self.writes.append(text)
-
-    def flush(self) -> None:
-        pass
+from tests.service.test_log_handler import Stream
 
 
 def server_handler(stream: Stream, worker: int | None) -> BatchedStreamHandler:
