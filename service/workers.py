@@ -68,7 +68,8 @@ SMALL_HOST_CORES = 2
 maths and by the clients on the same cores, and a second worker's loop and torch thread
 share the two cores with the first and with the clients, so two workers served the tiny
 model at concurrency 8 and the 2048-bit MLP at 0.89-0.90x of one (using 1.7x the CPU per
-request); a compute-heavy model (the demo) gains from two (1.2-1.5x), and ``--workers 2`` is the setting for it."""
+request); a compute-heavy model (the demo) gains from two (1.2-1.5x), and ``--workers 2``
+is the setting for it."""
 WORKERS_PER_GPU = 2
 """``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
 overlaps another's kernels (with CUDA MPS their kernels can also run side by side).
