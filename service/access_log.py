@@ -7,8 +7,10 @@ the handler's lock and filters, and a ``Formatter`` that formats the time with
 ``strftime`` on every line. When the access logger's lines end, as the server configures
 them (:func:`service.observability.logging_config`), in one
 :class:`~service.observability.BatchedStreamHandler` with the server's format and no other
-handler or filter on the way, :meth:`AccessLog.write` makes the same line itself (the time
-part once per second) and hands it to that handler. Any other logging configuration (a
+handler or filter on the way (but the log settings' level switches,
+``service.log_settings``), :meth:`AccessLog.write` makes the same line itself (the time
+part once per second, in either of the settings' ``log_format``) and hands it to that
+handler. Any other logging configuration (a
 handler or filter added, another format, another level) takes the plain way:
 ``logger.info`` with the request id in its context, exactly as before. The lines are the
 same bytes either way (``tests/service/test_access_log.py`` compares the two on random
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 
+from service.log_settings import LevelSwitches
 from service.observability import LOG_FORMAT, BatchedStreamHandler, RequestIdFilter, request_id_var
 
 MESSAGE = "%s %s %d %.1fms"
@@ -67,12 +70,14 @@ class AccessLog:
         handler, formatter, tag = found
         now = time.time()
         second = int(now)
+        datefmt = formatter.datefmt
         if second != self._second or formatter is not self._formatter:
             # As ``Formatter.formatTime`` makes it, once a second.
-            self._asctime = time.strftime(formatter.default_time_format, formatter.converter(now))
+            shape = datefmt or formatter.default_time_format
+            self._asctime = time.strftime(shape, formatter.converter(now))
             self._second, self._formatter = second, formatter
         asctime = self._asctime
-        if formatter.default_msec_format:
+        if not datefmt and formatter.default_msec_format:
             msecs = int((now - second) * 1000) + 0.0  # as ``LogRecord`` computes it
             asctime = formatter.default_msec_format % (asctime, msecs)
         message = MESSAGE % (method, path, status, ms)
@@ -95,12 +100,18 @@ class AccessLog:
             if not logger.propagate:
                 break
             logger = logger.parent
-        if found is None or found.level > logging.INFO or len(found.filters) != 1:
+        if found is None or found.level > logging.INFO:
             return None
-        if type(found.filters[0]) is not RequestIdFilter:
+        ids = 0
+        for f in found.filters:  # the request id's, and the log settings' level switches
+            if type(f) is RequestIdFilter:
+                ids += 1
+            elif type(f) is not LevelSwitches or not f.info:
+                return None
+        if ids != 1:
             return None
         formatter = found.formatter
-        if type(formatter) is not logging.Formatter or formatter.datefmt is not None:
+        if type(formatter) is not logging.Formatter:
             return None
         style = formatter._style
         if type(style) is not logging.PercentStyle or not formatter.usesTime():

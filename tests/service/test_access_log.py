@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from service.access_log import MESSAGE, AccessLog
+from service.log_settings import LevelSwitches, LogSettings
 from service.observability import (
     BatchedStreamHandler,
     RequestIdFilter,
@@ -41,6 +42,14 @@ def server_handler(stream: Stream, worker: int | None) -> BatchedStreamHandler:
     handler.setFormatter(logging.Formatter(config["formatters"]["default"]["format"]))
     handler.addFilter(RequestIdFilter())
     return handler
+
+
+def as_served(root: logging.Logger, handler: BatchedStreamHandler, log_format: str) -> None:
+    """``handler`` alone on ``root``, with what the server's log settings put on it at start
+    (their level switches) and its ``log_format`` (``POST /v2/logging``)."""
+    root.handlers = [handler]
+    LogSettings("info", loggers=[root.name]).update({"log_format": log_format})
+    assert any(isinstance(f, LevelSwitches) for f in handler.filters)
 
 
 @pytest.fixture
@@ -88,15 +97,21 @@ def clock_ticks(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> li
     return seq
 
 
+@pytest.mark.parametrize("log_format", ["default", "ISO8601"])
 @pytest.mark.parametrize("worker", [None, 3])
 def test_the_direct_lines_are_the_records_lines_on_random_requests(
-    tree: tuple[logging.Logger, logging.Logger], monkeypatch: pytest.MonkeyPatch, worker: int | None
+    tree: tuple[logging.Logger, logging.Logger],
+    monkeypatch: pytest.MonkeyPatch,
+    worker: int | None,
+    log_format: str,
 ) -> None:
     root, child = tree
     rng = np.random.default_rng(23 + (worker or 0))
     direct_stream, plain_stream = Stream(), Stream()
     direct_handler = server_handler(direct_stream, worker)
     plain_handler = server_handler(plain_stream, worker)
+    as_served(root, plain_handler, log_format)
+    as_served(root, direct_handler, log_format)
     access = AccessLog(child)
     requests = random_requests(rng, 400)
     clock_ticks(monkeypatch, rng)
@@ -152,9 +167,13 @@ def _a_format(root: logging.Logger, child: logging.Logger) -> None:
     root.handlers[0].setFormatter(logging.Formatter("%(asctime)s %(message)s"))
 
 
-def _a_date_format(root: logging.Logger, child: logging.Logger) -> None:
+def _a_formatter_class(root: logging.Logger, child: logging.Logger) -> None:
+    class Upper(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return super().format(record).upper()
+
     fmt = logging_config("info")["formatters"]["default"]["format"]
-    root.handlers[0].setFormatter(logging.Formatter(fmt, datefmt="%H:%M"))
+    root.handlers[0].setFormatter(Upper(fmt))
 
 
 def _a_handler_level(root: logging.Logger, child: logging.Logger) -> None:
@@ -170,10 +189,17 @@ def _disabled(root: logging.Logger, child: logging.Logger) -> None:
     child.disabled = True
 
 
+def _info_switched_off(root: logging.Logger, child: logging.Logger) -> None:
+    as_served(root, root.handlers[0], "default")  # type: ignore[arg-type]
+    for f in root.handlers[0].filters:
+        if isinstance(f, LevelSwitches):
+            f.info = False  # as ``log_info: false``, before the loggers' levels follow
+
+
 @pytest.mark.parametrize(
     "change",
-    [_another_handler, _a_filter, _a_format, _a_date_format, _a_handler_level, _propagating,
-     _disabled],
+    [_another_handler, _a_filter, _a_format, _a_formatter_class, _a_handler_level, _propagating,
+     _disabled, _info_switched_off],
 )  # fmt: skip
 def test_any_other_configuration_goes_through_logging(
     tree: tuple[logging.Logger, logging.Logger], monkeypatch: pytest.MonkeyPatch, change: object
