@@ -11,7 +11,8 @@ handler or filter on the way (but the log settings' level switches,
 ``service.log_settings``), :meth:`AccessLog.write` makes the same line itself (the time
 part once per second, in either of the settings' ``log_format``) and hands it to that
 handler. Any other logging configuration (a
-handler or filter added, another format, another level) takes the plain way:
+handler or filter added, another format, another level, a log record factory such as the
+one Ray installs when it is imported) takes the plain way:
 ``logger.info`` with the request id in its context, exactly as before. The lines are the
 same bytes either way (``tests/service/test_access_log.py`` compares the two on random
 requests).
@@ -89,8 +90,10 @@ class AccessLog:
         format's worker tag, when nothing else sees the lines; else None."""
         logger: logging.Logger | None = self.logger
         assert logger is not None
-        if logger.disabled or logger.filters:
+        if logger.disabled or logger.filters or type(logger) is not logging.Logger:
             return None
+        if logging.getLogRecordFactory() is not logging.LogRecord:
+            return None  # a factory may change any part of a record (Ray's sets ``created``)
         found: BatchedStreamHandler | None = None
         while logger is not None:  # the handlers ``Logger.callHandlers`` would call
             for h in logger.handlers:

@@ -62,7 +62,10 @@ def tree() -> Iterator[tuple[logging.Logger, logging.Logger]]:
     child = logging.getLogger(f"{root.name}.rest.gateway.access")
     kept = root.handlers  # pytest's capture handlers, where it puts some
     root.handlers = []
+    factory = logging.getLogRecordFactory()  # Ray replaces it when imported by a test
+    logging.setLogRecordFactory(logging.LogRecord)
     yield root, child
+    logging.setLogRecordFactory(factory)
     root.handlers = kept
 
 
@@ -189,6 +192,15 @@ def _disabled(root: logging.Logger, child: logging.Logger) -> None:
     child.disabled = True
 
 
+def _a_record_factory(root: logging.Logger, child: logging.Logger) -> None:
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = logging.LogRecord(*args, **kwargs)  # type: ignore[arg-type]
+        record.created = int(record.created)  # as a factory may: here, whole seconds
+        return record
+
+    logging.setLogRecordFactory(factory)  # (the fixture restores the process's)
+
+
 def _info_switched_off(root: logging.Logger, child: logging.Logger) -> None:
     as_served(root, root.handlers[0], "default")  # type: ignore[arg-type]
     for f in root.handlers[0].filters:
@@ -199,7 +211,7 @@ def _info_switched_off(root: logging.Logger, child: logging.Logger) -> None:
 @pytest.mark.parametrize(
     "change",
     [_another_handler, _a_filter, _a_format, _a_formatter_class, _a_handler_level, _propagating,
-     _disabled, _info_switched_off],
+     _disabled, _a_record_factory, _info_switched_off],
 )  # fmt: skip
 def test_any_other_configuration_goes_through_logging(
     tree: tuple[logging.Logger, logging.Logger], monkeypatch: pytest.MonkeyPatch, change: object
