@@ -24,6 +24,8 @@ what issue 23 wanted, what was measured and whether it was met.
     python -m benchmarks.bench_overhead            # writes benchmarks/results/overhead.md
     python -m benchmarks.bench_overhead --smoke    # short runs, prints only
     python -m benchmarks.bench_overhead --before /tmp/bitserve-fa22f22
+    python -m benchmarks.bench_overhead --only mlp --rounds 7 --mlp-rows 32768 [--before DIR]
+    python -m benchmarks.bench_overhead --only tiny --rounds 5 [--before DIR]
 """
 
 from __future__ import annotations
@@ -172,6 +174,71 @@ def _mlp_rows(tmp: Path, smoke: bool, rounds: int) -> tuple[dict[str, list[float
         return bench_mlp.measure_rounds(running, bits, expected, rounds), rows
 
 
+def only_mlp(before: Path | None, rounds: int, rows: int) -> None:
+    """``--only mlp``: the MLP section alone (and ``--before``'s server beside it), printed."""
+    from benchmarks import bench_mlp
+    from benchmarks.overhead import mlp
+
+    bits = np.random.default_rng(0).random((rows, mlp.BITS)) < 0.5
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        program = mlp.write_repository(Path(tmp))
+        expected = bench_mlp.reference(program, bits)
+        labels = (bench_mlp.DEFAULTS, bench_mlp.WORKERS_1, bench_mlp.FASTAPI)
+        servers = bench_mlp.servers(Path(tmp), program, *labels)
+        if before is not None:
+            command = [*before_server(before, Path(tmp)), "--grpc-port", "0"]
+            servers.insert(0, (f"{BEFORE} ({_revision(before)})", command))
+        with perf.start(servers) as running:
+            rps = bench_mlp.measure_rounds(running, bits, expected, rounds)
+    fastapi = statistics.median(rps[bench_mlp.FASTAPI])
+    print(f"\nMLP through infer_many, {rows:,} rows a round, {rounds} interleaved rounds:\n")
+    print(
+        markdown_table(
+            ["server", "rows/s (median)", f"/ {bench_mlp.FASTAPI}", "rounds"],
+            [
+                [
+                    label,
+                    statistics.median(xs),
+                    statistics.median(xs) / fastapi,
+                    ", ".join(f"{x:,.0f}" for x in xs),
+                ]
+                for label, xs in rps.items()
+            ],
+        )
+    )
+
+
+def only_tiny(command: list[str] | None, before: Path | None, rounds: int, interval: int,
+              smoke: bool) -> None:  # fmt: skip
+    """``--only tiny``: bitserve's defaults against the hand-written V2 endpoint (and
+    ``--before``'s server) on the tiny model, interleaved rounds, printed."""
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        repo = tiny.write_repository(Path(tmp) / "tiny")
+        servers = [(DEFAULTS, perf.bitserve(repo)),
+                   (FASTAPI, perf.module("benchmarks.overhead.fastapi_v2"))]  # fmt: skip
+        if before is not None:
+            servers.insert(0, (f"{BEFORE} ({_revision(before)})", before_server(before, repo)))
+        rps: dict[tuple[str, int], list[float]] = {}
+        with perf.start(servers) as running:
+            for r in running:
+                check_answer(r)
+            for k in range(rounds):
+                for c in CONCURRENCY:
+                    for r in running[k % len(running) :] + running[: k % len(running)]:
+                        load = perf.measure(
+                            command, r, tiny.NAME, c, interval_ms=interval, smoke=smoke
+                        )
+                        rps.setdefault((r.label, c), []).append(load.rps)
+                        print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
+    rows = []
+    for (label, c), xs in rps.items():
+        base = statistics.median(rps[(FASTAPI, c)])
+        rounds_text = ", ".join(f"{x:,.0f}" for x in xs)
+        rows.append([label, c, statistics.median(xs), statistics.median(xs) / base, rounds_text])
+    print(f"\nThe tiny model, {rounds} interleaved rounds (perf_analyzer):\n")
+    print(markdown_table(["server", "concurrency", "req/s", f"/ {FASTAPI}", "rounds"], rows))
+
+
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--before", type=Path, default=None)
@@ -179,8 +246,27 @@ def main() -> None:
     pre.add_argument(
         "--interval-ms", type=int, default=3000, help="perf_analyzer's window (default 3000)"
     )
+    pre.add_argument(
+        "--only",
+        choices=["mlp", "tiny"],
+        default=None,
+        help="run one section and print it (writes nothing): mlp (with --rounds, --mlp-rows) "
+        "or tiny (bitserve's defaults and the hand-written V2 endpoint)",
+    )
+    pre.add_argument("--mlp-rows", type=int, default=256 * 64, help="--only mlp: rows a round")
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
+    if known.only == "tiny":
+        before_dir = known.before.resolve() if known.before is not None else None
+        command = perf_analyzer()
+        only_tiny(command, before_dir, 1 if args.smoke else known.rounds, known.interval_ms,
+                  args.smoke)  # fmt: skip
+        return
+    if known.only == "mlp":
+        rows = 20 * 64 if args.smoke else known.mlp_rows
+        before_dir = known.before.resolve() if known.before is not None else None
+        only_mlp(before_dir, 1 if args.smoke else known.rounds, rows)
+        return
     command = perf_analyzer()
     if command is None:
         if not args.smoke:

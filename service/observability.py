@@ -115,7 +115,16 @@ class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
         except Exception:
             self.handleError(record)
             return
-        if record.levelno < logging.WARNING:
+        self._take(line, record.levelno < logging.WARNING)
+
+    def hold(self, line: str) -> None:
+        """Write a formatted INFO line (with its terminator) as :meth:`emit` writes a
+        record's: ``service.access_log`` makes its lines itself."""
+        with self.lock or contextlib.nullcontext():
+            self._take(line, True)
+
+    def _take(self, line: str, low: bool) -> None:
+        if low:
             try:
                 loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             except RuntimeError:

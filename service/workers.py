@@ -65,10 +65,11 @@ its own copy of every model; past a few, more processes add memory, not throughp
 SMALL_HOST_CORES = 2
 """``auto`` on a host without a GPU and with at most this many cores: one worker. Measured on
 2 cores (issue 23, ``benchmarks/results/overhead.md``): a light model is bound by its
-worker's event loop, and a second worker's loop and torch thread share the same two cores
-with the first and with the clients, so two workers served the tiny model at concurrency 8
-and the 2048-bit MLP at 0.89-0.90x of one (using 1.7x the CPU per request); a compute-heavy
-model (the demo) gains from two (1.2-1.5x), and ``--workers 2`` is the setting for it."""
+maths and by the clients on the same cores, and a second worker's loop and torch thread
+share the two cores with the first and with the clients, so two workers served the tiny
+model at concurrency 8 and the 2048-bit MLP at 0.89-0.90x of one (using 1.7x the CPU per
+request); a compute-heavy model (the demo) gains from two (1.2-1.5x), and ``--workers 2``
+is the setting for it."""
 WORKERS_PER_GPU = 2
 """``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
 overlaps another's kernels (with CUDA MPS their kernels can also run side by side).

@@ -44,11 +44,11 @@ from service.errors import (
     report,
     shown_message,
 )
-from service.observability import printable_path, request_id_var
+from service.observability import printable_path
 from service.protocol import choose_encoding, encode_infer_response
 from service.rest.errors import error_parts
 from service.rest.fastpath import CLIENT_GONE, Held, InferRoute, match_infer
-from service.rest.gateway import Gateway, request_log
+from service.rest.gateway import Gateway, access_lines
 from service.rest.gateway import log as gateway_log
 from service.rest.http_cycle import STATUS_LINES
 from service.rest.inference import encodes_in_thread
@@ -428,10 +428,8 @@ class ExpressRequest:
         self._stop_waiting()
         lane.gateway.active -= 1
         if lane.gateway.access_log:
-            token = request_id_var.set(self.request_id)
             ms = (time.perf_counter() - self.t0) * 1e3
-            request_log.info("%s %s %d %.1fms", "POST", self.target[2], status, ms)
-            request_id_var.reset(token)
+            access_lines.write("POST", self.target[2], status, ms, self.request_id)
         if self.complete:
             return  # the client went away: nothing to write
         conn = self.conn

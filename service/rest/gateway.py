@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from service.access_log import AccessLog
 from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.observability import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
@@ -31,6 +32,7 @@ from service.rest.fastpath import InferRoute, Scope, Send, match_infer
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request
+access_lines = AccessLog(request_log)
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -169,12 +171,7 @@ class Gateway:
                 )
         finally:
             if self.access_log:
-                request_log.info(
-                    "%s %s %d %.1fms",
-                    scope["method"],
-                    printable_path(path),
-                    status,
-                    (time.perf_counter() - t0) * 1e3,
-                )
+                ms = (time.perf_counter() - t0) * 1e3
+                access_lines.write(scope["method"], printable_path(path), status, ms, rid)
             self.active -= 1
             request_id_var.reset(token)
