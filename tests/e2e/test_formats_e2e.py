@@ -250,7 +250,11 @@ def test_each_format_serves_like_the_module(
         little = np.packbits(bits, axis=-1, bitorder="little")
         sent = client.infer(f"{fmt}_good", {"fp": little}, bitorder="little")["score"]
     np.testing.assert_allclose(big, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(sent, big)
+    # The same items either way, to float32 rounding: two calls of one program may round
+    # differently (a full `make test` saw one value 1 ULP apart under TorchScript, whose
+    # executor re-plans a graph after its first runs, and a batch may run on the event loop
+    # or on the device thread); the other bit order, below, is off by far more.
+    np.testing.assert_allclose(sent, big, rtol=1e-6, atol=0)
     # Bytes in the other order without saying so give other answers: the parameter matters.
     assert not np.allclose(client_infer(server, fmt, little), expected, atol=1e-4)
 
