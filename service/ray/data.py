@@ -64,10 +64,11 @@ def plan_actors(
     less one per actor-sized share for the reads and writes (at least 1).
 
     Threads: an actor runs ``num_cpus`` torch threads, except a CPU actor alone on its node
-    (a node of at most ``num_cpus + 1`` CPUs, such as a 2-core machine): it runs one thread
-    per CPU of the node. The reads and writes beside it take a fraction of the CPU the
-    scoring does (4 µs a row against 17 µs for the 2048-bit MLP, ``benchmarks/results/ray.md``),
-    so the CPU kept for them would otherwise idle most of the time.
+    (a node of at most ``num_cpus + 1`` CPUs, such as a 2-core machine, and no fixed pool of
+    more than one actor): it runs one thread per CPU of the node. The reads and writes
+    beside it take a fraction of the CPU the scoring does (4 µs a row against 17 µs for the
+    2048-bit MLP, ``benchmarks/results/ray.md``), so the CPU kept for them would otherwise
+    idle most of the time.
 
     Args:
         resources: the cluster's total resources.
@@ -94,7 +95,7 @@ def plan_actors(
     own = max(1, int(num_cpus))
     if threads is None:
         node = cpus if node_cpus is None else float(node_cpus)
-        alone = num_gpus == 0 and node - 1 < 2 * num_cpus
+        alone = num_gpus == 0 and node - 1 < 2 * num_cpus and actors in (None, 1)
         threads = max(own, int(node)) if alone else own
     if actors is not None:
         return Actors(actors, actors, num_gpus, num_cpus, threads)

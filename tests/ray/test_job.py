@@ -175,6 +175,8 @@ def test_plan_actors_threads() -> None:
     # A 2-core machine: one actor, and the core kept for the reads and writes is shared.
     assert plan_actors({"CPU": 2.0}).threads == 2
     assert plan_actors({"CPU": 2.0}, actors=1).threads == 2
+    # A fixed pool of two on the same cores: each keeps to its own CPU (no 4 threads on 2).
+    assert plan_actors({"CPU": 2.0}, actors=2).threads == 1
     # Two simulated 1-CPU nodes: one actor, on a node of one CPU.
     assert plan_actors({"CPU": 2.0}, node_cpus=1.0) == Actors(1, 1, 0.0, 1.0, 1)
     # Room for two actors or more on a node: each keeps to its own CPUs.
