@@ -208,6 +208,24 @@ def only_mlp(before: Path | None, rounds: int, rows: int) -> None:
     )
 
 
+def tiny_rounds(
+    command: list[str] | None, running: list[Running], rounds: int, interval: int, smoke: bool
+) -> dict[tuple[str, int], list[Load]]:
+    """Each server's answer checked, then ``rounds`` interleaved rounds of the tiny model at
+    every concurrency; each round starts with the next server, so no one is always first.
+    Returns each (server label, concurrency)'s loads, one a round."""
+    for r in running:
+        check_answer(r)
+    loads: dict[tuple[str, int], list[Load]] = {}
+    for k in range(rounds):
+        for c in CONCURRENCY:
+            for r in running[k % len(running) :] + running[: k % len(running)]:
+                load = perf.measure(command, r, tiny.NAME, c, interval_ms=interval, smoke=smoke)
+                loads.setdefault((r.label, c), []).append(load)
+                print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
+    return loads
+
+
 def only_tiny(command: list[str] | None, before: Path | None, rounds: int, interval: int,
               smoke: bool) -> None:  # fmt: skip
     """``--only tiny``: bitserve's defaults against the hand-written V2 endpoint (and
@@ -218,18 +236,9 @@ def only_tiny(command: list[str] | None, before: Path | None, rounds: int, inter
                    (FASTAPI, perf.module("benchmarks.overhead.fastapi_v2"))]  # fmt: skip
         if before is not None:
             servers.insert(0, (f"{BEFORE} ({_revision(before)})", before_server(before, repo)))
-        rps: dict[tuple[str, int], list[float]] = {}
         with perf.start(servers) as running:
-            for r in running:
-                check_answer(r)
-            for k in range(rounds):
-                for c in CONCURRENCY:
-                    for r in running[k % len(running) :] + running[: k % len(running)]:
-                        load = perf.measure(
-                            command, r, tiny.NAME, c, interval_ms=interval, smoke=smoke
-                        )
-                        rps.setdefault((r.label, c), []).append(load.rps)
-                        print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
+            loads = tiny_rounds(command, running, rounds, interval, smoke)
+    rps = {key: [load.rps for load in xs] for key, xs in loads.items()}
     rows = []
     for (label, c), xs in rps.items():
         base = statistics.median(rps[(FASTAPI, c)])
@@ -288,19 +297,8 @@ def main() -> None:
         ]
         if before is not None:
             servers.insert(0, (before_label, before_server(before, repo)))
-        loads: dict[tuple[str, int], list[Load]] = {}
         with perf.start(servers) as running:
-            for r in running:
-                check_answer(r)
-            for k in range(rounds):
-                for c in CONCURRENCY:
-                    # Each round starts with the next server: no one is always first.
-                    for r in running[k % len(running) :] + running[: k % len(running)]:
-                        load = perf.measure(
-                            command, r, tiny.NAME, c, interval_ms=interval, smoke=args.smoke
-                        )
-                        loads.setdefault((r.label, c), []).append(load)
-                        print(f"{r.label} c={c}: {load.rps:.0f} req/s", flush=True)
+            loads = tiny_rounds(command, running, rounds, interval, args.smoke)
         from service.demo import write_demo_repository
 
         demo_repo = Path(tmp) / "demo"
