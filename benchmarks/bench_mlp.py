@@ -24,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ DEFAULTS = "bitserve (defaults: --workers auto)"
 WORKERS_1 = "bitserve --workers 1"
 WORKERS_2 = "bitserve --workers 2"
 FASTAPI = "hand-written FastAPI, float32 rows"
+HTTPX_CLIENT = "bitserve (defaults), client on httpx's transport"
+"""Not a server: the defaults' server driven by the client over httpx's own transport
+(``transport=httpx.HTTPTransport()``) instead of its lean default, in the same rounds."""
 
 
 def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -56,11 +60,14 @@ def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
     return np.asarray(torch.cat(out).numpy()).reshape(-1)
 
 
-def run_bitserve(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.ndarray[Any, Any]]:
-    """Seconds for ``infer_many`` over every row, and the scores."""
+def run_bitserve(
+    server: Running, bits: np.ndarray[Any, Any], transport: httpx.BaseTransport | None = None
+) -> tuple[float, np.ndarray[Any, Any]]:
+    """Seconds for ``infer_many`` over every row, and the scores (``transport``: the
+    client's; None for its default)."""
     from bitserve_client import Client
 
-    with Client(server.url, timeout=60) as client:
+    with Client(server.url, timeout=60, transport=transport) as client:
         t0 = time.perf_counter()
         result = client.infer_many(
             mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=CONCURRENCY, progress=False
@@ -115,22 +122,37 @@ def servers(root: Path, program: Path, *labels: str) -> list[tuple[str, list[str
 
 
 def measure_rounds(
-    running: list[Running], bits: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], rounds: int
+    running: list[Running],
+    bits: np.ndarray[Any, Any],
+    expected: np.ndarray[Any, Any],
+    rounds: int,
+    httpx_client: bool = False,
 ) -> dict[str, list[float]]:
     """Rows/s of every server over all of ``bits``, in interleaved rounds after a warm-up;
-    every score is checked against ``expected``."""
+    every score is checked against ``expected``. With ``httpx_client``, the defaults' server
+    is also driven by the client over httpx's own transport (:data:`HTTPX_CLIENT`)."""
+    Run = Callable[[], tuple[float, np.ndarray[Any, Any]]]
+
+    def runs(r: Running, rows: np.ndarray[Any, Any]) -> list[tuple[str, Run]]:
+        if r.label == FASTAPI:
+            return [(r.label, lambda: run_fastapi(r, rows))]
+        own: list[tuple[str, Run]] = [(r.label, lambda: run_bitserve(r, rows))]
+        if httpx_client and r.label == DEFAULTS:
+            own.append((HTTPX_CLIENT, lambda: run_bitserve(r, rows, httpx.HTTPTransport())))
+        return own
+
     results: dict[str, list[float]] = {}
-    warm = bits[: 4 * mlp.BATCH]
     for r in running:  # warm-up: every worker's connections and allocator pools
-        (run_fastapi if r.label == FASTAPI else run_bitserve)(r, warm)
+        for _, run in runs(r, bits[: 4 * mlp.BATCH]):
+            run()
+    every = [one for r in running for one in runs(r, bits)]
     for k in range(rounds):
-        for r in running[k % len(running) :] + running[: k % len(running)]:
-            # Each round starts with the next server: no one is always first.
-            run = run_fastapi if r.label == FASTAPI else run_bitserve
-            seconds, got = run(r, bits)
+        for label, run in every[k % len(every) :] + every[: k % len(every)]:
+            # Each round starts with the next one: no one is always first.
+            seconds, got = run()
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
-            results.setdefault(r.label, []).append(len(bits) / seconds)
-            print(f"{r.label}: {len(bits) / seconds:,.0f} rows/s", flush=True)
+            results.setdefault(label, []).append(len(bits) / seconds)
+            print(f"{label}: {len(bits) / seconds:,.0f} rows/s", flush=True)
     return results
 
 

@@ -189,7 +189,7 @@ def only_mlp(before: Path | None, rounds: int, rows: int) -> None:
             command = [*before_server(before, Path(tmp)), "--grpc-port", "0"]
             servers.insert(0, (f"{BEFORE} ({_revision(before)})", command))
         with perf.start(servers) as running:
-            rps = bench_mlp.measure_rounds(running, bits, expected, rounds)
+            rps = bench_mlp.measure_rounds(running, bits, expected, rounds, httpx_client=True)
     fastapi = statistics.median(rps[bench_mlp.FASTAPI])
     print(f"\nMLP through infer_many, {rows:,} rows a round, {rounds} interleaved rounds:\n")
     print(

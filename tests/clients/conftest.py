@@ -17,6 +17,7 @@ import pytest
 from bitserve_client import AsyncClient, Client, Retry
 
 from .fake_v2 import FakeV2, async_handler
+from .wire import WireServer
 
 
 def jittery() -> float:
@@ -33,10 +34,11 @@ class Harness:
     """One client (sync or async) on a FakeV2, with recorded backoff sleeps.
 
     Args:
-        kind: ``"sync"`` or ``"async"``.
+        kind: ``"sync"`` or ``"async"`` (over ``httpx.MockTransport``), or ``"wire"``: the
+            sync client on its default transport, the fake on a real socket (:mod:`.wire`).
         fake: the server.
         jitter: for the async client, a random delay per request on the event loop (the
-            sync client's FakeV2 sleeps in its ``delay`` instead).
+            other clients' FakeV2 sleeps in its ``delay`` instead).
         **kwargs: client arguments; ``retries`` defaults to 3 with a 0.01 s backoff.
     """
 
@@ -45,6 +47,14 @@ class Harness:
         self.sleeps: list[float] = []
         kwargs.setdefault("retries", Retry(retries=3, backoff=0.01))
         kwargs.setdefault("url", "http://fake:1")
+        self.wire: WireServer | None = None
+        if kind == "wire":
+            self.wire = WireServer(fake)
+            kwargs["url"] = self.wire.url(kwargs["url"])
+            self.client = Client(**kwargs)
+            assert self.client._lean is not None, "the default transport was not the lean one"
+            self.client._sleep = self.sleeps.append
+            return
         if kind == "sync":
             self.client: Client | AsyncClient = Client(
                 transport=httpx.MockTransport(fake.handler), **kwargs
@@ -66,7 +76,7 @@ class Harness:
     def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``client.method(*args, **kwargs)``, awaited for the async client."""
         fn = getattr(self.client, method)
-        if self.kind == "sync":
+        if self.kind != "async":
             return fn(*args, **kwargs)
 
         async def run() -> Any:
@@ -77,7 +87,7 @@ class Harness:
     def collect(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Everything an iterator method yields, as a list."""
         fn = getattr(self.client, method)
-        if self.kind == "sync":
+        if self.kind != "async":
             return list(fn(*args, **kwargs))
 
         async def run() -> list[Any]:
@@ -95,11 +105,22 @@ class Harness:
             self.client.close()
         else:
             asyncio.run(self.client.aclose())
+        if self.wire is not None:
+            self.wire.close()
 
 
-@pytest.fixture(params=["sync", "async"])
+@pytest.fixture(params=["sync", "async", "wire"])
 def kind(request: pytest.FixtureRequest) -> str:
-    """Each test using it runs for the sync and the async client."""
+    """Each test using it runs for the sync and the async client over httpx.MockTransport,
+    and for the sync client on its own transport against the fake on a real socket.
+
+    A test marked ``mock_transport`` scripts what only a MockTransport can do (an httpx
+    exception raised inside the transport, the recorded ``timeout`` extension, host names
+    that resolve nowhere): its wire run is skipped; ``test_h1.py`` covers those behaviours of
+    the client's own transport on real sockets.
+    """
+    if request.param == "wire" and request.node.get_closest_marker("mock_transport"):
+        pytest.skip("scripts httpx.MockTransport itself; test_h1.py covers the wire")
     return str(request.param)
 
 

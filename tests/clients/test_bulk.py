@@ -35,7 +35,7 @@ def bulk(make: Callable[..., Harness], kind: str) -> Callable[..., Harness]:
 
     def factory(fake: FakeV2 | None = None) -> Harness:
         fake = fake or FakeV2()
-        if kind == "sync":
+        if kind != "async":
             fake.delay = jittery
         return make(fake, jitter=True)
 

@@ -222,6 +222,7 @@ def test_other_statuses_are_not_retried(make: Callable[..., Harness], status: in
     assert isinstance(info.value, TimeoutError) == (status == 504)
 
 
+@pytest.mark.mock_transport
 def test_connect_errors_are_retried_then_raised(make: Callable[..., Harness]) -> None:
     h = make()
     h.fake.script += [httpx.ConnectError("refused"), httpx.RemoteProtocolError("closed")]
@@ -281,6 +282,7 @@ def test_retry_after_dates_without_a_zone_are_gmt() -> None:
         assert 3590 < got <= 3600, (text, got)
 
 
+@pytest.mark.mock_transport
 def test_read_timeout_is_not_retried(make: Callable[..., Harness]) -> None:
     h = make()
     h.fake.script.append(httpx.ReadTimeout("slow"))

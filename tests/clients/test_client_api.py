@@ -73,6 +73,7 @@ def test_bulk_calls_pass_headers_and_deadline_to_every_request(
     assert all(infer_header(r)["parameters"]["timeout"] == 2_000_000 for r in infers)
 
 
+@pytest.mark.mock_transport
 def test_timeout_is_the_http_timeout_everywhere(kind: str) -> None:
     seen: list[dict[str, Any]] = []
     fake = FakeV2()
@@ -110,6 +111,7 @@ def test_deadline_must_be_positive(make: Callable[..., Harness]) -> None:
 # -- defaults from the environment, TLS, proxy --------------------------------------------------
 
 
+@pytest.mark.mock_transport
 def test_url_and_token_default_to_the_environment(
     monkeypatch: pytest.MonkeyPatch, make: Callable[..., Harness]
 ) -> None:

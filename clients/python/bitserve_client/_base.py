@@ -17,10 +17,11 @@ import logging
 import os
 import ssl
 import time
+import urllib.request
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 from urllib.parse import quote
 
 import httpx
@@ -36,6 +37,7 @@ from ._exceptions import (
     error_for_status,
 )
 from ._framing import HEADER_LENGTH, EncodedBody, decode_response, encode_request, error_message
+from ._h1 import Reply
 from ._retry import Retry
 from ._spec import Bitorder, ModelSpec, parse_model_spec, prepare_inputs
 from ._types import InferResult, Inputs
@@ -73,6 +75,73 @@ _RETRYABLE_TRANSPORT = (
     httpx.ReadError,
     httpx.WriteError,
 )
+
+
+class _Reply(Protocol):
+    """What the decoders read from an answer: an ``httpx.Response`` or a :class:`_Answer`."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def headers(self) -> httpx.Headers: ...
+    @property
+    def content(self) -> bytes: ...
+    @property
+    def url(self) -> httpx.URL | str: ...
+
+
+class _Answer:
+    """A whole answer from the lean transport (:mod:`._h1`), read as httpx would read it.
+
+    Attributes:
+        status_code: the status.
+        headers: the header fields (case-insensitive, as ``httpx.Response.headers``).
+        content: the body with its ``Content-Encoding`` (gzip, deflate) undone.
+        url: the request's URL.
+    """
+
+    __slots__ = ("content", "headers", "status_code", "url")
+
+    def __init__(self, reply: Reply, url: str) -> None:
+        self.status_code = reply.status_code
+        self.headers = httpx.Headers(reply.fields)
+        self.url = url
+        self.content = reply.body
+        coding = self.headers.get("Content-Encoding")
+        if coding:
+            self.content = _undo_encoding(reply.body, coding, url)
+
+
+def _undo_encoding(body: bytes, coding: str, url: str) -> bytes:
+    """``body`` with the codings of a ``Content-Encoding`` value undone, last applied first.
+
+    gzip and deflate (zlib, or raw deflate as some servers send it) as httpx decodes them;
+    ``identity`` is nothing. Any other coding was not asked for: ``DecodeError``.
+    """
+    for name in reversed([c.strip().lower() for c in coding.split(",") if c.strip()]):
+        try:
+            if name == "gzip":
+                body = zlib.decompress(body, 16 + zlib.MAX_WBITS)
+            elif name == "deflate":
+                try:
+                    body = zlib.decompress(body)
+                except zlib.error:
+                    body = zlib.decompress(body, -zlib.MAX_WBITS)
+            elif name != "identity":
+                raise DecodeError(f"{url}: Content-Encoding {name!r} was not asked for")
+        except zlib.error as exc:
+            raise DecodeError(f"{url}: the answer is not valid {name}: {exc}") from None
+    return body
+
+
+def _field_line(name: str, value: str) -> bytes:
+    """``Name: value\\r\\n``, refusing what httpx refuses: non-ASCII, CR, LF, NUL."""
+    line = f"{name}: {value}\r\n"
+    if not line.isascii() or any(c in line[:-2] for c in "\r\n\0") or not name or ":" in name:
+        raise InvalidInputError(
+            f"header {name!r}: names and values must be ASCII without CR, LF or NUL"
+        )
+    return line.encode("ascii")
 
 
 @dataclass(frozen=True)
@@ -214,6 +283,50 @@ class BaseClient:
             "http2": http2,
         }
         self._specs: dict[tuple[str, str | None], ModelSpec] = {}
+
+    def _lean_transport_applies(self, proxy: ProxyTypes | None, http2: bool) -> bool:
+        """Whether the lean HTTP/1.1 transport (:mod:`._h1`) can carry this client's calls.
+
+        Only for a plain ``http://`` URL with no proxy: none given and none in the
+        environment (``HTTP_PROXY`` / ``ALL_PROXY``, any case, even where ``NO_PROXY`` would
+        exempt the host: those set-ups keep httpx's own transport), and no HTTP/2.
+        """
+        if proxy is not None or http2 or not self._url.lower().startswith("http://"):
+            return False
+        proxies = urllib.request.getproxies_environment()
+        return "http" not in proxies and "all" not in proxies
+
+    def _lean_setup(self) -> None:
+        """What every request over the lean transport shares, computed once: where it goes
+        (host, port, the URL's path prefix), the client's header fields as httpx would send
+        them (``Host``, ``Accept``, then the client's), and the client's timeouts."""
+        url = httpx.URL(self._url)
+        self._lean_host = url.host
+        self._lean_port = url.port or 80
+        self._lean_prefix = url.raw_path.rstrip(b"/")
+        fields = {"host": ("Host", url.netloc.decode("ascii")), "accept": ("Accept", "*/*")}
+        for name, value in self._http_options["headers"].items():
+            fields[name.lower()] = (name, value)
+        self._lean_fields = {low: _field_line(*nv) for low, nv in fields.items()}
+        self._lean_timeouts = cast(httpx.Timeout, self._http_options["timeout"]).as_dict()
+
+    def _lean_head(self, request: _Request, length: int | None) -> bytes:
+        """The request line and header fields of ``request`` for the lean transport: the
+        client's fields, the call's over them (case-insensitively, as httpx merges), and
+        ``Content-Length`` for a body unless the call gave one."""
+        fields = self._lean_fields
+        if request.headers:
+            fields = dict(fields)
+            for name, value in request.headers.items():
+                fields[name.lower()] = _field_line(name, value)
+        if length is not None and "content-length" not in fields:
+            fields = {**fields, "content-length": b"Content-Length: %d\r\n" % length}
+        line = b"%s %s%s HTTP/1.1\r\n" % (
+            request.method.encode("ascii"),
+            self._lean_prefix,
+            request.path.encode("ascii"),
+        )
+        return b"".join([line, *fields.values(), b"\r\n"])
 
     # Set by Client / AsyncClient: the httpx client that sends.
     _http: httpx.Client | httpx.AsyncClient
@@ -398,7 +511,7 @@ class BaseClient:
     # -- responses -------------------------------------------------------------------------
 
     @staticmethod
-    def _server_error(response: httpx.Response) -> ServerError:
+    def _server_error(response: _Reply) -> ServerError:
         """The exception for a non-200 response, carrying the server's error text."""
         return error_for_status(
             response.status_code,
@@ -408,29 +521,29 @@ class BaseClient:
         )
 
     @staticmethod
-    def _decode_json(response: httpx.Response) -> Any:
+    def _decode_json(response: _Reply) -> Any:
         """The JSON document of a 200 response."""
         try:
             return json.loads(response.content)
         except ValueError as exc:
-            raise DecodeError(f"{response.request.url}: response is not JSON: {exc}") from None
+            raise DecodeError(f"{response.url}: response is not JSON: {exc}") from None
 
     @classmethod
-    def _decode_object(cls, response: httpx.Response) -> dict[str, Any]:
+    def _decode_object(cls, response: _Reply) -> dict[str, Any]:
         value = cls._decode_json(response)
         if not isinstance(value, dict):
-            raise DecodeError(f"{response.request.url}: expected a JSON object")
+            raise DecodeError(f"{response.url}: expected a JSON object")
         return value
 
     @classmethod
-    def _decode_index(cls, response: httpx.Response) -> list[dict[str, Any]]:
+    def _decode_index(cls, response: _Reply) -> list[dict[str, Any]]:
         value = cls._decode_json(response)
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-            raise DecodeError(f"{response.request.url}: expected a JSON list of objects")
+            raise DecodeError(f"{response.url}: expected a JSON list of objects")
         return value
 
     @staticmethod
-    def _decode_infer(response: httpx.Response, single: bool) -> InferResult:
+    def _decode_infer(response: _Reply, single: bool) -> InferResult:
         """Decode a 200 inference response (binary or JSON)."""
         raw = response.headers.get(HEADER_LENGTH)
         try:
@@ -495,7 +608,7 @@ class BaseClient:
         error = self._transport_error(exc, request.method, self._url + request.path)
         return self._next_attempt(request, attempt, error, exc)
 
-    def _after_refusal(self, request: _Request, attempt: int, response: httpx.Response) -> float:
+    def _after_refusal(self, request: _Request, attempt: int, response: _Reply) -> float:
         """Seconds to wait before retrying after a non-200 answer; raises if not retried."""
         return self._next_attempt(request, attempt, self._server_error(response))
 
