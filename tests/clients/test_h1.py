@@ -414,9 +414,9 @@ def test_lean_transport_only_where_it_applies(
 
 
 def test_http2_keeps_httpx() -> None:
-    pytest.importorskip("h2")
-    with Client("http://h:1", http2=True) as c:
-        assert c._lean is None
+    with Client("http://h:1") as c:  # (http2=True itself needs the [http2] extra installed)
+        assert c._lean_transport_applies(None, http2=True) is False
+        assert c._lean_transport_applies(None, http2=False) is True
 
 
 def test_closed_client_refuses(scripted: Scripted) -> None:
@@ -424,3 +424,26 @@ def test_closed_client_refuses(scripted: Scripted) -> None:
     client.close()
     with pytest.raises(Exception, match="closed"):
         client.server_metadata()
+
+
+def test_reuse_check_works_above_descriptor_1023(scripted: Scripted) -> None:
+    """``select`` cannot watch descriptors above 1023; the check before reuse must still see
+    a live connection as live (else every request would open a new one)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("cannot open 1,100 descriptors here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [socket.socket() for _ in range(1100)]  # the client's socket gets a high number
+    try:
+        client, _ = client_on(scripted)
+        with client:
+            scripted.script += [(OK, "keep")] * 3
+            for _ in range(3):
+                client.server_metadata()
+            assert scripted.accepted == 1
+    finally:
+        for s in held:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -60,6 +60,23 @@ class _Closed(Exception):
     """The server closed the connection (EOF) where more of the answer was due."""
 
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes or an EOF waiting (or is broken), without blocking.
+
+    ``poll`` where there is one: ``select`` cannot watch descriptors above 1023, which a
+    process with many files open hands out.
+    """
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(0))
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+    except (OSError, ValueError):
+        return True
+
+
 class _Connection:
     """One kept-alive socket and the bytes read past the last answer."""
 
@@ -85,11 +102,7 @@ class _Connection:
             return False
         if self.buf:
             return False
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
+        return not _readable(self.sock)
 
     # -- reading -----------------------------------------------------------------------
 
