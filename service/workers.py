@@ -69,7 +69,9 @@ maths and by the clients on the same cores, and a second worker's loop and torch
 share the two cores with the first and with the clients, so two workers served the tiny
 model at concurrency 8 and the 2048-bit MLP at 0.89-0.90x of one (using 1.7x the CPU per
 request); a compute-heavy model (the demo) gains from two (1.2-1.5x), and ``--workers 2``
-is the setting for it."""
+is the setting for it. With the client's own lighter transport the MLP gained from two as well
+(1.07-1.4x at 4 requests in flight, README "A light model at high rates"): one worker's
+device thread, not the client, was then the limit."""
 WORKERS_PER_GPU = 2
 """``auto`` on a GPU host: this many workers per GPU, so one's Python work (parsing, encoding)
 overlaps another's kernels (with CUDA MPS their kernels can also run side by side).
