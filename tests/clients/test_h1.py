@@ -281,13 +281,17 @@ def client_on(server: Scripted, **kwargs: Any) -> tuple[Client, list[float]]:
     return client, sleeps
 
 
+def assert_one_connection_carries_three(client: Client, scripted: Scripted) -> None:
+    scripted.script += [(OK, "keep")] * 3
+    for _ in range(3):
+        client.server_metadata()
+    assert scripted.accepted == 1
+
+
 def test_connections_are_reused_and_a_closed_one_is_not(scripted: Scripted) -> None:
     client, sleeps = client_on(scripted)
     with client:
-        scripted.script += [(OK, "keep")] * 3
-        for _ in range(3):
-            client.server_metadata()
-        assert scripted.accepted == 1
+        assert_one_connection_carries_three(client, scripted)
         scripted.script += [(OK, "close"), (OK, "keep")]  # the server closes after answering
         client.server_metadata()
         time.sleep(0.05)
@@ -439,10 +443,7 @@ def test_reuse_check_works_above_descriptor_1023(scripted: Scripted) -> None:
     try:
         client, _ = client_on(scripted)
         with client:
-            scripted.script += [(OK, "keep")] * 3
-            for _ in range(3):
-                client.server_metadata()
-            assert scripted.accepted == 1
+            assert_one_connection_carries_three(client, scripted)
     finally:
         for s in held:
             s.close()
