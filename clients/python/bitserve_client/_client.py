@@ -76,9 +76,9 @@ class Client(BaseClient):
         limits: connection pool limits (default 64 connections, all kept alive).
         transport: an httpx transport to send through (tests use ``httpx.MockTransport``).
             By default, for a plain ``http://`` URL with no proxy and ``http2=False``, a lean
-            HTTP/1.1 transport of bitserve's own over kept-alive sockets (a fifth of httpx's
-            per-request CPU; README "The Python client's transport"); httpx's own for anything
-            else. ``transport=httpx.HTTPTransport()`` always uses httpx's.
+            HTTP/1.1 transport of bitserve's own over kept-alive sockets (less than half the
+            client's CPU per request; README "The Python client's transport"); httpx's own for
+            anything else. ``transport=httpx.HTTPTransport()`` always uses httpx's.
     """
 
     _http: httpx.Client
