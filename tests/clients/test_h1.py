@@ -163,8 +163,11 @@ def fetch(client: httpx.Client, method: str) -> tuple[int, list[tuple[str, str]]
     return r.status_code, r.headers.multi_items(), r.content
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_answers_read_as_httpx_reads_them(scripted: Scripted, seed: int) -> None:
+@pytest.mark.parametrize("seed", [*range(6), None])
+def test_random_answers_read_as_httpx_reads_them(scripted: Scripted, seed: int | None) -> None:
+    """Six fixed seeds, and a fresh one each run (printed, to replay a failure)."""
+    seed = random.randrange(2**32) if seed is None else seed
+    print(f"seed {seed}")
     rng = random.Random(seed)
     with (
         httpx.Client(base_url=scripted.url, transport=H1Transport()) as lean,
@@ -175,7 +178,7 @@ def test_random_answers_read_as_httpx_reads_them(scripted: Scripted, seed: int) 
             answer = random_answer(rng, method)
             scripted.script += [answer, answer]
             got, want = fetch(lean, method), fetch(reference, method)
-            assert got == want
+            assert got == want, f"seed {seed}"
     # kept-alive connections were reused by both: far fewer connections than requests
     assert scripted.accepted < 50
 
