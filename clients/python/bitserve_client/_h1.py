@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import httpx
 
@@ -189,6 +190,7 @@ def _field(fields: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
     return [v for k, v in fields if k.lower() == name]
 
 
+@dataclass(slots=True)
 class Reply:
     """A whole HTTP answer as :meth:`H1Transport.exchange` returns it.
 
@@ -200,21 +202,11 @@ class Reply:
         body: the body as sent (any ``Content-Encoding`` still applied), framing removed.
     """
 
-    __slots__ = ("body", "fields", "http_version", "reason_phrase", "status_code")
-
-    def __init__(
-        self,
-        status_code: int,
-        reason_phrase: bytes,
-        http_version: bytes,
-        fields: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> None:
-        self.status_code = status_code
-        self.reason_phrase = reason_phrase
-        self.http_version = http_version
-        self.fields = fields
-        self.body = body
+    status_code: int
+    reason_phrase: bytes
+    http_version: bytes
+    fields: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 class H1Transport(httpx.BaseTransport):
@@ -319,7 +311,7 @@ class H1Transport(httpx.BaseTransport):
             except BaseException:
                 conn.close()
                 raise
-            if reply.http_version == b"HTTP/1.1" and not conn.closing:
+            if not conn.closing:  # _read_body marks HTTP/1.0, 101 and Connection: close
                 self._put_idle(key, conn)
             else:
                 conn.close()
