@@ -137,8 +137,10 @@ def random_answer(rng: random.Random, method: str) -> tuple[bytes, str]:
         then = "close"
     if version == b"HTTP/1.0":
         then = "close"
-    if no_body and framing == "close":
+    if no_body and framing == "close":  # framed by its length: the connection is kept
         fields.append((b"Content-Length", b"0"))
+        if version == b"HTTP/1.1" and (b"Connection", b"close") not in fields:
+            then = "keep"  # closing it after all would race the next request (a reset)
     head = b"%s %d Reason Phrase\r\n" % (version, status)
     if rng.random() < 0.15:
         head = b"HTTP/1.1 100 Continue\r\n\r\n" + head
