@@ -6,7 +6,9 @@ served four ways, each started once and measured in interleaved rounds (medians 
 - bitserve with its defaults (``--workers auto``), with ``--workers 1`` and ``2``, driven by
   the client a user would use: ``Client.infer_many`` on a bool array of the fingerprints
   (packed by the client, 256 bytes a row on the wire), 64 rows a request, its default
-  concurrency 4; the defaults also with the client over httpx's transport (not its own);
+  concurrency (8 for this model: two of its 256-row batches); the defaults also with the
+  client over httpx's transport (not its own), and at 4 requests in flight (the client's
+  fixed default before it followed the model's batches);
 - a hand-written FastAPI endpoint that takes the same rows as raw float32 bytes (8 KiB a row)
   and runs the same program (``benchmarks/overhead/fastapi_mlp.py``), driven by a thread pool
   of the same size posting 64-row bodies over ``httpx``.
@@ -32,17 +34,23 @@ from typing import Any
 
 import httpx
 import numpy as np
+from bitserve_client._bulk import default_concurrency
 
 from benchmarks._common import markdown_table, parse_args, report
 from benchmarks.overhead import mlp, perf
 from benchmarks.overhead.perf import Running
 
-CONCURRENCY = 4
-"""``infer_many``'s default: requests in flight at once."""
+CONCURRENCY = default_concurrency(mlp.MAX_BATCH_SIZE, mlp.BATCH)
+"""``infer_many``'s default for this model (8): requests in flight at once; the hand-written
+endpoint's client keeps as many."""
+FOUR_IN_FLIGHT = 4
 DEFAULTS = "bitserve (defaults: --workers auto)"
 WORKERS_1 = "bitserve --workers 1"
 WORKERS_2 = "bitserve --workers 2"
 FASTAPI = "hand-written FastAPI, float32 rows"
+FOUR = "bitserve (defaults), infer_many at 4 in flight"
+"""Not a server: the defaults' server driven by ``infer_many(concurrency=4)``, the client's
+fixed default before it sized its load by the model's batches."""
 HTTPX_CLIENT = "bitserve (defaults), client on httpx's transport"
 """Not a server: the defaults' server driven by the client over httpx's own transport
 (``transport=httpx.HTTPTransport()``) instead of its lean default, in the same rounds."""
@@ -62,16 +70,19 @@ def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
 
 
 def run_bitserve(
-    server: Running, bits: np.ndarray[Any, Any], transport: httpx.BaseTransport | None = None
+    server: Running,
+    bits: np.ndarray[Any, Any],
+    transport: httpx.BaseTransport | None = None,
+    concurrency: int | None = None,
 ) -> tuple[float, np.ndarray[Any, Any]]:
     """Seconds for ``infer_many`` over every row, and the scores (``transport``: the
-    client's; None for its default)."""
+    client's; ``concurrency``: requests in flight; None for their defaults)."""
     from bitserve_client import Client
 
     with Client(server.url, timeout=60, transport=transport) as client:
         t0 = time.perf_counter()
         result = client.infer_many(
-            mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=CONCURRENCY, progress=False
+            mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=concurrency, progress=False
         )
         seconds = time.perf_counter() - t0
     return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
@@ -131,7 +142,8 @@ def measure_rounds(
 ) -> dict[str, list[float]]:
     """Rows/s of every server over all of ``bits``, in interleaved rounds after a warm-up;
     every score is checked against ``expected``. With ``httpx_client``, the defaults' server
-    is also driven by the client over httpx's own transport (:data:`HTTPX_CLIENT`)."""
+    is also driven by the client over httpx's own transport (:data:`HTTPX_CLIENT`) and at 4
+    requests in flight (:data:`FOUR`)."""
     Run = Callable[[], tuple[float, np.ndarray[Any, Any]]]
 
     def runs(r: Running, rows: np.ndarray[Any, Any]) -> list[tuple[str, Run]]:
@@ -140,6 +152,7 @@ def measure_rounds(
         own: list[tuple[str, Run]] = [(r.label, lambda: run_bitserve(r, rows))]
         if httpx_client and r.label == DEFAULTS:
             own.append((HTTPX_CLIENT, lambda: run_bitserve(r, rows, httpx.HTTPTransport())))
+            own.append((FOUR, lambda: run_bitserve(r, rows, concurrency=FOUR_IN_FLIGHT)))
         return own
 
     results: dict[str, list[float]] = {}
@@ -197,6 +210,8 @@ def main() -> None:
                 [f"{DEFAULTS} / {WORKERS_1}", med(DEFAULTS) / med(WORKERS_1), ">= 0.95"],
                 [f"{HTTPX_CLIENT} / {FASTAPI}", med(HTTPX_CLIENT) / med(FASTAPI), "reported"],
                 [f"{DEFAULTS} / {HTTPX_CLIENT}", med(DEFAULTS) / med(HTTPX_CLIENT), "reported"],
+                [f"{FOUR} / {FASTAPI}", med(FOUR) / med(FASTAPI), "reported"],
+                [f"{DEFAULTS} / {FOUR}", med(DEFAULTS) / med(FOUR), "reported"],
                 [f"{WORKERS_2} / {WORKERS_1}", med(WORKERS_2) / med(WORKERS_1), "reported"],
             ],
         )
@@ -207,7 +222,10 @@ the client on the same {os.cpu_count()} cores as the server. bitserve gets the r
 (256 bytes each) through `bitserve_client`'s `infer_many`; the hand-written endpoint gets them
 as float32 (8,192 bytes each). Every score is checked against the program run in the
 benchmark. "{HTTPX_CLIENT}" is not another server: the defaults' server driven by the same
-client over httpx's transport (`transport=httpx.HTTPTransport()`) instead of its own.
+client over httpx's transport (`transport=httpx.HTTPTransport()`) instead of its own, and
+"{FOUR}" the same server at 4 requests in flight (`concurrency=4`, the client's default
+before it sized its load by the model's batches: {CONCURRENCY} here, the hand-written
+endpoint's client keeps as many).
 
 {table}
 

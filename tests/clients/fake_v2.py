@@ -21,12 +21,14 @@ but the health routes answers 401 without ``Authorization: Bearer <token>``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gzip
 import json
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -148,7 +150,9 @@ class FakeV2:
 
     # -- request handling ------------------------------------------------------------------
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
+    def handler(self, request: httpx.Request, *, timed: bool = True) -> httpx.Response:
+        """Answer ``request``; with ``timed``, count it in flight while it sleeps ``delay``
+        (``async_handler`` does both on the event loop instead)."""
         with self._lock:
             self.requests.append(request)
             rid = request.headers.get("X-Request-ID") or f"fake-{len(self.requests)}"
@@ -158,14 +162,21 @@ class FakeV2:
                     raise scripted
                 scripted.headers.setdefault("X-Request-ID", rid)
                 return scripted
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            if self.delay is not None:
+        with self.flight() if timed else contextlib.nullcontext():
+            if timed and self.delay is not None:
                 time.sleep(self.delay())
             response = self._route(request)
             response.headers["X-Request-ID"] = rid
             return response
+
+    @contextlib.contextmanager
+    def flight(self) -> Iterator[None]:
+        """Count a request in flight (``in_flight``, ``max_in_flight``) while inside."""
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            yield
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -356,6 +367,11 @@ def reference_bits(bits: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]
 
 
 async def async_handler(fake: FakeV2, request: httpx.Request) -> httpx.Response:
-    """The async MockTransport callback (reads the streamed body first)."""
+    """The async MockTransport callback (reads the streamed body first); the fake's
+    ``delay`` is awaited here, counted in flight, so that the event loop is not blocked."""
     await request.aread()
-    return fake.handler(request)
+    if fake.delay is None:
+        return fake.handler(request)
+    with fake.flight():
+        await asyncio.sleep(fake.delay())
+        return fake.handler(request, timed=False)

@@ -22,6 +22,7 @@ from bitserve_client import (
     InvalidInputError,
     ServerError,
 )
+from bitserve_client._bulk import default_concurrency
 from bitserve_client._sink import _NpyWriter, rows_in
 
 from .conftest import Harness, jittery, rows
@@ -59,6 +60,31 @@ def test_array_keeps_order_under_concurrency(bulk: Callable[..., Harness]) -> No
     assert (result.rows, result.paths, result.model_name) == (203, {}, "bits")
     assert 1 <= h.fake.max_in_flight <= 4
     assert h.infers() == 41  # ceil(203 / 5)
+
+
+@pytest.mark.parametrize(("batch_size", "in_flight"), [(1, 16), (2, 8), (3, 6), (8, 4)])
+def test_default_concurrency_keeps_two_batches_in_flight(
+    make: Callable[..., Harness], batch_size: int, in_flight: int
+) -> None:
+    # Model "bits" batches up to 8 rows: two of its batches are 2 * ceil(8 / batch_size)
+    # requests, at least 4 and at most 16. Each request takes 200 ms in the fake, so every
+    # request the client allows is in flight at once.
+    assert default_concurrency(8, batch_size) == in_flight
+    fake = FakeV2(delay=lambda: 0.2)
+    h = make(fake)
+    bits = rows(3 * in_flight * batch_size)
+    result = many(h, bits, batch_size=batch_size)
+    np.testing.assert_array_equal(result["count"], reference_bits(bits)["count"])
+    assert fake.max_in_flight == in_flight
+    assert h.infers() == 3 * in_flight
+
+
+def test_default_concurrency_bounds() -> None:
+    assert [default_concurrency(0, b) for b in (1, 64)] == [4, 4]  # no batching: 4
+    assert default_concurrency(256, 64) == 8  # the fingerprint MLP's: 64 rows of 256
+    assert default_concurrency(256, 100) == 6  # ceil(2.56) batches a batch
+    assert default_concurrency(4096, 1) == 16  # Triton's rule would say 8192
+    assert default_concurrency(64, 64) == 4  # infer_many's default batch: the model's max
 
 
 def test_default_batch_size_is_the_models_max(make: Callable[..., Harness]) -> None:

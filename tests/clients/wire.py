@@ -62,6 +62,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: 16 clients connecting at once (not 5)
     fake: FakeV2
     prefix = ""
     paths: list[str]

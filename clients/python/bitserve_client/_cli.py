@@ -84,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
         help="where an output's rows go (NAME= for several outputs); repeatable",
     )  # fmt: skip
     n.add_argument("--batch-size", type=int, help="rows per request (default: max_batch_size)")
-    n.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    n.add_argument(
+        "--concurrency", type=int, default=None,
+        help="requests in flight (default: enough for two of the model's batches, 4 to 16)",
+    )  # fmt: skip
     n.add_argument("--resume", action="store_true", help="keep the rows the outputs hold")
     n.add_argument("--no-progress", action="store_true")
 

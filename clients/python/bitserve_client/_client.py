@@ -404,7 +404,7 @@ class Client(BaseClient):
         outputs: Sequence[str] | None = None,
         *,
         batch_size: int | None = None,
-        concurrency: int = 4,
+        concurrency: int | None = None,
         version: str | None = None,
         deadline: float | None = None,
         headers: Headers = None,
@@ -429,7 +429,7 @@ class Client(BaseClient):
         outputs: Sequence[str] | None = None,
         *,
         batch_size: int | None = None,
-        concurrency: int = 4,
+        concurrency: int | None = None,
         progress: bool = True,
         out: BulkOut = None,
         resume: bool = False,
@@ -447,7 +447,11 @@ class Client(BaseClient):
                 inputs), or an iterable of batches (each an array or a dict of arrays).
             outputs: output names to return (None: all).
             batch_size: rows per request (default: the model's max_batch_size, else 64).
-            concurrency: requests in flight at once (a thread pool of this size).
+            concurrency: requests in flight at once (a thread pool of this size). None:
+                enough for two of the server's batches, one computing while the next fills
+                (``2 * ceil(max_batch_size / batch_size)``, at least 4 and at most 16; 4
+                for a model that does not batch), as Triton sizes a load for its dynamic
+                batcher.
             progress: show progress: a tqdm bar when tqdm is installed, else a line on
                 stderr every few seconds.
             out: write the results to ``.npy`` files instead of memory: a path when there is
