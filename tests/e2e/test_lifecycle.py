@@ -215,6 +215,13 @@ class Hold:
         """Close the held connections: their running batches finish, unanswered."""
         close_all(self.socks)
 
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Whatever failed, the held connections close now, not while a later test runs.
+        self.release()
+
     def check_unanswered(self) -> None:
         """Once released and logged: :class:`HoldEnded` if a held request was answered (its
         batch ended before its connection closed: it is a success of the server's)."""
@@ -288,18 +295,21 @@ def drop_queued_raw_requests(server: BitserveServer, n: int, workers: int = 1) -
 
 def _drop_queued_raw_requests(server: BitserveServer, n: int, workers: int, suffix: str) -> None:
     before, counted = stats(server), cancelled(server)
-    hold = hold_every_worker(server, suffix, workers)
     socks: list[socket.socket] = []
-    try:
+    with hold_every_worker(server, suffix, workers) as hold:
         queued_before = queue_depth(server)
-        for i in range(n):
-            socks.append(raw_request(server, body(1), f"gone{suffix}-{i}"))
-        hold.wait_depth(f"{n} more are queued", queued_before + n)
-    finally:
-        close_all(socks)
-    wait_until("they left the queue", lambda: queue_depth(server) == queued_before)
-    assert cancelled(server) == counted + n
-    hold.release()  # the running batches finish; the held requests still queued are dropped
+        try:
+            for i in range(n):
+                socks.append(raw_request(server, body(1), f"gone{suffix}-{i}"))
+            hold.wait_depth(f"{n} more are queued", queued_before + n)
+        finally:
+            close_all(socks)
+        # While the hold lasts: under several workers one may hold two long requests, one
+        # queued, and a held batch that ended would start it (the depth falls below
+        # queued_before): that is HoldEnded, and the scenario runs again.
+        hold.wait("they left the queue", lambda: queue_depth(server) == queued_before)
+        assert cancelled(server) == counted + n
+    # Released: the running batches finish; the held requests still queued are dropped.
 
     def settled() -> bool:  # each request computed or dropped, once (a running batch ends)
         computed = batches(server) - before["inferences"]
@@ -357,20 +367,20 @@ def test_cancelled_and_expired_grpc_calls_drop_their_queued_requests(
 
     def scenario(suffix: str) -> None:
         before, counted = stats(server), cancelled(server)
-        hold = hold_every_worker(server, suffix)
-        # A deadline that passes while the call is queued.
-        with grpcclient.InferenceServerClient(server.grpc_target) as client:
-            try:
-                client.infer(MODEL, [x], client_timeout=0.5)
-                status = "OK"
-            except InferenceServerException as e:
-                status = str(e.status())
-        hold.wait("the expired call is counted", lambda: cancelled(server) == counted + 1)
-        assert status == "StatusCode.DEADLINE_EXCEEDED"
-        asyncio.run(cancel_one(hold))
-        hold.wait("the cancelled call is counted", lambda: cancelled(server) == counted + 2)
-        assert queue_depth(server) == 0
-        held_batch_alone(server, before, hold)
+        with hold_every_worker(server, suffix) as hold:
+            # A deadline that passes while the call is queued.
+            with grpcclient.InferenceServerClient(server.grpc_target) as client:
+                try:
+                    client.infer(MODEL, [x], client_timeout=0.5)
+                    status = "OK"
+                except InferenceServerException as e:
+                    status = str(e.status())
+            hold.wait("the expired call is counted", lambda: cancelled(server) == counted + 1)
+            assert status == "StatusCode.DEADLINE_EXCEEDED"
+            asyncio.run(cancel_one(hold))
+            hold.wait("the cancelled call is counted", lambda: cancelled(server) == counted + 2)
+            assert queue_depth(server) == 0
+            held_batch_alone(server, before, hold)
 
     while_held(server, scenario)
 
@@ -385,18 +395,18 @@ def test_the_python_client_cancels_on_task_cancel_and_timeout(server: BitserveSe
 
     def scenario(suffix: str) -> None:
         before, counted = stats(server), cancelled(server)
-        hold = hold_every_worker(server, suffix)
-        asyncio.run(cancel_one(hold))
-        hold.wait("the cancelled request is counted", lambda: cancelled(server) == counted + 1)
-        with Client(server.url, retries=0) as client:
-            try:
-                client.infer(MODEL, {"x": x}, timeout=0.5)
-                timed_out = False
-            except TimeoutException:
-                timed_out = True
-        hold.wait("the timed-out request is counted", lambda: cancelled(server) == counted + 2)
-        assert timed_out
-        held_batch_alone(server, before, hold)
+        with hold_every_worker(server, suffix) as hold:
+            asyncio.run(cancel_one(hold))
+            hold.wait("the cancelled request is counted", lambda: cancelled(server) == counted + 1)
+            with Client(server.url, retries=0) as client:
+                try:
+                    client.infer(MODEL, {"x": x}, timeout=0.5)
+                    timed_out = False
+                except TimeoutException:
+                    timed_out = True
+            hold.wait("the timed-out request is counted", lambda: cancelled(server) == counted + 2)
+            assert timed_out
+            held_batch_alone(server, before, hold)
 
     while_held(server, scenario)
 
