@@ -185,7 +185,7 @@ def default_concurrency(max_batch_size: int, batch_size: int) -> int:
 
     With fewer, one batch takes every request in flight and the server's device waits on the
     client's turnaround: the 2048-bit MLP (max_batch_size 256, 64 rows a request) served
-    1.3x more rows at 8 in flight than at 4 on 2 cores (README, "A light model at high
+    1.2x the rows at 8 in flight that it served at 4 on 2 cores (README, "A light model at high
     rates").
     """
     low, high = CONCURRENCY_BOUNDS
