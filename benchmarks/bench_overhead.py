@@ -403,8 +403,6 @@ def main() -> None:
          for label, xs in mlp_rps.items()],
     )  # fmt: skip
     from benchmarks import bench_mlp
-
-    mlp_in_flight = bench_mlp.CONCURRENCY
     from service.workers import available_cores, plan_workers
 
     plan = plan_workers("auto", cores=available_cores(), gpus=0)
@@ -455,7 +453,7 @@ run, read from `/metrics` before and after it and interpolated within its bucket
 ## A light model: the 2048-bit fingerprint MLP through `infer_many`
 
 2048 -> 256 -> 1 (`torch.export`), {mlp_rows:,} random fingerprints a round, 64 rows a
-request, {mlp_in_flight} requests in flight (`Client.infer_many`'s default for this model:
+request, {bench_mlp.CONCURRENCY} requests in flight (`Client.infer_many`'s default for this model:
 two of its batches), {1 if args.smoke else 3} interleaved rounds. bitserve gets the rows
 bit-packed (256 bytes each); the hand-written endpoint (`benchmarks/overhead/fastapi_mlp.py`)
 gets them as float32 (8,192 bytes each) from a thread pool of the same size. Every score is

@@ -194,19 +194,24 @@ def default_concurrency(max_batch_size: int, batch_size: int) -> int:
     return max(low, min(high, 2 * -(-max_batch_size // batch_size)))
 
 
-def _check(spec: ModelSpec, batch_size: int | None, concurrency: int | None) -> int:
+def _check(spec: ModelSpec, job: Job) -> tuple[int, int]:
+    """The job's rows a request and requests in flight (each as given, else the defaults:
+    the model's max_batch_size, else 64; :func:`default_concurrency`), checked."""
+    batch_size, concurrency = job.batch_size, job.concurrency
     if not spec.batched:
         raise InvalidInputError(f"model {spec.name!r} has no batch dimension; use infer()")
     if concurrency is not None and concurrency < 1:
         raise InvalidInputError(f"concurrency must be >= 1, got {concurrency}")
     if batch_size is None:
-        return spec.max_batch_size if spec.max_batch_size > 0 else 64
-    if batch_size < 1 or (0 < spec.max_batch_size < batch_size):
+        batch_size = spec.max_batch_size if spec.max_batch_size > 0 else 64
+    elif batch_size < 1 or (0 < spec.max_batch_size < batch_size):
         raise InvalidInputError(
             f"batch_size {batch_size} must be in 1..{spec.max_batch_size or 'any'} "
             f"for model {spec.name!r}"
         )
-    return batch_size
+    if concurrency is None:
+        concurrency = default_concurrency(spec.max_batch_size, batch_size)
+    return batch_size, concurrency
 
 
 class _Run:
@@ -222,8 +227,7 @@ class _Run:
 
     def __init__(self, spec: ModelSpec, job: Job, progress: bool, out: Out, resume: bool) -> None:
         self.spec = spec
-        self.size = _check(spec, job.batch_size, job.concurrency)
-        self.concurrency = _in_flight(spec, job, self.size)
+        self.size, self.concurrency = _check(spec, job)
         self.cols = _source(spec, job.data)
         total = None if self.cols is None else _rows(self.cols)
         self.sink = _Sink(spec, job.outputs, total, out, resume)
@@ -268,13 +272,6 @@ class _Run:
         self.sink.close()
 
 
-def _in_flight(spec: ModelSpec, job: Job, size: int) -> int:
-    """The job's requests in flight: as given, else :func:`default_concurrency`."""
-    if job.concurrency is not None:
-        return job.concurrency
-    return default_concurrency(spec.max_batch_size, size)
-
-
 def _spec_args(job: Job) -> dict[str, Any]:
     """The ``model_spec`` arguments of a job: model, version, headers and timeout."""
     options = job.options
@@ -312,9 +309,9 @@ def _ordered_sync(
 def iter_sync(client: Client, job: Job) -> Iterator[tuple[InferResult, int]]:
     """``Client.infer_iter``: (result, rows) per batch in input order."""
     spec = client.model_spec(**_spec_args(job))
-    size = _check(spec, job.batch_size, job.concurrency)
+    size, concurrency = _check(spec, job)
     batches = _sync_batches(spec, job.data, _source(spec, job.data), size, 0)
-    return _ordered_sync(client, job, batches, _in_flight(spec, job, size))
+    return _ordered_sync(client, job, batches, concurrency)
 
 
 def infer_many_sync(
@@ -370,9 +367,9 @@ async def _ordered_async(
 async def iter_async(client: AsyncClient, job: Job) -> AsyncGenerator[tuple[InferResult, int]]:
     """``AsyncClient.infer_iter``: (result, rows) per batch in input order."""
     spec = await client.model_spec(**_spec_args(job))
-    size = _check(spec, job.batch_size, job.concurrency)
+    size, concurrency = _check(spec, job)
     batches = _async_batches(spec, job.data, _source(spec, job.data), size, 0)
-    ordered = _ordered_async(client, job, batches, _in_flight(spec, job, size))
+    ordered = _ordered_async(client, job, batches, concurrency)
     try:
         async for item in ordered:
             yield item
