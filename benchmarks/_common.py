@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,3 +131,67 @@ def report(name: str, title: str, body: str, *, smoke: bool, devices: Sequence[s
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"{name}.md").write_text(text)
         print(f"wrote {RESULTS / f'{name}.md'}")
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The machine's CPU time so far, all cores together, in clock ticks (``/proc/stat``)."""
+
+    busy: int
+    """user, nice, system, irq and softirq."""
+    steal: int
+    """Time the hypervisor gave this VM's CPUs to another guest."""
+    total: int
+
+    @classmethod
+    def parse(cls, stat: str) -> CpuTimes:
+        """From the text of ``/proc/stat`` (its ``cpu`` line)."""
+        fields = [int(x) for x in stat.splitlines()[0].split()[1:]]
+        fields += [0] * (8 - len(fields))
+        user, nice, system, idle, iowait, irq, softirq, steal = fields[:8]
+        busy = user + nice + system + irq + softirq
+        return cls(busy, steal, busy + idle + iowait + steal)
+
+    @classmethod
+    def now(cls) -> CpuTimes | None:
+        """The times now, or None where there is no ``/proc/stat``."""
+        try:
+            return cls.parse(Path("/proc/stat").read_text())
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stolen_since(self, before: CpuTimes) -> float:
+        """The share of the CPU time from ``before`` to this one that was stolen."""
+        total = self.total - before.total
+        return (self.steal - before.steal) / total if total > 0 else 0.0
+
+
+def quiet_host(
+    *,
+    max_load: float = 0.5,
+    wait_s: float = 180.0,
+    poll_s: float = 5.0,
+    load: Callable[[], float] = lambda: os.getloadavg()[0],
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[bool, str]:
+    """Wait up to ``wait_s`` for the 1-minute load average to fall to ``max_load``.
+
+    Other work on a small machine weighs on the servers a benchmark compares unevenly (a
+    server whose threads are preempted more often loses more than one that is not), so a
+    ratio taken on a busy host is not the one a user would see; a run that began busy says
+    so in its results. Returns whether the host was quiet and a sentence saying how it was.
+    """
+    waited = 0.0
+    now = load()
+    while now > max_load and waited < wait_s:
+        sleep(poll_s)
+        waited += poll_s
+        now = load()
+    after = f" after {waited:.0f} s of waiting" if waited else ""
+    if now <= max_load:
+        return True, f"load average {now:.2f} when the run began{after} (quiet: at most {max_load})"
+    return False, (
+        f"BUSY HOST: load average {now:.2f} when the run began{after} (wanted at most "
+        f"{max_load}): other work shared the cores, and the ratios below are not the quiet "
+        "host's"
+    )

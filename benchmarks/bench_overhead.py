@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks._common import markdown_table, parse_args, report
+from benchmarks._common import CpuTimes, markdown_table, parse_args, quiet_host, report
 from benchmarks.overhead import perf, tiny
 from benchmarks.overhead.perf import Load, Running
 from harness.server import perf_analyzer
@@ -265,6 +265,8 @@ def main() -> None:
     pre.add_argument("--mlp-rows", type=int, default=256 * 64, help="--only mlp: rows a round")
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
+    _, host = quiet_host(wait_s=0 if args.smoke else 180)
+    print(host, flush=True)
     if known.only == "tiny":
         before_dir = known.before.resolve() if known.before is not None else None
         command = perf_analyzer()
@@ -283,6 +285,7 @@ def main() -> None:
         print("perf_analyzer not found: a small Python load stands in for this smoke run")
     rounds = 1 if args.smoke else known.rounds
     interval = known.interval_ms
+    cpu_before = CpuTimes.now()
     before = known.before.resolve() if known.before is not None else None
     before_label = f"{BEFORE} ({_revision(before)})" if before is not None else ""
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -323,6 +326,10 @@ def main() -> None:
         mlp_dir = Path(tmp) / "mlp"
         mlp_dir.mkdir()
         mlp_rps, mlp_rows = _mlp_rows(mlp_dir, args.smoke, rounds=1 if args.smoke else 3)
+    cpu_after = CpuTimes.now()
+    stolen = ""
+    if cpu_before is not None and cpu_after is not None:
+        stolen = f"; {cpu_after.stolen_since(cpu_before):.1%} of the CPU time stolen during it"
 
     def med(label: str, c: int, field: str) -> float:
         return float(statistics.median(getattr(x, field) for x in loads[(label, c)]))
@@ -410,10 +417,13 @@ def main() -> None:
     unstable = sum(not x.stable for runs in loads.values() for x in runs)
     unstable += sum(not d.stable for d in demo.values())
     body = f"""
-Load average when the tables were written: {load_avg} (other work shares the machine; the rows
-of a table are interleaved rounds, so it weighs on every server alike). perf_analyzer found
-no stable window (50%) in {unstable} of its runs, which then took the last of three windows.
-Every section below is from this one run. bitserve's defaults on this host: {plan.reason}.
+Host: {host}{stolen}; load average {load_avg} when the tables were written (this run's
+servers and load generator). The rows of a table are interleaved rounds, so drift in the
+machine's load weighs on every server alike, but other work on two cores does not weigh on
+servers of different shapes alike: a run that began on a busy host says so above.
+perf_analyzer found no stable window (50%) in {unstable} of its runs, which then took the
+last of three windows. Every section below is from this one run. bitserve's defaults on this
+host: {plan.reason}.
 
 ## Targets (issue 23)
 
