@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -34,8 +35,9 @@ class Harness:
     """One client (sync or async) on a FakeV2, with recorded backoff sleeps.
 
     Args:
-        kind: ``"sync"`` or ``"async"`` (over ``httpx.MockTransport``), or ``"wire"``: the
-            sync client on its default transport, the fake on a real socket (:mod:`.wire`).
+        kind: ``"sync"`` or ``"async"`` (over ``httpx.MockTransport``), or ``"wire"`` and
+            ``"async-wire"``: the sync or async client on its default transport, the fake on
+            a real socket (:mod:`.wire`); the async one's calls all run on one event loop.
         fake: the server.
         jitter: for the async client, a random delay per request on the event loop (the
             other clients' FakeV2 sleeps in its ``delay`` instead).
@@ -48,18 +50,33 @@ class Harness:
         kwargs.setdefault("retries", Retry(retries=3, backoff=0.01))
         kwargs.setdefault("url", "http://fake:1")
         self.wire: WireServer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client: Client | AsyncClient
         if kind == "wire":
             self.wire = WireServer(fake)
             kwargs["url"] = self.wire.url(kwargs["url"])
-            self.client = Client(**kwargs)
-            assert self.client._lean is not None, "the default transport was not the lean one"
-            self.client._sleep = self.sleeps.append
+            on_wire = Client(**kwargs)
+            assert on_wire._lean is not None, "the default transport was not the lean one"
+            on_wire._sleep = self.sleeps.append
+            self.client = on_wire
+            return
+
+        async def sleep(s: float) -> None:
+            self.sleeps.append(s)
+
+        if kind == "async-wire":
+            self.wire = WireServer(fake)
+            kwargs["url"] = self.wire.url(kwargs["url"])
+            async_on_wire = AsyncClient(**kwargs)  # (may refuse its arguments: no loop yet)
+            assert async_on_wire._lean is not None, "the default transport was not the lean one"
+            async_on_wire._sleep = sleep
+            self.client = async_on_wire
+            self.loop = asyncio.new_event_loop()
             return
         if kind == "sync":
-            self.client: Client | AsyncClient = Client(
-                transport=httpx.MockTransport(fake.handler), **kwargs
-            )
-            self.client._sleep = self.sleeps.append
+            mocked = Client(transport=httpx.MockTransport(fake.handler), **kwargs)
+            mocked._sleep = self.sleeps.append
+            self.client = mocked
             return
 
         async def handler(request: httpx.Request) -> httpx.Response:
@@ -67,60 +84,87 @@ class Harness:
                 await asyncio.sleep(jittery())
             return await async_handler(fake, request)
 
-        async def sleep(s: float) -> None:
-            self.sleeps.append(s)
-
-        self.client = AsyncClient(transport=httpx.MockTransport(handler), **kwargs)
-        self.client._sleep = sleep
+        async_mocked = AsyncClient(transport=httpx.MockTransport(handler), **kwargs)
+        async_mocked._sleep = sleep
+        self.client = async_mocked
 
     def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``client.method(*args, **kwargs)``, awaited for the async client."""
         fn = getattr(self.client, method)
-        if self.kind != "async":
+        if isinstance(self.client, Client):
             return fn(*args, **kwargs)
 
         async def run() -> Any:
             return await fn(*args, **kwargs)
 
-        return asyncio.run(run())
+        return self._run(run())
+
+    def _run(self, coro: Any) -> Any:
+        """Run ``coro`` to its end: on the harness's own loop (``async-wire``), else in a
+        fresh one."""
+        if self.loop is not None:
+            return self.loop.run_until_complete(coro)
+        return asyncio.run(coro)
 
     def collect(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Everything an iterator method yields, as a list."""
         fn = getattr(self.client, method)
-        if self.kind != "async":
+        if isinstance(self.client, Client):
             return list(fn(*args, **kwargs))
 
         async def run() -> list[Any]:
             it: AsyncIterator[Any] = fn(*args, **kwargs)
             return [x async for x in it]
 
-        return asyncio.run(run())
+        collected: list[Any] = self._run(run())
+        return collected
 
     def infers(self) -> int:
         """How many inference requests the server has seen."""
         return len([r for r in self.fake.requests if r.url.path.endswith("/infer")])
 
+    def settle(self, quiet_s: float = 0.25, timeout_s: float = 10.0) -> None:
+        """On the wire, wait until the server has answered every request it has read and
+        read no new one for ``quiet_s``: a call that failed may have left requests on their
+        way (the async client cancels the rest of a failed ``infer_many``, closing their
+        connections, but what it had sent still reaches the server)."""
+        if self.wire is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        seen, since = len(self.fake.requests), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = len(self.fake.requests)
+            if now != seen or self.fake.in_flight:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+
     def close(self) -> None:
         if isinstance(self.client, Client):
             self.client.close()
         else:
-            asyncio.run(self.client.aclose())
+            self._run(self.client.aclose())
+        if self.loop is not None:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+            self.loop = None  # a call after closing runs in a fresh loop (and is refused)
         if self.wire is not None:
             self.wire.close()
 
 
-@pytest.fixture(params=["sync", "async", "wire"])
+@pytest.fixture(params=["sync", "async", "wire", "async-wire"])
 def kind(request: pytest.FixtureRequest) -> str:
     """Each test using it runs for the sync and the async client over httpx.MockTransport,
-    and for the sync client on its own transport against the fake on a real socket.
+    and for each client on its own transport against the fake on a real socket.
 
     A test marked ``mock_transport`` scripts what only a MockTransport can do (an httpx
     exception raised inside the transport, the recorded ``timeout`` extension, host names
     that resolve nowhere): its wire run is skipped; ``test_h1.py`` covers those behaviours of
     the client's own transport on real sockets.
     """
-    if request.param == "wire" and request.node.get_closest_marker("mock_transport"):
-        pytest.skip("scripts httpx.MockTransport itself; test_h1.py covers the wire")
+    if "wire" in request.param and request.node.get_closest_marker("mock_transport"):
+        pytest.skip("scripts httpx.MockTransport itself; test_h1*.py cover the wire")
     return str(request.param)
 
 

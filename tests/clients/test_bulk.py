@@ -219,6 +219,7 @@ def test_failure_says_how_many_rows_are_written_and_resume_finishes(
     np.testing.assert_array_equal(err.result["count"], ref[: err.rows_done])
     assert rows_in(out) == err.rows_done == err.result.rows
 
+    h.settle()
     fake.fail_infer_from = None
     before = h.infers()
     result = many(h, bits, outputs=["count"], out=out, batch_size=4, resume=True)

@@ -41,6 +41,8 @@ class Scripted:
         self.script: list[tuple[bytes, str]] = []
         self.requests: list[tuple[bytes, bytes]] = []
         self.accepted = 0
+        self.ended: list[bool] = []
+        """Per connection, in order of accepting: whether the client closed it."""
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,15 +58,18 @@ class Scripted:
             except TimeoutError:
                 continue
             self.accepted += 1
-            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+            self.ended.append(False)
+            index = len(self.ended) - 1
+            threading.Thread(target=self._connection, args=(conn, index), daemon=True).start()
 
-    def _connection(self, conn: socket.socket) -> None:
+    def _connection(self, conn: socket.socket, index: int) -> None:
         buf = b""
         with conn:
             while True:
                 while b"\r\n\r\n" not in buf:
                     data = conn.recv(65536)
                     if not data:
+                        self.ended[index] = True
                         return
                     buf += data
                 head, _, buf = buf.partition(b"\r\n\r\n")

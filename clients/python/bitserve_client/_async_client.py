@@ -18,11 +18,14 @@ from ._base import (
     ProxyTypes,
     TimeoutTypes,
     VerifyTypes,
+    _Answer,
+    _Reply,
     _Request,
 )
 from ._bulk import Job, Options, infer_many_async, iter_async
 from ._client import BulkData, BulkOut, Headers
 from ._exceptions import ServerError
+from ._h1_async import AsyncH1Transport
 from ._retry import Retry
 from ._spec import Bitorder, ModelSpec
 from ._types import BulkResult, InferResult, Inputs
@@ -74,6 +77,12 @@ class AsyncClient(BaseClient):
             http2=http2,
             limits=limits,
         )
+        # As the sync client's: the lean transport carries this client's own calls directly
+        # (_send), and sits under the httpx client for anything sent through that.
+        self._lean: AsyncH1Transport | None = None
+        if transport is None and self._lean_transport_applies(proxy, http2):
+            self._lean = transport = AsyncH1Transport(limits)
+            self._lean_setup()
         self._http = httpx.AsyncClient(**self._http_options, transport=transport)
         self._spec_lock = asyncio.Lock()
         self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
@@ -100,20 +109,24 @@ class AsyncClient(BaseClient):
 
     # -- sending ---------------------------------------------------------------------------
 
-    async def _send(self, request: _Request) -> httpx.Response:
+    async def _send(self, request: _Request) -> _Reply:
         """Send with retries; return a 200 response or raise."""
         attempt = 0
         while True:
             self._check_open(request)
-            content = request.content()
             try:
-                response = await self._http.request(
-                    request.method,
-                    request.path,
-                    content=_aiter(content) if isinstance(content, list) else content,
-                    headers=request.headers,
-                    timeout=request.timeout or httpx.USE_CLIENT_DEFAULT,
-                )
+                response: _Reply
+                if self._lean is not None:
+                    response = await self._send_lean(self._lean, request)
+                else:
+                    content = request.content()
+                    response = await self._http.request(
+                        request.method,
+                        request.path,
+                        content=_aiter(content) if isinstance(content, list) else content,
+                        headers=request.headers,
+                        timeout=request.timeout or httpx.USE_CLIENT_DEFAULT,
+                    )
             except httpx.TransportError as exc:
                 delay = self._after_failure(request, attempt, exc)
             except RuntimeError as exc:  # httpx: closed by another task meanwhile
@@ -125,6 +138,14 @@ class AsyncClient(BaseClient):
                 delay = self._after_refusal(request, attempt, response)
             await self._sleep(delay)
             attempt += 1
+
+    async def _send_lean(self, lean: AsyncH1Transport, request: _Request) -> _Answer:
+        """One attempt over the lean transport (as ``Client._send_lean``); a task cancelled
+        while waiting closes its connection."""
+        head, parts, timeouts = self._lean_request(request)
+        host, port = self._lean_host, self._lean_port
+        reply = await lean.exchange(host, port, head, parts, timeouts, request.method)
+        return _Answer(reply, self._url + request.path)
 
     async def _probe(self, request: _Request, model: str | None = None) -> bool:
         try:

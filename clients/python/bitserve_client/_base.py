@@ -37,7 +37,7 @@ from ._exceptions import (
     error_for_status,
 )
 from ._framing import HEADER_LENGTH, EncodedBody, decode_response, encode_request, error_message
-from ._h1 import Reply
+from ._h1 import Reply, frame_body
 from ._retry import Retry
 from ._spec import Bitorder, ModelSpec, parse_model_spec, prepare_inputs
 from ._types import InferResult, Inputs
@@ -309,6 +309,20 @@ class BaseClient:
             fields[name.lower()] = (name, value)
         self._lean_fields = {low: _field_line(*nv) for low, nv in fields.items()}
         self._lean_timeouts = cast(httpx.Timeout, self._http_options["timeout"]).as_dict()
+
+    def _lean_request(
+        self, request: _Request
+    ) -> tuple[bytes, list[bytes | memoryview], dict[str, float | None]]:
+        """One attempt's head, body pieces (the transport joins a small body to the head:
+        one send) and timeouts, for the lean transport (sync or async)."""
+        content = request.content()
+        if content is None:
+            parts: list[bytes | memoryview] = []
+        else:
+            parts = [content] if isinstance(content, bytes) else frame_body(content, chunked=False)
+        head = self._lean_head(request, None if content is None else sum(len(p) for p in parts))
+        timeouts = self._lean_timeouts if request.timeout is None else request.timeout.as_dict()
+        return head, parts, timeouts
 
     def _lean_head(self, request: _Request, length: int | None) -> bytes:
         """The request line and header fields of ``request`` for the lean transport: the

@@ -26,7 +26,7 @@ from ._base import (
 )
 from ._bulk import Job, Options, infer_many_sync, iter_sync
 from ._exceptions import ServerError
-from ._h1 import H1Transport, frame_body
+from ._h1 import H1Transport
 from ._retry import Retry
 from ._spec import Bitorder, ModelSpec
 from ._types import ArrayLike, BulkResult, InferResult, Inputs
@@ -176,18 +176,10 @@ class Client(BaseClient):
             attempt += 1
 
     def _send_lean(self, lean: H1Transport, request: _Request) -> _Answer:
-        """One attempt over the lean transport: the head as httpx would build it, the body's
-        pieces as they are (the transport joins a small body to the head: one send)."""
-        content = request.content()
-        if content is None:
-            parts: list[bytes | memoryview] = []
-        else:
-            parts = [content] if isinstance(content, bytes) else frame_body(content, chunked=False)
-        head = self._lean_head(request, None if content is None else sum(len(p) for p in parts))
-        timeouts = self._lean_timeouts if request.timeout is None else request.timeout.as_dict()
-        reply = lean.exchange(
-            self._lean_host, self._lean_port, head, parts, timeouts, request.method
-        )
+        """One attempt over the lean transport: the head as httpx would build it."""
+        head, parts, timeouts = self._lean_request(request)
+        host, port = self._lean_host, self._lean_port
+        reply = lean.exchange(host, port, head, parts, timeouts, request.method)
         return _Answer(reply, self._url + request.path)
 
     def _probe(self, request: _Request, model: str | None = None) -> bool:

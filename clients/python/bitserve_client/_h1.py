@@ -26,6 +26,9 @@ What it does not: TLS, proxies, HTTP/2, streaming an answer as it arrives (the w
 read before the response is returned). :class:`~._client.Client` uses it only for a plain
 ``http://`` URL with no proxy (argument or environment) and ``http2=False``; anything else
 goes through httpx's own transport, as does any client given ``transport=``.
+:class:`~._async_client.AsyncClient` has its asyncio twin (``_h1_async``), which reads
+answers with the same :func:`read_answer`: the reading is written once, without I/O, as
+generators that yield when they need more bytes than the buffer holds.
 
 Failures map to httpx's exceptions the way httpcore's do: ``ConnectError`` /
 ``ConnectTimeout`` before the request is on the wire, ``WriteError`` / ``WriteTimeout``
@@ -41,12 +44,15 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import httpx
 
-__all__ = ["H1Transport", "Reply", "frame_body"]
+__all__ = ["H1Transport", "Reply", "frame_body", "read_answer"]
+
+T = TypeVar("T")
 
 MAX_HEAD = 64 * 1024
 """The most bytes a response's status line and fields may take."""
@@ -106,84 +112,132 @@ class _Connection:
             return False
         return not _readable(self.sock)
 
-    # -- reading -----------------------------------------------------------------------
-
-    def _fill(self) -> None:
+    def fill(self) -> bool:
+        """Read what has come into :attr:`buf`; False at the connection's end."""
         data = self.sock.recv(_RECV)
-        if not data:
-            raise _Closed
         self.buf += data
+        return bool(data)
 
-    def read_head(self) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
-        """(status, reason, http version, fields) of the next answer, its head consumed."""
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(self.buf) > MAX_HEAD:
-                raise httpx.RemoteProtocolError("response head larger than 64 KiB")
-            self._fill()
-        if end > MAX_HEAD:
+
+# -- the answer, read from a buffer (no I/O) ------------------------------------------------
+#
+# Each reader takes bytes from the front of a connection's buffer. When it needs more than
+# the buffer holds it yields; whoever drives it (a socket's recv here, an asyncio protocol's
+# next data in ``_h1_async``) adds what came to the buffer and sends back whether anything
+# did (False: the connection ended).
+
+Steps = Generator[None, bool, T]
+
+
+def _more() -> Steps[None]:
+    if not (yield):
+        raise _Closed
+
+
+def _head(buf: bytearray) -> Steps[tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]]:
+    """(status, reason, http version, fields) of the next answer, its head consumed."""
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        if len(buf) > MAX_HEAD:
             raise httpx.RemoteProtocolError("response head larger than 64 KiB")
-        lines = bytes(self.buf[:end]).split(b"\r\n")
-        del self.buf[: end + 4]
-        version, _, rest = lines[0].partition(b" ")
-        code, _, reason = rest.partition(b" ")
-        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
-            raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
-        fields: list[tuple[bytes, bytes]] = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
-                raise httpx.RemoteProtocolError(f"malformed response field {line[:80]!r}")
-            fields.append((name, value.strip(b" \t")))
-        return int(code), reason, version, fields
+        yield from _more()
+    if end > MAX_HEAD:
+        raise httpx.RemoteProtocolError("response head larger than 64 KiB")
+    lines = bytes(buf[:end]).split(b"\r\n")
+    del buf[: end + 4]
+    version, _, rest = lines[0].partition(b" ")
+    code, _, reason = rest.partition(b" ")
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
+    fields: list[tuple[bytes, bytes]] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
+            raise httpx.RemoteProtocolError(f"malformed response field {line[:80]!r}")
+        fields.append((name, value.strip(b" \t")))
+    return int(code), reason, version, fields
 
-    def read_exact(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            self._fill()
-        data = bytes(self.buf[:n])
-        del self.buf[:n]
-        return data
 
-    def read_line(self) -> bytes:
-        while True:
-            end = self.buf.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buf[:end])
-                del self.buf[: end + 2]
-                return line
-            if len(self.buf) > MAX_HEAD:
-                raise httpx.RemoteProtocolError("chunk size line too long")
-            self._fill()
+def _exact(buf: bytearray, n: int) -> Steps[bytes]:
+    while len(buf) < n:
+        yield from _more()
+    data = bytes(buf[:n])
+    del buf[:n]
+    return data
 
-    def read_chunked(self) -> bytes:
-        parts: list[bytes] = []
-        while True:
-            size_field = self.read_line().split(b";", 1)[0].strip()
-            try:
-                if not size_field or not all(c in b"0123456789abcdefABCDEF" for c in size_field):
-                    raise ValueError
-                size = int(size_field, 16)
-            except ValueError:
-                bad = size_field[:40]
-                raise httpx.RemoteProtocolError(f"malformed chunk size {bad!r}") from None
-            if size == 0:
-                while self.read_line():  # trailer fields, up to the empty line
-                    pass
-                return b"".join(parts)
-            parts.append(self.read_exact(size))
-            if self.read_exact(2) != b"\r\n":
-                raise httpx.RemoteProtocolError("chunk not followed by CRLF")
 
-    def read_to_end(self) -> bytes:
-        while True:
-            try:
-                self._fill()
-            except _Closed:
-                data = bytes(self.buf)
-                self.buf.clear()
-                return data
+def _line(buf: bytearray) -> Steps[bytes]:
+    while True:
+        end = buf.find(b"\r\n")
+        if end >= 0:
+            line = bytes(buf[:end])
+            del buf[: end + 2]
+            return line
+        if len(buf) > MAX_HEAD:
+            raise httpx.RemoteProtocolError("chunk size line too long")
+        yield from _more()
+
+
+def _chunked(buf: bytearray) -> Steps[bytes]:
+    parts: list[bytes] = []
+    while True:
+        size_field = (yield from _line(buf)).split(b";", 1)[0].strip()
+        try:
+            if not size_field or not all(c in b"0123456789abcdefABCDEF" for c in size_field):
+                raise ValueError
+            size = int(size_field, 16)
+        except ValueError:
+            bad = size_field[:40]
+            raise httpx.RemoteProtocolError(f"malformed chunk size {bad!r}") from None
+        if size == 0:
+            while (yield from _line(buf)):  # trailer fields, up to the empty line
+                pass
+            return b"".join(parts)
+        parts.append((yield from _exact(buf, size)))
+        if (yield from _exact(buf, 2)) != b"\r\n":
+            raise httpx.RemoteProtocolError("chunk not followed by CRLF")
+
+
+def _to_end(buf: bytearray) -> Steps[bytes]:
+    while (yield):
+        pass
+    data = bytes(buf)
+    buf.clear()
+    return data
+
+
+def read_answer(buf: bytearray, method: str) -> Steps[tuple[Reply, bool]]:
+    """The next final answer (interim 1xx skipped) and whether its connection must close
+    after it: HTTP/1.0, 101, ``Connection: close``, or a body that ran to the end."""
+    while True:
+        status, reason, version, fields = yield from _head(buf)
+        if status >= 200 or status == 101:
+            break
+    closing = version != b"HTTP/1.1" or status == 101 or _wants_close(fields)
+    body = b""
+    if not (method == "HEAD" or status < 200 or status in _NO_BODY_STATUS):
+        body, to_end = yield from _body(buf, fields)
+        closing = closing or to_end
+    return Reply(status, reason, version, fields, body), closing
+
+
+def _body(buf: bytearray, fields: list[tuple[bytes, bytes]]) -> Steps[tuple[bytes, bool]]:
+    """The answer's body, framing removed (RFC 9112 section 6.3), and whether it ran to
+    the connection's end."""
+    encodings = _field(fields, b"transfer-encoding")
+    if encodings:
+        if b",".join(encodings).lower().split(b",")[-1].strip() != b"chunked":
+            return (yield from _to_end(buf)), True
+        return (yield from _chunked(buf)), False
+    lengths = _field(fields, b"content-length")
+    if lengths:
+        values = {v.strip() for length in lengths for v in length.split(b",")}
+        if len(values) != 1 or not next(iter(values)).isdigit():
+            raise httpx.RemoteProtocolError(f"malformed Content-Length {lengths!r}")
+        return (yield from _exact(buf, int(next(iter(values))))), False
+    return (yield from _to_end(buf)), True
 
 
 def _field(fields: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
@@ -209,6 +263,99 @@ class Reply:
     body: bytes
 
 
+class _Idle(Protocol):
+    idle_since: float
+
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Idle)
+
+
+class IdlePool(Generic[C]):
+    """Idle kept-alive connections by ``(host, port)``, newest reused first: at most
+    ``limits.max_keepalive_connections`` in all, each for ``keepalive_expiry`` seconds (the
+    connection's ``usable`` check applies it). Shared by the sync and async transports (a
+    lock: the sync one's threads)."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self.keep = limits.max_keepalive_connections
+        self.expiry = limits.keepalive_expiry
+        self.closed = False
+        self._idle: dict[tuple[str, int], list[C]] = {}
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[str, int], usable: Callable[[C, float], bool]) -> C | None:
+        """The newest idle connection to ``key`` that is ``usable(conn, now)``; the stale
+        ones met on the way are closed."""
+        now = time.monotonic()
+        stale: list[C] = []
+        found = None
+        with self._lock:
+            idle = self._idle.get(key)
+            while idle:
+                conn = idle.pop()
+                self.total -= 1
+                if usable(conn, now):
+                    found = conn
+                    break
+                stale.append(conn)
+        for conn in stale:
+            conn.close()
+        return found
+
+    def put(self, key: tuple[str, int], conn: C) -> None:
+        """Keep ``conn`` idle for reuse, or close it (the pool full or closed)."""
+        conn.idle_since = time.monotonic()
+        with self._lock:
+            if not self.closed and (self.keep is None or self.total < self.keep):
+                self._idle.setdefault(key, []).append(conn)
+                self.total += 1
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close every idle connection; later ones are closed as they are put back."""
+        with self._lock:
+            self.closed = True
+            conns = [c for v in self._idle.values() for c in v]
+            self._idle.clear()
+            self.total = 0
+        for conn in conns:
+            conn.close()
+
+
+def httpx_head(request: httpx.Request) -> tuple[bytes, bool, bool]:
+    """An httpx request's head as it stands, whether its body is chunked, and whether it
+    asks to close the connection (the transports' ``handle_request``)."""
+    if request.url.scheme != "http":
+        raise httpx.UnsupportedProtocol(
+            f"bitserve's HTTP/1.1 transport speaks plain http://, not {request.url.scheme}://"
+        )
+    raw_headers = request.headers.raw
+    chunked = any(
+        k.lower() == b"transfer-encoding" and b"chunked" in v.lower() for k, v in raw_headers
+    )
+    head = b"".join(
+        [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
+        + [b"%s: %s\r\n" % (k, v) for k, v in raw_headers]
+        + [b"\r\n"]
+    )
+    return head, chunked, _wants_close(raw_headers)
+
+
+def httpx_response(reply: Reply, request: httpx.Request) -> httpx.Response:
+    """A whole answer as an ``httpx.Response`` to ``request``."""
+    return httpx.Response(
+        reply.status_code,
+        headers=reply.fields,
+        stream=httpx.ByteStream(reply.body),
+        extensions={"http_version": reply.http_version, "reason_phrase": reply.reason_phrase},
+        request=request,
+    )
+
+
 class H1Transport(httpx.BaseTransport):
     """An :class:`httpx.BaseTransport` for plain HTTP/1.1 over a pool of kept-alive sockets.
 
@@ -221,54 +368,18 @@ class H1Transport(httpx.BaseTransport):
 
     def __init__(self, limits: httpx.Limits = _LIMITS) -> None:
         self._max = limits.max_connections
-        self._keep = limits.max_keepalive_connections
-        self._expiry = limits.keepalive_expiry
         self._slots = threading.BoundedSemaphore(self._max) if self._max is not None else None
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._idle_total = 0
-        self._lock = threading.Lock()
-        self._closed = False
+        self._pool: IdlePool[_Connection] = IdlePool(limits)
 
     @property
     def is_closed(self) -> bool:
-        return self._closed
-
-    # -- the pool ----------------------------------------------------------------------
-
-    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
-        now = time.monotonic()
-        stale: list[_Connection] = []
-        found = None
-        with self._lock:
-            idle = self._idle.get(key)
-            while idle:
-                conn = idle.pop()
-                self._idle_total -= 1
-                if conn.usable(now, self._expiry):
-                    found = conn
-                    break
-                stale.append(conn)
-        for conn in stale:
-            conn.close()
-        return found
-
-    def _put_idle(self, key: tuple[str, int], conn: _Connection) -> None:
-        conn.idle_since = time.monotonic()
-        with self._lock:
-            if not self._closed and (self._keep is None or self._idle_total < self._keep):
-                self._idle.setdefault(key, []).append(conn)
-                self._idle_total += 1
-                return
-        conn.close()
+        return self._pool.closed
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns = [c for v in self._idle.values() for c in v]
-            self._idle.clear()
-            self._idle_total = 0
-        for conn in conns:
-            conn.close()
+        self._pool.close()
+
+    def _usable(self, conn: _Connection, now: float) -> bool:
+        return conn.usable(now, self._pool.expiry)
 
     # -- one exchange ------------------------------------------------------------------
 
@@ -298,21 +409,22 @@ class H1Transport(httpx.BaseTransport):
         Raises:
             httpx.TransportError: the subclass httpcore would raise (module docstring).
         """
-        if self._closed:
+        if self._pool.closed:
             raise RuntimeError("the transport is closed")
         key = (host, port)
         if self._slots is not None and not self._slots.acquire(timeout=timeouts.get("pool")):
             raise httpx.PoolTimeout("no connection became free within the pool timeout")
         try:
-            conn = self._take_idle(key) or _connect(host, port, timeouts.get("connect"))
+            conn = self._pool.take(key, self._usable)
+            conn = conn or _connect(host, port, timeouts.get("connect"))
             try:
                 reply = _send_and_read(conn, head, body, timeouts, method)
                 conn.closing = conn.closing or close
             except BaseException:
                 conn.close()
                 raise
-            if not conn.closing:  # _read_body marks HTTP/1.0, 101 and Connection: close
-                self._put_idle(key, conn)
+            if not conn.closing:  # read_answer marks HTTP/1.0, 101 and Connection: close
+                self._pool.put(key, conn)
             else:
                 conn.close()
             return reply
@@ -322,36 +434,12 @@ class H1Transport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         """httpx's entry: the request's head and body as they stand, through :meth:`exchange`."""
-        if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol(
-                f"H1Transport speaks plain http://, not {request.url.scheme}://"
-            )
-        raw_headers = request.headers.raw
-        chunked = any(
-            k.lower() == b"transfer-encoding" and b"chunked" in v.lower() for k, v in raw_headers
-        )
-        head = b"".join(
-            [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
-            + [b"%s: %s\r\n" % (k, v) for k, v in raw_headers]
-            + [b"\r\n"]
-        )
+        head, chunked, close = httpx_head(request)
         body = frame_body(request.stream, chunked)  # type: ignore[arg-type]  # a sync stream
-        reply = self.exchange(
-            request.url.host,
-            request.url.port or 80,
-            head,
-            body,
-            request.extensions.get("timeout", {}),
-            request.method,
-            _wants_close(raw_headers),
-        )
-        return httpx.Response(
-            reply.status_code,
-            headers=reply.fields,
-            stream=httpx.ByteStream(reply.body),
-            extensions={"http_version": reply.http_version, "reason_phrase": reply.reason_phrase},
-            request=request,
-        )
+        timeouts = request.extensions.get("timeout", {})
+        port = request.url.port or 80
+        reply = self.exchange(request.url.host, port, head, body, timeouts, request.method, close)
+        return httpx_response(reply, request)
 
 
 def _connect(host: str, port: int, timeout: float | None) -> _Connection:
@@ -389,11 +477,13 @@ def _send_and_read(
         raise httpx.WriteError(str(exc)) from exc
     try:
         sock.settimeout(timeouts.get("read"))
-        while True:
-            status, reason, version, fields = conn.read_head()
-            if status >= 200 or status == 101:
-                break
-        content = _read_body(conn, method, status, version, fields)
+        steps = read_answer(conn.buf, method)
+        try:
+            next(steps)
+            while True:
+                steps.send(conn.fill())
+        except StopIteration as done:
+            answer: tuple[Reply, bool] = done.value
     except TimeoutError as exc:
         raise httpx.ReadTimeout(str(exc) or "timed out reading the response") from exc
     except _Closed:
@@ -402,31 +492,9 @@ def _send_and_read(
         ) from None
     except OSError as exc:
         raise httpx.ReadError(str(exc)) from exc
-    return Reply(status, reason, version, fields, content)
-
-
-def _read_body(
-    conn: _Connection, method: str, status: int, version: bytes, fields: list[tuple[bytes, bytes]]
-) -> bytes:
-    """The answer's body, framing removed (RFC 9112 section 6.3)."""
-    if version != b"HTTP/1.1" or status == 101 or _wants_close(fields):
-        conn.closing = True
-    if method == "HEAD" or status < 200 or status in _NO_BODY_STATUS:
-        return b""
-    encodings = _field(fields, b"transfer-encoding")
-    if encodings:
-        if b",".join(encodings).lower().split(b",")[-1].strip() != b"chunked":
-            conn.closing = True
-            return conn.read_to_end()
-        return conn.read_chunked()
-    lengths = _field(fields, b"content-length")
-    if lengths:
-        values = {v.strip() for length in lengths for v in length.split(b",")}
-        if len(values) != 1 or not next(iter(values)).isdigit():
-            raise httpx.RemoteProtocolError(f"malformed Content-Length {lengths!r}")
-        return conn.read_exact(int(next(iter(values))))
-    conn.closing = True
-    return conn.read_to_end()
+    reply, closing = answer
+    conn.closing = conn.closing or closing
+    return reply
 
 
 def _wants_close(fields: Iterable[tuple[bytes, bytes]]) -> bool:
