@@ -8,7 +8,8 @@ served four ways, each started once and measured in interleaved rounds (medians 
   (packed by the client, 256 bytes a row on the wire), 64 rows a request, its default
   concurrency (8 for this model: two of its 256-row batches); the defaults also with the
   client over httpx's transport (not its own), and at 4 requests in flight (the client's
-  fixed default before it followed the model's batches);
+  fixed default before it followed the model's batches), and through ``AsyncClient`` on its
+  own transport and on httpx's (each row also gives the client's CPU a request);
 - a hand-written FastAPI endpoint that takes the same rows as raw float32 bytes (8 KiB a row)
   and runs the same program (``benchmarks/overhead/fastapi_mlp.py``), driven by a thread pool
   of the same size posting 64-row bodies over ``httpx``.
@@ -23,6 +24,7 @@ Every score is checked against the program run here on the same rows.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
@@ -36,7 +38,7 @@ import httpx
 import numpy as np
 from bitserve_client._bulk import default_concurrency
 
-from benchmarks._common import markdown_table, parse_args, report
+from benchmarks._common import markdown_table, parse_args, quiet_host, report
 from benchmarks.overhead import mlp, perf
 from benchmarks.overhead.perf import Running
 
@@ -54,6 +56,11 @@ fixed default before it sized its load by the model's batches."""
 HTTPX_CLIENT = "bitserve (defaults), client on httpx's transport"
 """Not a server: the defaults' server driven by the client over httpx's own transport
 (``transport=httpx.HTTPTransport()``) instead of its lean default, in the same rounds."""
+ASYNC_CLIENT = "bitserve (defaults), AsyncClient"
+"""Not a server: the defaults' server driven by ``AsyncClient.infer_many`` (its own
+transport), in the same rounds."""
+ASYNC_HTTPX = "bitserve (defaults), AsyncClient on httpx's transport"
+"""The same over httpx's async transport (``transport=httpx.AsyncHTTPTransport()``)."""
 
 
 def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -69,6 +76,10 @@ def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
     return np.asarray(torch.cat(out).numpy()).reshape(-1)
 
 
+CLIENT_CPU: dict[str, list[float]] = {}
+"""The client's CPU seconds a request (this process, every thread), per bitserve row."""
+
+
 def run_bitserve(
     server: Running,
     bits: np.ndarray[Any, Any],
@@ -80,12 +91,41 @@ def run_bitserve(
     from bitserve_client import Client
 
     with Client(server.url, timeout=60, transport=transport) as client:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         result = client.infer_many(
             mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=concurrency, progress=False
         )
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    _client_cpu(server, transport, concurrency, cpu / -(-len(bits) // mlp.BATCH))
     return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
+
+
+def run_async(
+    server: Running, bits: np.ndarray[Any, Any], transport: httpx.AsyncBaseTransport | None = None
+) -> tuple[float, np.ndarray[Any, Any]]:
+    """:func:`run_bitserve` through ``AsyncClient.infer_many`` (on one event loop)."""
+    from bitserve_client import AsyncClient
+
+    async def main() -> tuple[float, float, Any]:
+        async with AsyncClient(server.url, timeout=60, transport=transport) as client:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            result = await client.infer_many(mlp.NAME, bits, batch_size=mlp.BATCH, progress=False)
+            return time.perf_counter() - t0, time.process_time() - cpu0, result
+
+    seconds, cpu, result = asyncio.run(main())
+    label = ASYNC_CLIENT if transport is None else ASYNC_HTTPX
+    CLIENT_CPU.setdefault(label, []).append(cpu / -(-len(bits) // mlp.BATCH))
+    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
+
+
+def _client_cpu(server: Running, transport: object, concurrency: int | None, cpu: float) -> None:
+    if server.label != DEFAULTS:
+        label = server.label
+    elif transport is not None:
+        label = HTTPX_CLIENT
+    else:
+        label = FOUR if concurrency == FOUR_IN_FLIGHT else DEFAULTS
+    CLIENT_CPU.setdefault(label, []).append(cpu)
 
 
 def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.ndarray[Any, Any]]:
@@ -100,10 +140,11 @@ def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.
             r.raise_for_status()
             scores[k] = r.content
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             list(pool.map(one, range(len(starts))))
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    CLIENT_CPU.setdefault(FASTAPI, []).append(cpu / len(starts))
     return seconds, np.frombuffer(b"".join(scores), np.float32)
 
 
@@ -153,12 +194,15 @@ def measure_rounds(
         if httpx_client and r.label == DEFAULTS:
             own.append((HTTPX_CLIENT, lambda: run_bitserve(r, rows, httpx.HTTPTransport())))
             own.append((FOUR, lambda: run_bitserve(r, rows, concurrency=FOUR_IN_FLIGHT)))
+            own.append((ASYNC_CLIENT, lambda: run_async(r, rows)))
+            own.append((ASYNC_HTTPX, lambda: run_async(r, rows, httpx.AsyncHTTPTransport())))
         return own
 
     results: dict[str, list[float]] = {}
     for r in running:  # warm-up: every worker's connections and allocator pools
         for _, run in runs(r, bits[: 4 * mlp.BATCH]):
             run()
+    CLIENT_CPU.clear()
     every = [one for r in running for one in runs(r, bits)]
     for k in range(rounds):
         for label, run in every[k % len(every) :] + every[: k % len(every)]:
@@ -173,10 +217,13 @@ def measure_rounds(
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workers-per-gpu", default=None, help="e.g. 1,2,4: a GPU host's sweep")
+    pre.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     known, rest = pre.parse_known_args()
     args = parse_args(__doc__.splitlines()[0], rest)
     sweep = [int(k) for k in known.workers_per_gpu.split(",")] if known.workers_per_gpu else []
-    rounds, rows = (1, 20 * mlp.BATCH) if args.smoke else (3, 1000 * mlp.BATCH)
+    rounds, rows = (1, 20 * mlp.BATCH) if args.smoke else (known.rounds, 1000 * mlp.BATCH)
+    _, host = quiet_host(wait_s=0 if args.smoke else 180)
+    print(host, flush=True)
     rng = np.random.default_rng(0)
     bits = rng.random((rows, mlp.BITS)) < 0.5
     with tempfile.TemporaryDirectory(prefix="bench-mlp-") as tmp:
@@ -191,10 +238,15 @@ def main() -> None:
     def med(label: str) -> float:
         return statistics.median(results[label])
 
+    def cpu_ms(label: str) -> object:
+        xs = CLIENT_CPU.get(label)
+        return statistics.median(xs) * 1e3 if xs else "-"
+
     table = markdown_table(
-        ["server", "rows/s (median)", "rounds"],
-        [[label, med(label), ", ".join(f"{x:,.0f}" for x in results[label])] for label in results],
-    )
+        ["server", "rows/s (median)", "client CPU ms/request", "rounds"],
+        [[label, med(label), cpu_ms(label), ", ".join(f"{x:,.0f}" for x in results[label])]
+         for label in results],
+    )  # fmt: skip
     if sweep:
         targets = markdown_table(
             ["measure", "value", "target"],
@@ -210,12 +262,20 @@ def main() -> None:
                 [f"{DEFAULTS} / {WORKERS_1}", med(DEFAULTS) / med(WORKERS_1), ">= 0.95"],
                 [f"{HTTPX_CLIENT} / {FASTAPI}", med(HTTPX_CLIENT) / med(FASTAPI), "reported"],
                 [f"{DEFAULTS} / {HTTPX_CLIENT}", med(DEFAULTS) / med(HTTPX_CLIENT), "reported"],
+                [
+                    f"{ASYNC_CLIENT} / {ASYNC_HTTPX}",
+                    med(ASYNC_CLIENT) / med(ASYNC_HTTPX),
+                    "reported",
+                ],
+                [f"{ASYNC_CLIENT} / {DEFAULTS}", med(ASYNC_CLIENT) / med(DEFAULTS), "reported"],
                 [f"{FOUR} / {FASTAPI}", med(FOUR) / med(FASTAPI), "reported"],
                 [f"{DEFAULTS} / {FOUR}", med(DEFAULTS) / med(FOUR), "reported"],
                 [f"{WORKERS_2} / {WORKERS_1}", med(WORKERS_2) / med(WORKERS_1), "reported"],
             ],
         )
     body = f"""
+Host: {host}.
+
 A 2048-bit fingerprint MLP (2048 -> 256 -> 1, `torch.export`), {rows:,} random fingerprints,
 {mlp.BATCH} rows a request, {CONCURRENCY} requests in flight; {rounds} interleaved round(s),
 the client on the same {os.cpu_count()} cores as the server. bitserve gets the rows bit-packed
@@ -225,7 +285,11 @@ benchmark. "{HTTPX_CLIENT}" is not another server: the defaults' server driven b
 client over httpx's transport (`transport=httpx.HTTPTransport()`) instead of its own, and
 "{FOUR}" the same server at 4 requests in flight (`concurrency=4`, the client's default
 before it sized its load by the model's batches: {CONCURRENCY} here, the hand-written
-endpoint's client keeps as many).
+endpoint's client keeps as many). "{ASYNC_CLIENT}" drives the same server through
+`AsyncClient.infer_many` on one event loop (its own transport), and "{ASYNC_HTTPX}" the same
+over httpx's async transport. "client CPU ms/request" is this process's CPU time (every
+thread) over a run, divided by its requests: what the client costs the cores it shares with
+the server (the hand-written endpoint's client is a thread pool over httpx).
 
 {table}
 
