@@ -77,7 +77,11 @@ def reference(program: Path, bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
 
 
 CLIENT_CPU: dict[str, list[float]] = {}
-"""The client's CPU seconds a request (this process, every thread), per bitserve row."""
+"""The client's CPU seconds a request (this process, every thread), per row of the table,
+one a round (:func:`measure_rounds`)."""
+
+Timed = tuple[float, np.ndarray[Any, Any], float]
+"""A run's seconds, its scores, and the client's CPU seconds over it."""
 
 
 def run_bitserve(
@@ -85,9 +89,9 @@ def run_bitserve(
     bits: np.ndarray[Any, Any],
     transport: httpx.BaseTransport | None = None,
     concurrency: int | None = None,
-) -> tuple[float, np.ndarray[Any, Any]]:
-    """Seconds for ``infer_many`` over every row, and the scores (``transport``: the
-    client's; ``concurrency``: requests in flight; None for their defaults)."""
+) -> Timed:
+    """``infer_many`` over every row (``transport``: the client's; ``concurrency``: requests
+    in flight; None for their defaults)."""
     from bitserve_client import Client
 
     with Client(server.url, timeout=60, transport=transport) as client:
@@ -96,13 +100,12 @@ def run_bitserve(
             mlp.NAME, bits, batch_size=mlp.BATCH, concurrency=concurrency, progress=False
         )
         seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    _client_cpu(server, transport, concurrency, cpu / -(-len(bits) // mlp.BATCH))
-    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
+    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1), cpu
 
 
 def run_async(
     server: Running, bits: np.ndarray[Any, Any], transport: httpx.AsyncBaseTransport | None = None
-) -> tuple[float, np.ndarray[Any, Any]]:
+) -> Timed:
     """:func:`run_bitserve` through ``AsyncClient.infer_many`` (on one event loop)."""
     from bitserve_client import AsyncClient
 
@@ -113,23 +116,11 @@ def run_async(
             return time.perf_counter() - t0, time.process_time() - cpu0, result
 
     seconds, cpu, result = asyncio.run(main())
-    label = ASYNC_CLIENT if transport is None else ASYNC_HTTPX
-    CLIENT_CPU.setdefault(label, []).append(cpu / -(-len(bits) // mlp.BATCH))
-    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1)
+    return seconds, np.asarray(result[mlp.OUTPUT]).reshape(-1), cpu
 
 
-def _client_cpu(server: Running, transport: object, concurrency: int | None, cpu: float) -> None:
-    if server.label != DEFAULTS:
-        label = server.label
-    elif transport is not None:
-        label = HTTPX_CLIENT
-    else:
-        label = FOUR if concurrency == FOUR_IN_FLIGHT else DEFAULTS
-    CLIENT_CPU.setdefault(label, []).append(cpu)
-
-
-def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.ndarray[Any, Any]]:
-    """Seconds for every row posted as float32 bytes, 64 rows a request, and the scores."""
+def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> Timed:
+    """Every row posted as float32 bytes, 64 rows a request."""
     starts = range(0, len(bits), mlp.BATCH)
     scores: list[bytes] = [b""] * len(starts)
     with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -144,8 +135,7 @@ def run_fastapi(server: Running, bits: np.ndarray[Any, Any]) -> tuple[float, np.
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             list(pool.map(one, range(len(starts))))
         seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    CLIENT_CPU.setdefault(FASTAPI, []).append(cpu / len(starts))
-    return seconds, np.frombuffer(b"".join(scores), np.float32)
+    return seconds, np.frombuffer(b"".join(scores), np.float32), cpu
 
 
 def gpu_sweep(root: Path, per_gpu: list[int]) -> list[tuple[str, list[str]]]:
@@ -184,8 +174,10 @@ def measure_rounds(
     """Rows/s of every server over all of ``bits``, in interleaved rounds after a warm-up;
     every score is checked against ``expected``. With ``httpx_client``, the defaults' server
     is also driven by the client over httpx's own transport (:data:`HTTPX_CLIENT`) and at 4
-    requests in flight (:data:`FOUR`)."""
-    Run = Callable[[], tuple[float, np.ndarray[Any, Any]]]
+    requests in flight (:data:`FOUR`), and through ``AsyncClient`` on both transports
+    (:data:`ASYNC_CLIENT`, :data:`ASYNC_HTTPX`). The client's CPU a request goes to
+    :data:`CLIENT_CPU`."""
+    Run = Callable[[], Timed]
 
     def runs(r: Running, rows: np.ndarray[Any, Any]) -> list[tuple[str, Run]]:
         if r.label == FASTAPI:
@@ -203,13 +195,15 @@ def measure_rounds(
         for _, run in runs(r, bits[: 4 * mlp.BATCH]):
             run()
     CLIENT_CPU.clear()
+    requests = -(-len(bits) // mlp.BATCH)
     every = [one for r in running for one in runs(r, bits)]
     for k in range(rounds):
         for label, run in every[k % len(every) :] + every[: k % len(every)]:
             # Each round starts with the next one: no one is always first.
-            seconds, got = run()
+            seconds, got, cpu = run()
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
             results.setdefault(label, []).append(len(bits) / seconds)
+            CLIENT_CPU.setdefault(label, []).append(cpu / requests)
             print(f"{label}: {len(bits) / seconds:,.0f} rows/s", flush=True)
     return results
 

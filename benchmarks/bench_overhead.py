@@ -409,7 +409,6 @@ def main() -> None:
         [[label, mlp_med(label), ", ".join(f"{x:,.0f}" for x in xs)]
          for label, xs in mlp_rps.items()],
     )  # fmt: skip
-    from benchmarks import bench_mlp
     from service.workers import available_cores, plan_workers
 
     plan = plan_workers("auto", cores=available_cores(), gpus=0)
