@@ -100,14 +100,12 @@ class _Connection:
         with contextlib.suppress(OSError):  # a socket the kernel already dropped
             self.sock.close()
 
-    def usable(self, now: float, expiry: float | None) -> bool:
-        """Whether an idle connection can carry another request: not expired, not closed.
+    def usable(self) -> bool:
+        """Whether an idle connection can carry another request: not closed.
 
         A server that closed its end makes the socket readable (EOF); so does one that sent
         bytes nobody asked for. Either way the connection is not reused.
         """
-        if expiry is not None and now - self.idle_since > expiry:
-            return False
         if self.buf:
             return False
         return not _readable(self.sock)
@@ -274,9 +272,8 @@ C = TypeVar("C", bound=_Idle)
 
 class IdlePool(Generic[C]):
     """Idle kept-alive connections by ``(host, port)``, newest reused first: at most
-    ``limits.max_keepalive_connections`` in all, each for ``keepalive_expiry`` seconds (the
-    connection's ``usable`` check applies it). Shared by the sync and async transports (a
-    lock: the sync one's threads)."""
+    ``limits.max_keepalive_connections`` in all, each for ``keepalive_expiry`` seconds.
+    Shared by the sync and async transports (a lock: the sync one's threads)."""
 
     def __init__(self, limits: httpx.Limits) -> None:
         self.keep = limits.max_keepalive_connections
@@ -286,10 +283,11 @@ class IdlePool(Generic[C]):
         self.total = 0
         self._lock = threading.Lock()
 
-    def take(self, key: tuple[str, int], usable: Callable[[C, float], bool]) -> C | None:
-        """The newest idle connection to ``key`` that is ``usable(conn, now)``; the stale
-        ones met on the way are closed."""
+    def take(self, key: tuple[str, int], usable: Callable[[C], bool]) -> C | None:
+        """The newest idle connection to ``key`` that has not expired and is
+        ``usable(conn)``; the stale ones met on the way are closed."""
         now = time.monotonic()
+        expiry = self.expiry
         stale: list[C] = []
         found = None
         with self._lock:
@@ -297,7 +295,7 @@ class IdlePool(Generic[C]):
             while idle:
                 conn = idle.pop()
                 self.total -= 1
-                if usable(conn, now):
+                if (expiry is None or now - conn.idle_since <= expiry) and usable(conn):
                     found = conn
                     break
                 stale.append(conn)
@@ -378,9 +376,6 @@ class H1Transport(httpx.BaseTransport):
     def close(self) -> None:
         self._pool.close()
 
-    def _usable(self, conn: _Connection, now: float) -> bool:
-        return conn.usable(now, self._pool.expiry)
-
     # -- one exchange ------------------------------------------------------------------
 
     def exchange(
@@ -415,7 +410,7 @@ class H1Transport(httpx.BaseTransport):
         if self._slots is not None and not self._slots.acquire(timeout=timeouts.get("pool")):
             raise httpx.PoolTimeout("no connection became free within the pool timeout")
         try:
-            conn = self._pool.take(key, self._usable)
+            conn = self._pool.take(key, _Connection.usable)
             conn = conn or _connect(host, port, timeouts.get("connect"))
             try:
                 reply = _send_and_read(conn, head, body, timeouts, method)

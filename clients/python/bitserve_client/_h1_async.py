@@ -100,13 +100,11 @@ class _Connection(asyncio.Protocol):
 
     # -- ours ------------------------------------------------------------------------------
 
-    def usable(self, loop: asyncio.AbstractEventLoop, now: float, expiry: float | None) -> bool:
+    def usable(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether an idle connection can carry another request on ``loop``."""
         if self.loop is not loop or self.ended or self.buf:
             return False
-        if self.transport is None or self.transport.is_closing():
-            return False
-        return expiry is None or now - self.idle_since <= expiry
+        return self.transport is not None and not self.transport.is_closing()
 
     def close(self) -> None:
         """Close the connection (on its own loop; shut down if that loop has ended)."""
@@ -237,8 +235,8 @@ class AsyncH1Transport(httpx.AsyncBaseTransport):
         key = (host, port)
         await self._acquire(timeouts.get("pool"))
         try:
-            loop, expiry = asyncio.get_running_loop(), self._pool.expiry
-            conn = self._pool.take(key, lambda c, now: c.usable(loop, now, expiry))
+            loop = asyncio.get_running_loop()
+            conn = self._pool.take(key, lambda c: c.usable(loop))
             conn = conn or await _connect(host, port, timeouts.get("connect"))
             try:
                 reply = await _send_and_read(conn, head, body, timeouts, method)
