@@ -52,9 +52,10 @@ class Harness:
         self.wire: WireServer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: Client | AsyncClient
-        if kind == "wire":
+        if kind in ("wire", "async-wire"):
             self.wire = WireServer(fake)
             kwargs["url"] = self.wire.url(kwargs["url"])
+        if kind == "wire":
             on_wire = Client(**kwargs)
             assert on_wire._lean is not None, "the default transport was not the lean one"
             on_wire._sleep = self.sleeps.append
@@ -65,8 +66,6 @@ class Harness:
             self.sleeps.append(s)
 
         if kind == "async-wire":
-            self.wire = WireServer(fake)
-            kwargs["url"] = self.wire.url(kwargs["url"])
             async_on_wire = AsyncClient(**kwargs)  # (may refuse its arguments: no loop yet)
             assert async_on_wire._lean is not None, "the default transport was not the lean one"
             async_on_wire._sleep = sleep

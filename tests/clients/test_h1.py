@@ -40,7 +40,6 @@ class Scripted:
     def __init__(self) -> None:
         self.script: list[tuple[bytes, str]] = []
         self.requests: list[tuple[bytes, bytes]] = []
-        self.accepted = 0
         self.ended: list[bool] = []
         """Per connection, in order of accepting: whether the client closed it."""
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -57,10 +56,21 @@ class Scripted:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            self.accepted += 1
             self.ended.append(False)
             index = len(self.ended) - 1
             threading.Thread(target=self._connection, args=(conn, index), daemon=True).start()
+
+    @property
+    def accepted(self) -> int:
+        """The connections accepted so far."""
+        return len(self.ended)
+
+    def wait_ended(self, index: int, timeout_s: float = 5.0) -> bool:
+        """Whether connection ``index`` is closed by its client within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ended[index] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.ended[index]
 
     def _connection(self, conn: socket.socket, index: int) -> None:
         buf = b""

@@ -292,10 +292,7 @@ def test_a_cancelled_call_closes_its_connection(scripted: Scripted) -> None:
 
     run(main)
     assert scripted.accepted == 2
-    deadline = time.monotonic() + 5
-    while not scripted.ended[0] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert scripted.ended[0]  # the client closed the first connection
+    assert scripted.wait_ended(0)  # the client closed the first connection
 
 
 def test_a_connection_from_another_event_loop_is_not_reused(scripted: Scripted) -> None:
@@ -311,10 +308,7 @@ def test_a_connection_from_another_event_loop_is_not_reused(scripted: Scripted) 
         run(client.aclose)
         gc.collect()
     assert scripted.accepted == 2
-    deadline = time.monotonic() + 5
-    while not scripted.ended[0] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert scripted.ended[0]  # shut down, so the server saw it end
+    assert scripted.wait_ended(0)  # shut down, so the server saw it end
 
 
 def test_lean_transport_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
