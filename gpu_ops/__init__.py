@@ -5,6 +5,13 @@ Each op family lives in its own module; the public names are re-exported here.
 
 from gpu_ops.bits import packbits, unpackbits
 from gpu_ops.resample import BandedResampler, OnTheFlyResampler, banded_resample
+from gpu_ops.search import (
+    PackedCorpus,
+    hamming_topk,
+    popcount,
+    tanimoto_threshold,
+    tanimoto_topk,
+)
 from gpu_ops.transfer import (
     StagingBuffer,
     StagingPool,
@@ -17,11 +24,16 @@ from gpu_ops.transfer import (
 __all__: list[str] = [
     "BandedResampler",
     "OnTheFlyResampler",
+    "PackedCorpus",
     "StagingBuffer",
     "StagingPool",
     "banded_resample",
     "from_dlpack",
+    "hamming_topk",
     "packbits",
+    "popcount",
+    "tanimoto_threshold",
+    "tanimoto_topk",
     "to_device",
     "to_dlpack",
     "to_numpy",
