@@ -1,9 +1,10 @@
 """Building a model version: the one path ``serve`` and ``check-repo`` share.
 
 :func:`build_version` reads and checks the version's files (:func:`service.model_files.
-load_version`: everything before a device is touched), then builds the pipeline on its
-device, whose dry run (:func:`service.model_check.dry_run`) runs a batch of 1 and one of
-``max_batch_size`` through it and checks the outputs. ``bitserve serve`` builds every version
+load_version`: everything before a device is touched), then builds the pipeline of its kind
+on its device (an ``[index]``: :class:`service.index_pipeline.IndexPipeline`), whose dry run
+(:func:`service.model_check.dry_run`) runs a batch of 1 and one of ``max_batch_size``
+through it and checks the outputs. ``bitserve serve`` builds every version
 through it; ``bitserve check-repo`` (:func:`check_repository`) calls the same function (on the
 CPU unless told otherwise) and drops the result, so the two cannot disagree about a model.
 """
@@ -70,7 +71,12 @@ def build_version(
             max_batch_bytes=max_batch_bytes,
             patch=patch,
         )
-    pipe = Pipeline(name, cfg, artifacts, device, warmup=warmup, source=src.source)
+    kind = Pipeline
+    if cfg.index is not None:
+        from service.index_pipeline import IndexPipeline
+
+        kind = IndexPipeline
+    pipe = kind(name, cfg, artifacts, device, warmup=warmup, source=src.source)
     return cfg, pipe
 
 

@@ -5,6 +5,8 @@
                                       # as serve loads it (dry runs included); exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
     bitserve score --model-repository DIR --model M INPUT OUTPUT/   # Parquet rows on Ray Data
+    bitserve index build IN OUT_MODEL_DIR --metric tanimoto   # an [index] model folder from
+                                      # Parquet / .npy packed rows or RDKit SMILES / SDF
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
 :class:`service.settings.Settings`.
@@ -106,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
+    from service import index_build
     from service.ray import cli as ray_cli  # imports Ray only when `score` runs
 
     ray_cli.add_parser(sub)
+    index_build.add_parser(sub)
     return parser
 
 
@@ -237,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"wrote the demo model to {path}")
         return 0
+    if args.command == "index":
+        from service import index_build
+
+        return index_build.run(args)
     if args.command == "score":
         from service.ray import cli as ray_cli
 

@@ -300,6 +300,42 @@ class ModelFileConfig(_Strict):
         return value
 
 
+INDEX_SUFFIXES = (".safetensors", ".npy")
+"""The corpus file suffixes of ``[index] file``."""
+MAX_K = 1 << 20
+"""The largest ``max_k`` a config may declare (the answer is ``[batch, k]`` per output)."""
+
+
+class IndexConfig(_Strict):
+    """A packed corpus searched by popcount (``[index]``): the model's one bit-packed input
+    is the query, its two outputs the ids and scores of the nearest rows."""
+
+    file: str
+    """safetensors with ``corpus`` (N, W) uint8 packed rows and optional ``ids`` (N,) int64
+    (unique external ids; default the row numbers), or an ``.npy`` of the (N, W) uint8 rows."""
+    metric: Literal["tanimoto", "hamming"]
+    """``"tanimoto"``: similarity ``|a & b| / |a | b|``, best first (scores FP32 in [0, 1]);
+    ``"hamming"``: distance ``|a ^ b|``, nearest first (scores FP32 whole numbers)."""
+    k: int = Field(default=10, ge=1, le=MAX_K)
+    """Hits per query by default; a request's ``parameters.k`` overrides it."""
+    max_k: int = Field(default=1000, ge=1, le=MAX_K)
+    """The largest ``parameters.k`` a request may ask for."""
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, value: str) -> str:
+        _relative_file(value)
+        if Path(value).suffix not in INDEX_SUFFIXES:
+            raise ValueError(f"must end in one of {', '.join(INDEX_SUFFIXES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _k(self) -> IndexConfig:
+        if self.k > self.max_k:
+            raise ValueError(f"k = {self.k} is more than max_k = {self.max_k}")
+        return self
+
+
 class OutputConfig(_Strict):
     """One output tensor; its shape is found at load time when not given."""
 
@@ -339,6 +375,9 @@ class ModelConfig(_Strict):
     """The inputs, passed to the model positionally in this order."""
     operator: OperatorConfig | None = None
     model: ModelFileConfig | None = None
+    index: IndexConfig | None = None
+    """A packed corpus searched by Hamming or Tanimoto top-k (instead of an operator and a
+    model)."""
     outputs: list[OutputConfig] = Field(min_length=1)
     warmup_file: str | None = None
     """A safetensors file whose tensors (one per input, named as it, batch first, in a wire
@@ -357,9 +396,12 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        if self.operator is None and self.model is None:
-            raise ValueError("needs an [operator], a [model] or both")
         check_levels(self.priority_levels, self.default_priority_level, self.priority_queue_policy)
+        if self.index is not None:
+            self._check_index(self.index)
+            return self
+        if self.operator is None and self.model is None:
+            raise ValueError("needs an [operator], a [model], both, or an [index]")
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -379,6 +421,41 @@ class ModelConfig(_Strict):
                     f"inputs[{i}].shape is {self.inputs[i].shape}"
                 )
         return self
+
+    def _check_index(self, index: IndexConfig) -> None:
+        """An index: one bit-packed 1-D input, the outputs ids INT64 and scores FP32 [k]."""
+        if self.operator is not None or self.model is not None:
+            raise ValueError("an [index] takes no [operator] or [model]")
+        if self.warmup_file is not None:
+            raise ValueError("an [index] takes no warmup_file (its dry run uses corpus rows)")
+        names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"tensor names must be unique; repeated: {dup}")
+        query = self.inputs[0]
+        if len(self.inputs) != 1 or query.packing != "bits" or len(query.shape) != 1:
+            raise ValueError(
+                'an [index] has exactly one input, the query: datatype = "BOOL", '
+                'packing = "bits", shape = [L] (its bit count)'
+            )
+        kinds = sorted(o.datatype for o in self.outputs)
+        if kinds != ["FP32", "INT64"]:
+            got = [o.datatype for o in self.outputs]
+            raise ValueError(
+                f"an [index] has two outputs, the ids (INT64) and the scores (FP32); got {got}"
+            )
+        for o in self.outputs:
+            if o.shape is not None and o.shape != [index.k]:
+                raise ValueError(
+                    f"output '{o.name}' has shape {o.shape}; an index answers [k] = "
+                    f"[{index.k}] per query (a request's parameters.k changes it)"
+                )
+
+    @property
+    def index_outputs(self) -> tuple[int, int]:
+        """The positions of an index's ids (INT64) and scores (FP32) among the outputs."""
+        kinds = [o.datatype for o in self.outputs]
+        return kinds.index("INT64"), kinds.index("FP32")
 
     @property
     def operator_input(self) -> int | None:

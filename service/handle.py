@@ -93,6 +93,7 @@ class ModelHandle:
             "parameters": {
                 "device": str(self.pipeline.device),
                 "device_memory_bytes": self.pipeline.device_memory_bytes,
+                **self.pipeline.parameters(),
             },
         }
 

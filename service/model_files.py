@@ -28,6 +28,7 @@ import torch
 
 from service.backends import ModelFile, load_model_file
 from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig, load_config
+from service.corpus import CorpusFile, read_corpus
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.layout import VersionSource
 from service.model_check import check_signature, handed_dtypes, read_warmup
@@ -60,12 +61,14 @@ class Artifacts:
             in a wire form; None: zeros.
         folder: the model's folder and how messages show it (library messages name files
             relative to it).
+        corpus: an index's corpus file, opened (its rows memory-mapped) and checked.
     """
 
     tensors: dict[str, torch.Tensor]
     model: ModelFile | None = None
     warmup: dict[str, np.ndarray[Any, Any]] | None = None
     folder: tuple[Path, str] | None = None
+    corpus: CorpusFile | None = None
 
 
 def load_version(
@@ -115,8 +118,18 @@ def load_version(
         warmup = read_warmup(src, cfg)
     except ConfigError as exc:
         errors.append(exc)
+    corpus = None
+    if cfg.index is not None:
+        try:
+            path = src.resolve(cfg.index.file, "index.file")
+            folder = (src.folder, src.shown_folder)
+            corpus = read_corpus(path, cfg.index, cfg.inputs[0], src.source, folder)
+        except ConfigError as exc:
+            errors.append(exc)
     if errors:
         raise ConfigError.join(errors)
+    if corpus is not None:
+        return cfg, Artifacts({}, folder=(src.folder, src.shown_folder), corpus=corpus)
     model = None
     if cfg.model is not None and model_path is not None:
         where = f"{src.source}: model.file"

@@ -426,6 +426,12 @@ class Pipeline:
                 t0, t1, t2, t3 = (0, *(int(events[0].elapsed_time(e) * 1e6) for e in events[1:]))
             self.stats.executed(total, len(requests), t1 - t0, t2 - t1, t3 - t2)
         self.last_phases_ns = (t1 - t0, t2 - t1, t3 - t2)
+        return self._split(requests, arrays)
+
+    def _split(
+        self, requests: Sequence[Bound], arrays: list[np.ndarray[Any, Any]]
+    ) -> list[list[np.ndarray[Any, Any]]]:
+        """The batch's outputs (config order, batch first) cut into each request's rows."""
         results: list[list[np.ndarray[Any, Any]]] = []
         row = 0
         for r in requests:
@@ -433,6 +439,10 @@ class Pipeline:
             results.append(sl if self.batched else [a[0] for a in sl])
             row += r.size
         return results
+
+    def parameters(self) -> dict[str, Any]:
+        """What the model's metadata says of the pipeline beyond its tensors (its kind's)."""
+        return {}
 
     def _timing_events(self) -> list[Any]:
         """Four timing events on a CUDA device (made once), none elsewhere."""

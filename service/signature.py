@@ -8,6 +8,10 @@ requested outputs) and lays the inputs out for the batcher. Nothing is checked t
 
 A bit-packed input (``packing = "bits"``) is accepted in two wire forms: ``UINT8`` of the
 packed shape (``ceil(L / 8)`` bytes on the last axis) and ``BOOL`` of the logical shape.
+
+An index (``[index]``) also reads the request's ``parameters.k`` (hits per query, 1 ..
+``max_k``) and ``parameters.threshold`` (the least Tanimoto similarity, 0 .. 1); its outputs
+have ``k`` entries per query, so their metadata says ``-1`` for that axis.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from service.config import InputConfig, ModelConfig
+from service.config import IndexConfig, InputConfig, ModelConfig
 from service.errors import InvalidInput
 from service.protocol.request import RawInputSpec
 from service.protocol.types import DATATYPES, InferRequest, SharedOutput
@@ -44,6 +48,19 @@ class WireInput:
 
 
 @dataclass(frozen=True)
+class Search:
+    """What one request asks of an index.
+
+    Attributes:
+        k: hits per query (``parameters.k``, else the config's ``k``).
+        threshold: the least similarity of a hit (``parameters.threshold``); None: any.
+    """
+
+    k: int
+    threshold: float | None = None
+
+
+@dataclass(frozen=True)
 class Bound:
     """A request checked against its model and laid out for the batcher.
 
@@ -52,11 +69,13 @@ class Bound:
         outputs: indices (into the config's outputs) of the outputs to answer, in the order
             the request asked for them (all of them, in config order, when it did not ask).
         size: the request's batch size (1 for a model without a batch dimension).
+        search: an index's ``k`` and ``threshold`` for this request; None: its defaults.
     """
 
     inputs: tuple[WireInput, ...]
     outputs: tuple[int, ...]
     size: int
+    search: Search | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,7 @@ class Signature:
         self.inputs = list(cfg.inputs)
         self.outputs = list(cfg.outputs)
         self.output_shapes = [list(s) for s in output_shapes]
+        self.index: IndexConfig | None = cfg.index
         self._by_name: dict[str, _InputForms] = {}
         for spec in cfg.inputs:
             if spec.packing == "bits":
@@ -180,7 +200,42 @@ class Signature:
             extra = sorted(set(given) - {s.name for s in self.inputs})
             expected = [s.name for s in self.inputs]
             raise InvalidInput(f"{m}: unknown input '{extra[0]}' (expected inputs: {expected})")
-        return Bound(tuple(wires), self._outputs(request, size), size)
+        search = None if self.index is None else self._search(self.index, request.parameters)
+        return Bound(tuple(wires), self._outputs(request, size, search), size, search)
+
+    def _search(self, index: IndexConfig, parameters: dict[str, Any]) -> Search:
+        """A request's ``parameters.k`` and ``parameters.threshold`` for an index.
+
+        Raises:
+            InvalidInput: a k that is not an integer in 1 .. max_k, a threshold that is not
+                a number in [0, 1], or a threshold for a Hamming index.
+        """
+        m = self._prefix()
+        k = parameters.get("k", index.k)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= index.max_k:
+            shown = repr(k)[:40] if isinstance(k, int | float | str) else type(k).__name__
+            raise InvalidInput(
+                f"{m}: parameters.k must be an integer from 1 to max_k = {index.max_k}, got {shown}"
+            )
+        threshold = parameters.get("threshold")
+        if threshold is None:
+            return Search(k)
+        if index.metric != "tanimoto":
+            raise InvalidInput(
+                f"{m}: parameters.threshold is the least Tanimoto similarity; this index's "
+                f"metric is {index.metric} (ask for parameters.k nearest rows)"
+            )
+        ok = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+        if not ok or not 0.0 <= float(threshold) <= 1.0:
+            shown = (
+                repr(threshold)[:40]
+                if ok or isinstance(threshold, str)
+                else (type(threshold).__name__)
+            )
+            raise InvalidInput(
+                f"{m}: parameters.threshold must be a number from 0 to 1, got {shown}"
+            )
+        return Search(k, float(threshold))
 
     def _bitorder(self, spec: InputConfig, parameters: dict[str, Any]) -> str | None:
         """An input's ``parameters.bitorder``: ``"big"`` or ``"little"`` for a bit-packed
@@ -202,7 +257,9 @@ class Signature:
             )
         return str(order)
 
-    def _outputs(self, request: InferRequest, size: int) -> tuple[int, ...]:
+    def _outputs(
+        self, request: InferRequest, size: int, search: Search | None = None
+    ) -> tuple[int, ...]:
         if request.outputs is None:
             return self._all_outputs
         indices: list[int] = []
@@ -218,14 +275,17 @@ class Signature:
                     f"{self._prefix()}: unknown output '{o.name}' (outputs: {names})"
                 )
             if o.shared_memory is not None:
-                self._check_room(i, o.shared_memory, size)
+                self._check_room(i, o.shared_memory, size, search)
             indices.append(i)
         return tuple(indices)
 
-    def _check_room(self, i: int, shared: SharedOutput, size: int) -> None:
+    def _check_room(
+        self, i: int, shared: SharedOutput, size: int, search: Search | None = None
+    ) -> None:
         """An output's shared memory holds all of it (checked before anything is computed)."""
         spec = self.outputs[i]
-        items = math.prod(self.output_shapes[i]) * (size if self.batched else 1)
+        shape = [search.k] if search is not None else self.output_shapes[i]
+        items = math.prod(shape) * (size if self.batched else 1)
         need = items * DATATYPES[spec.datatype].itemsize
         if shared.nbytes < need:
             raise InvalidInput(
@@ -257,11 +317,17 @@ class Signature:
             for name, datatype, dims, params in self._wire_inputs()
         ]
 
+    def _shown_output_shapes(self) -> list[list[int]]:
+        """Each output's item shape as advertised: an index's ``[k]`` varies per request."""
+        if self.index is not None:
+            return [[-1] for _ in self.outputs]
+        return self.output_shapes
+
     def output_metadata(self) -> list[dict[str, Any]]:
         """V2 metadata of the outputs."""
         return [
             {"name": o.name, "datatype": o.datatype, "shape": self._batch_dims + shape}
-            for o, shape in zip(self.outputs, self.output_shapes, strict=True)
+            for o, shape in zip(self.outputs, self._shown_output_shapes(), strict=True)
         ]
 
     def input_config(self) -> list[dict[str, Any]]:
@@ -275,7 +341,7 @@ class Signature:
         """Triton-style ``output`` entries of the model configuration."""
         return [
             {"name": o.name, "data_type": f"TYPE_{o.datatype}", "dims": shape}
-            for o, shape in zip(self.outputs, self.output_shapes, strict=True)
+            for o, shape in zip(self.outputs, self._shown_output_shapes(), strict=True)
         ]
 
     def raw_spec(self) -> RawInputSpec:

@@ -123,7 +123,8 @@ def test_errors_name_file_and_key(edit: tuple[str, str], expected: str) -> None:
 
 def test_structural_errors() -> None:
     no_op = GOOD.split("[operator]")[0] + '[[outputs]]\nname = "out"\ndatatype = "FP32"\n'
-    assert any("needs an [operator], a [model] or both" in p for p in problems_of(no_op))
+    needle = "needs an [operator], a [model], both, or an [index]"
+    assert any(needle in p for p in problems_of(no_op))
     model = GOOD + '\n[model]\nfile = "m.pkl"\n'
     assert any("model.file: must end in one of" in p for p in problems_of(model))
     two_out = GOOD + '\n[[outputs]]\nname = "o2"\ndatatype = "FP32"\n'

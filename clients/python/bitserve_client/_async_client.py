@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import numpy as np
 
 from ._base import (
     DEFAULT_LIMITS,
@@ -288,6 +289,31 @@ class AsyncClient(BaseClient):
             self._infer_refused(model, exc)
             raise
         return self._decode_infer(response, request.single)
+
+    async def search(
+        self,
+        model: str,
+        queries: Any,
+        k: int | None = None,
+        threshold: float | None = None,
+        *,
+        version: str | None = None,
+        bitorder: Bitorder | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Search an index model; the arguments, result and errors of ``Client.search``."""
+        spec = await self.model_spec(model, version, headers=headers, timeout=timeout)
+        request, outputs = self._search_request(
+            spec, model, queries, k, threshold, version=version, headers=headers,
+            timeout=timeout, bitorder=bitorder,
+        )  # fmt: skip
+        try:
+            response = await self._send(request)
+        except ServerError as exc:
+            self._infer_refused(model, exc)
+            raise
+        return self._decode_search(response, request.single, outputs)
 
     async def infer_iter(
         self,

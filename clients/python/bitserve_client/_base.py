@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, cast
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 
 from ._exceptions import (
     BitserveError,
@@ -39,7 +40,8 @@ from ._exceptions import (
 from ._framing import HEADER_LENGTH, EncodedBody, decode_response, encode_request, error_message
 from ._h1 import Reply, frame_body
 from ._retry import Retry
-from ._spec import Bitorder, ModelSpec, parse_model_spec, prepare_inputs
+from ._search import SearchOutputs, search_outputs, search_queries
+from ._spec import Bitorder, ModelSpec, parse_model_spec, prepare_inputs, to_numpy
 from ._types import InferResult, Inputs
 from ._version import __version__
 
@@ -461,8 +463,10 @@ class BaseClient:
         timeout: TimeoutTypes,
         bitorder: Bitorder | None = None,
         priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> _Request:
-        """Check, pack and frame one inference call (the arguments of ``Client.infer``)."""
+        """Check, pack and frame one inference call (the arguments of ``Client.infer``;
+        ``parameters``: more request parameters, as :meth:`_search_request` sends)."""
         if not isinstance(inputs, Mapping):
             if spec is None or len(spec.inputs) != 1:
                 names = list(spec.inputs) if spec is not None else "unknown"
@@ -494,6 +498,7 @@ class BaseClient:
             deadline_s=deadline,
             binary=binary,
             priority=priority,
+            parameters=parameters,
         )
         all_headers = dict(body.headers)
         content: EncodedBody | bytes = body
@@ -521,6 +526,48 @@ class BaseClient:
             self._timeout(timeout),
             single=prepared.single,
         )
+
+    def _search_request(
+        self,
+        spec: ModelSpec,
+        model: str,
+        queries: Any,
+        k: int | None,
+        threshold: float | None,
+        *,
+        version: str | None,
+        headers: Mapping[str, str] | None,
+        timeout: TimeoutTypes,
+        bitorder: Bitorder | None,
+    ) -> tuple[_Request, SearchOutputs]:
+        """Check and frame one search of an index model (the arguments of ``Client.search``)."""
+        query, outputs = search_outputs(spec, model)
+        parameters: dict[str, Any] = {}
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+                raise InvalidInputError(f"k must be an integer >= 1, got {k!r}")
+            parameters["k"] = int(k)
+        if threshold is not None:
+            if isinstance(threshold, bool) or not isinstance(threshold, int | float | np.number):
+                raise InvalidInputError(f"threshold must be a number in [0, 1], got {threshold!r}")
+            if not 0.0 <= float(threshold) <= 1.0:
+                raise InvalidInputError(f"threshold must be in [0, 1], got {threshold!r}")
+            parameters["threshold"] = float(threshold)
+        arr = search_queries(to_numpy(queries, query), query)
+        request = self._infer_request(
+            spec, model, {query: arr}, outputs=None, version=version, request_id=None,
+            deadline=None, binary=True, headers=headers, timeout=timeout, bitorder=bitorder,
+            parameters=parameters,
+        )  # fmt: skip
+        return request, outputs
+
+    @classmethod
+    def _decode_search(
+        cls, response: _Reply, single: bool, outputs: SearchOutputs
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """``(ids, scores)`` of a search's answer."""
+        result = cls._decode_infer(response, single)
+        return result[outputs.ids], result[outputs.scores]
 
     # -- responses -------------------------------------------------------------------------
 

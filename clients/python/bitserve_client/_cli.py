@@ -9,6 +9,8 @@
     bitserve-client infer MODEL --input NAME=FILE.npy | --input FILE.npz [...] [--output OUT.npz]
     bitserve-client infer-many MODEL --input [NAME=]FILE.npy [...] --output [NAME=]OUT.npy [...]
         [--batch-size B] [--concurrency C] [--resume] [--no-progress]
+    bitserve-client search MODEL QUERIES.npy [--k K] [--threshold T] [--bitorder little]
+        [--output OUT.npz]
     bitserve-client bench MODEL [--concurrency C] [--requests N] [--duration S] [--batch-size B]
 
 The URL and token default to ``$BITSERVE_URL`` (else ``http://127.0.0.1:8000``) and
@@ -91,6 +93,20 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--resume", action="store_true", help="keep the rows the outputs hold")
     n.add_argument("--no-progress", action="store_true")
 
+    s = sub.add_parser(
+        "search",
+        help="search an index model with queries from a .npy file",
+        description="Queries: (Q, L) bool / 0-1 bits, (Q, ceil(L/8)) packed uint8, or (Q, L) "
+        "float embeddings (binarised by sign). Prints each query's ids and scores.",
+    )
+    s.add_argument("model")
+    s.add_argument("queries", metavar="QUERIES.npy")
+    s.add_argument("--k", type=int, help="hits per query (default: the model's k)")
+    s.add_argument("--threshold", type=float, help="the least Tanimoto similarity of a hit")
+    s.add_argument(
+        "--bitorder", choices=["big", "little"], help="bit order of packed uint8 queries"
+    )
+    s.add_argument("--output", metavar="OUT.npz", help="save ids and scores to exactly this path")
     b = sub.add_parser("bench", help="load test with random valid inputs")
     b.add_argument("model")
     b.add_argument("--concurrency", type=int, default=8)
@@ -190,6 +206,24 @@ def _infer_many(client: Client, parser: argparse.ArgumentParser, args: argparse.
     return 0
 
 
+def _search(client: Client, args: argparse.Namespace) -> int:
+    queries = np.load(args.queries, allow_pickle=False)
+    ids, scores = client.search(
+        args.model, queries, k=args.k, threshold=args.threshold, bitorder=args.bitorder
+    )
+    if args.output:
+        with open(args.output, "wb") as f:  # np.savez(path) would append ".npz" to the name
+            np.savez(f, ids=ids, scores=scores)
+        print(f"wrote ids and scores {list(ids.shape)} to {args.output}")
+        return 0
+    rows = zip(np.atleast_2d(ids), np.atleast_2d(scores), strict=True)
+    for q, (row_ids, row_scores) in enumerate(rows):
+        pairs = zip(row_ids.tolist(), row_scores.tolist(), strict=True)
+        hits = [f"{i}:{v:.4g}" for i, v in pairs if i >= 0]
+        print(f"query {q}: {' '.join(hits) or '(no hits)'}")
+    return 0
+
+
 def _run(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "health":
         # With --model the answer is that model's own readiness (the server's is shown: one
@@ -229,6 +263,8 @@ def _run(client: Client, parser: argparse.ArgumentParser, args: argparse.Namespa
         return _infer(client, parser, args)
     if args.command == "infer-many":
         return _infer_many(client, parser, args)
+    if args.command == "search":
+        return _search(client, args)
     return run_bench(client, args)
 
 

@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import numpy as np
 
 from ._base import (
     DEFAULT_LIMITS,
@@ -388,6 +389,57 @@ class Client(BaseClient):
             self._infer_refused(model, exc)
             raise
         return self._decode_infer(response, request.single)
+
+    def search(
+        self,
+        model: str,
+        queries: Any,
+        k: int | None = None,
+        threshold: float | None = None,
+        *,
+        version: str | None = None,
+        bitorder: Bitorder | None = None,
+        headers: Headers = None,
+        timeout: TimeoutTypes = None,
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Search an index model: the ``k`` best corpus rows of each query.
+
+        Args:
+            model: an index model (``[index]``: one bit-packed input, INT64 ids and FP32
+                scores).
+            queries: ``(Q, L)`` bool / 0-1 bits, ``(Q, ceil(L / 8))`` packed uint8 (in the
+                model's bit order, or ``bitorder``), or ``(Q, L)`` float embeddings
+                binarised by sign (``> 0``, as sentence-transformers' ``ubinary``); one
+                query without the batch axis gives ``(k,)`` answers.
+            k: hits per query (None: the model's ``k``); at most the model's ``max_k``.
+            threshold: the least Tanimoto similarity of a hit (a Tanimoto index only); the
+                slots left empty have id -1 and score 0.
+            version: the model version.
+            bitorder: the bit order of packed uint8 queries (RDKit's ``BitVectToBinaryText``
+                bytes: ``"little"``); None: the model's.
+            headers: extra headers for this call.
+            timeout: this call's HTTP timeout.
+
+        Returns:
+            ``(ids, scores)``: int64 and float32 arrays ``(Q, k)``, best first (Tanimoto:
+            similarity, highest first; Hamming: distance, lowest first), ties by the lower
+            corpus row; ids are the index file's ids, else row numbers.
+
+        Raises:
+            InvalidInputError: the model is not an index, or bad queries, k or threshold.
+            ServerError: the server refused it (400 names what was wrong).
+        """
+        spec = self.model_spec(model, version, headers=headers, timeout=timeout)
+        request, outputs = self._search_request(
+            spec, model, queries, k, threshold, version=version, headers=headers,
+            timeout=timeout, bitorder=bitorder,
+        )  # fmt: skip
+        try:
+            response = self._send(request)
+        except ServerError as exc:
+            self._infer_refused(model, exc)
+            raise
+        return self._decode_search(response, request.single, outputs)
 
     def infer_iter(
         self,

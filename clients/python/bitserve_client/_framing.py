@@ -68,6 +68,7 @@ def encode_request(
     deadline_s: float | None = None,
     binary: bool = True,
     priority: int | None = None,
+    parameters: Mapping[str, Any] | None = None,
 ) -> EncodedBody:
     """Frame one inference request.
 
@@ -80,6 +81,7 @@ def encode_request(
         binary: binary tensors both ways (True) or plain JSON (False).
         priority: the request's priority level, sent as ``parameters.priority`` (1 the
             highest; None: the model's default).
+        parameters: more request ``parameters`` (an index's ``k`` and ``threshold``).
 
     Returns:
         The body's chunks and framing headers.
@@ -87,7 +89,7 @@ def encode_request(
     header: dict[str, Any] = {}
     if request_id is not None:
         header["id"] = request_id
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = dict(parameters or {})
     if deadline_s is not None:
         params["timeout"] = max(1, int(deadline_s * 1e6))
     if priority is not None:
