@@ -93,6 +93,13 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="bit order of the packed columns [default: the model's]",
     )
+    p.add_argument("--k", type=int, default=None, help="an index model's hits per row")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="a Tanimoto index's least similarity of a hit",
+    )
     p.add_argument(
         "--keep-inputs",
         action="store_true",
@@ -157,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
             version=args.version,
             keep_inputs=args.keep_inputs,
             bitorder=args.bitorder,
+            parameters={
+                key: value
+                for key, value in (("k", args.k), ("threshold", args.threshold))
+                if value is not None
+            },
             device=args.device,
             actors=args.actors,
             num_gpus=args.num_gpus,

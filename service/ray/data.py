@@ -150,6 +150,7 @@ def score(
     *,
     version: str | None = None,
     bitorder: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
     keep_inputs: bool = False,
     device: str = "auto",
     actors: int | None = None,
@@ -169,6 +170,8 @@ def score(
         version: the version; None: the highest (read once, here, so every actor loads the
             same one).
         bitorder: the packed columns' bit order; None: the model's.
+        parameters: the request parameters of every batch (an index's ``k`` and
+            ``threshold``).
         keep_inputs: keep the input columns in the result.
         device: the device for a config that says ``auto`` (each actor's own GPU by default).
         actors, num_gpus, num_cpus, threads: see :func:`plan_actors`.
@@ -201,6 +204,7 @@ def score(
             "version": version,
             "device": device,
             "bitorder": bitorder,
+            "parameters": dict(parameters or {}),
             "keep_inputs": keep_inputs,
             "torch_threads": plan.threads,
         },

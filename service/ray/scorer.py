@@ -231,6 +231,8 @@ class BatchScorer:
             gave this actor, else the CPU), ``cpu``, ``cuda``, ``cuda:N``.
         bitorder: the bit order of every packed column (``big``, ``little``); None: the
             model's ``bitorder``.
+        parameters: the request parameters of every batch, as a V2 request's (an index's
+            ``k`` and ``threshold``: its ids and scores columns then hold ``k`` per row).
         keep_inputs: also pass the input columns through (by default they are dropped: a
             result holds the outputs and every other column).
         max_operator_bytes, max_batch_bytes: the server's limits (``BITSERVE_MAX_*``).
@@ -250,6 +252,7 @@ class BatchScorer:
         version: str | None = None,
         device: str = "auto",
         bitorder: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
         keep_inputs: bool = False,
         max_operator_bytes: int = DEFAULT_MAX_OPERATOR_BYTES,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
@@ -279,6 +282,7 @@ class BatchScorer:
         self.forms = [ColumnForm.of(spec) for spec in cfg.inputs]
         self.outputs = [o.name for o in cfg.outputs]
         self._parameters = {} if bitorder is None else {"bitorder": bitorder}
+        self._request_parameters = dict(parameters or {})
         self._keep_inputs = keep_inputs
         self._inputs = {f.spec.name for f in self.forms}
 
@@ -381,7 +385,8 @@ class BatchScorer:
                 RequestInput(form.spec.name, form.datatype, item.shape, item, self._parameters)
             )
         try:
-            bound = self.signature.bind(InferRequest(id=None, inputs=inputs))
+            request = InferRequest(id=None, inputs=inputs, parameters=self._request_parameters)
+            bound = self.signature.bind(request)
         except InvalidInput as exc:
             raise ScoringError(exc.message) from None
         arrays = self.pipeline.run([bound])[0]
