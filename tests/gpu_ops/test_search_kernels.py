@@ -2,9 +2,10 @@
 
 Each backend is a module with the ops' kernel signatures: the chunked torch kernels (what
 other devices and CUDA without Triton run), the ops as dispatched on the CPU, and every
-compiled CPU path this CPU supports, forced one at a time. Each runs on the corpus as given
-(row ids = row numbers) and on the corpus in popcount order with ids (what PackedCorpus
-passes), which must give the same answers.
+compiled CPU popcount path, forced one at a time through ``BITSERVE_POPCOUNT_PATH`` (a path
+this CPU lacks is skipped, saying so: the AVX-512 one on a CPU without VPOPCNTDQ). Each runs
+on the corpus as given (row ids = row numbers) and on the corpus in popcount order with ids
+(what PackedCorpus passes), which must give the same answers.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_ops import _search_ops, _search_torch
+from gpu_ops import _search_c, _search_ops, _search_torch
 from tests.gpu_ops.search_cases import (
     cases,
     np_hamming_topk,
     np_tanimoto_threshold,
     np_tanimoto_topk,
     popcount_sorted,
+    random_rows,
 )
 
 BACKENDS: dict[str, Any] = {
@@ -37,10 +39,25 @@ BACKENDS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+C_PATHS = [f"c-{p}" for p in _search_c.PATHS]
+
+
+def use_c_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force the compiled kernels' popcount path ``name``; skip when this CPU lacks it."""
+    if _search_c.kernels() is None:
+        pytest.skip("the compiled CPU search kernels are not built here (no C compiler)")
+    if name not in _search_c.supported_paths():
+        pytest.skip(f"this CPU does not support the {name} popcount path")
+    monkeypatch.setenv(_search_c.ENV, name)
+
+
+@pytest.fixture(params=sorted(BACKENDS) + C_PATHS)
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     # Small chunks, so the torch kernels merge many chunks' top-k and hits.
     monkeypatch.setattr(_search_torch, "_CHUNK_ELEMENTS", 64)
+    if request.param.startswith("c-"):
+        use_c_path(request.param.removeprefix("c-"), monkeypatch)
+        return _search_c
     return BACKENDS[request.param]
 
 
@@ -135,3 +152,59 @@ def test_all_zero_rows_have_similarity_zero(backend: Any) -> None:
         offsets, hit, _ = backend.tanimoto_threshold(torch.from_numpy(q), rows, pcs, ids, 0.01, srt)
         assert offsets.tolist() == [0, 0, 0]
         assert hit.numel() == 0
+
+
+def _big_case(seed: int, width: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """70 queries (two query blocks) against 3000 rows (many tiles), fingerprint-like."""
+    rng = np.random.default_rng(seed)
+    c = random_rows(rng, 3000, width, kind)
+    q = np.concatenate([random_rows(rng, 66, width, kind), c[[5, 17, 2999, 0]]])
+    return q, c
+
+
+def _all_results(module: Any, q: np.ndarray, c: np.ndarray) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    qt = torch.from_numpy(q)
+    for rows, pcs, ids, srt in _layouts(c):
+        out += module.hamming_topk(qt, rows, ids, 7)
+        out += module.tanimoto_topk(qt, rows, pcs, ids, 7, 0.0, srt)
+        out += module.tanimoto_topk(qt, rows, pcs, ids, 3100, 0.2, srt)
+        out += module.tanimoto_threshold(qt, rows, pcs, ids, 0.35, srt)
+        out += [module.popcount(rows)]
+    return out
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize(("width", "kind"), [(256, "sparse"), (128, "dense"), (65, "dupes")])
+def test_compiled_paths_match_torch_at_any_thread_count(
+    path: str, width: int, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many tiles and two query blocks: every path, at 1 and 2 threads, gives the torch
+    kernels' answers exactly (ties included)."""
+    use_c_path(path.removeprefix("c-"), monkeypatch)
+    q, c = _big_case(width, width, kind)
+    want = _all_results(_search_torch, q, c)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = _all_results(_search_c, q, c)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), f"{path} at {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_forcing_an_unknown_or_unsupported_path_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _search_c.kernels() is None:
+        pytest.skip("the compiled CPU search kernels are not built here (no C compiler)")
+    monkeypatch.setenv(_search_c.ENV, "sse9")
+    with pytest.raises(ValueError, match="expected auto or one of"):
+        _search_c.popcount(torch.zeros(2, 3, dtype=torch.uint8))
+    missing = [p for p in _search_c.PATHS if p not in _search_c.supported_paths()]
+    if missing:
+        monkeypatch.setenv(_search_c.ENV, missing[0])
+        with pytest.raises(ValueError, match="supports only"):
+            _search_c.popcount(torch.zeros(2, 3, dtype=torch.uint8))
+    monkeypatch.setenv(_search_c.ENV, "auto")
+    assert _search_c.path() in _search_c.supported_paths()
