@@ -6,6 +6,7 @@ A handle holds no state of its own: whether a version serves is the repository's
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,12 @@ class ModelHandle:
                  "count": 1}
             ],
         }  # fmt: skip
+        # Triton's model parameters are strings: the pipeline's own (an index's) as JSON.
+        extra = self.pipeline.parameters()
+        if extra:
+            cfg["parameters"] = {
+                k: {"string_value": json.dumps(v, sort_keys=True)} for k, v in extra.items()
+            }
         if self.cfg.max_batch_size > 0:
             cfg["dynamic_batching"] = batching = {
                 "max_queue_delay_microseconds": self.cfg.max_queue_delay_us,

@@ -6,6 +6,7 @@ answered 400 naming what was wrong. Every answer is checked against the NumPy re
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -134,6 +135,15 @@ def test_tritonclient_http_and_grpc(server: BitserveServer) -> None:
     np.testing.assert_allclose(res.as_numpy("scores"), want_scores, atol=1e-6)
     meta = h.get_model_metadata("fp")
     assert [o["shape"] for o in meta["outputs"]] == [[-1, -1], [-1, -1]]
+    assert meta["parameters"]["index"]["num_rows"] == 500
+    config = h.get_model_config("fp")
+    index = json.loads(config["parameters"]["index"]["string_value"])
+    assert (index["metric"], index["k"], index["max_k"], index["ids"]) == (
+        "tanimoto",
+        10,
+        100,
+        "file",
+    )
     h.close()
     g = grpcclient.InferenceServerClient(server.grpc_target)
     ginp = grpcclient.InferInput("query", list(queries.shape), "UINT8")

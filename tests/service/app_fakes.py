@@ -75,7 +75,10 @@ class FakeHandle(ModelHandle):
     ) -> None:
         shapes = [list(o.shape or []) for o in cfg.outputs]
         pipeline = SimpleNamespace(
-            output_shapes=shapes, device=SimpleNamespace(type="cpu"), device_memory_bytes=0
+            output_shapes=shapes,
+            device=SimpleNamespace(type="cpu"),
+            device_memory_bytes=0,
+            parameters=dict,
         )
         kind = _AlwaysFull if name == "busy" else Batcher
         batcher = kind(

@@ -288,6 +288,7 @@ def test_metadata_shows_the_index(tmp_path: Path) -> None:
         "ids": "file", "corpus_sha256": None,
     }  # fmt: skip
     assert [o["shape"] for o in sig.output_metadata()] == [[-1, -1], [-1, -1]]
+    assert [o["dims"] for o in sig.output_config()] == [[-1], [-1]]
 
 
 # --- residency ----------------------------------------------------------------------------------
