@@ -22,6 +22,8 @@ from bitserve_client import (
 )
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+ELSEWHERE = {"search": Path(__file__).resolve().parents[2] / "docs" / "search.md"}
+"""Methods documented on a page of their own instead of README's client section."""
 
 CLIENT = [
     "close",
@@ -36,6 +38,7 @@ CLIENT = [
     "model_metadata",
     "model_spec",
     "repository_index",
+    "search",
     "server_metadata",
     "unload_model",
     "url",
@@ -90,8 +93,11 @@ def test_class_surfaces(cls: type, expected: list[str]) -> None:
 def test_readme_names_every_client_method() -> None:
     text = README.read_text()
     section = text[text.index("\n## Python client\n") : text.index("\n## gpu_ops")]
-    for name in sorted({*CLIENT, *ASYNC_CLIENT, *INFER_RESULT, *BULK_RESULT} - set(MAPPING)):
+    names = {*CLIENT, *ASYNC_CLIENT, *INFER_RESULT, *BULK_RESULT} - set(MAPPING)
+    for name in sorted(names - set(ELSEWHERE)):
         assert re.search(rf"\b{name}\b", section), f"README's client section lacks {name}"
+    for name, page in ELSEWHERE.items():
+        assert f"Client.{name}(" in page.read_text(), f"{page.name} lacks Client.{name}"
 
 
 def test_error_attributes() -> None:
