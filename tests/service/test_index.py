@@ -21,16 +21,18 @@ from service.index_pipeline import DRY_RUN_ROWS, IndexPipeline
 from service.layout import model_versions
 from service.protocol.types import InferRequest, RequestInput
 from service.signature import Signature
+from tests.common_utils import cpu_and_cuda
 from tests.service.index_cases import as_ids, random_bits, reference_search, write_index
 
 Array = np.ndarray[Any, Any]
 LIMIT = 1 << 30
 
 
-def build(folder: Path) -> tuple[IndexPipeline, Signature]:
+def build(folder: Path, device: str = "cpu") -> tuple[IndexPipeline, Signature]:
     src = model_versions(folder.parent, folder.name)["1"]
-    cfg, pipe = build_version(folder.name, src, default_device="cpu", max_operator_bytes=LIMIT)
+    cfg, pipe = build_version(folder.name, src, default_device=device, max_operator_bytes=LIMIT)
     assert isinstance(pipe, IndexPipeline)
+    assert pipe.device.type == device
     return pipe, Signature(folder.name, cfg, pipe.output_shapes)
 
 
@@ -151,14 +153,18 @@ def test_check_repo_refuses_a_file_that_is_not_safetensors(tmp_path: Path) -> No
 # --- the search against the references ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("metric", ["tanimoto", "hamming"])
 @pytest.mark.parametrize("with_ids", [True, False])
-def test_search_equals_the_references(tmp_path: Path, metric: str, with_ids: bool) -> None:
+def test_search_equals_the_references(
+    tmp_path: Path, metric: str, with_ids: bool, device: str
+) -> None:
     rng = np.random.default_rng(1)
     corpus = np.packbits(random_bits(rng, 300, 200), axis=1)
     corpus[7] = corpus[3]  # a tie: the lower row first
     ids = rng.permutation(10_000)[:300].astype(np.int64) if with_ids else None
-    pipe, sig = build(write_index(tmp_path / "fp", corpus, metric=metric, ids=ids, nbits=200))
+    folder = write_index(tmp_path / "fp", corpus, metric=metric, ids=ids, nbits=200)
+    pipe, sig = build(folder, device)
     queries = np.packbits(random_bits(rng, 6, 200), axis=1)
     queries[0] = corpus[3]
     got_ids, got_scores = search(pipe, sig, queries, k=12)
@@ -178,10 +184,13 @@ def test_search_equals_the_references(tmp_path: Path, metric: str, with_ids: boo
     assert got_ids[0, 1] == as_ids(np.array([7]), ids)[0]
 
 
-def test_one_batch_answers_each_request_its_own_k_and_threshold(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_one_batch_answers_each_request_its_own_k_and_threshold(
+    tmp_path: Path, device: str
+) -> None:
     rng = np.random.default_rng(2)
     corpus = np.packbits(random_bits(rng, 100, 64), axis=1)
-    pipe, sig = build(write_index(tmp_path / "fp", corpus, k=4))
+    pipe, sig = build(write_index(tmp_path / "fp", corpus, k=4), device)
     queries = np.packbits(random_bits(rng, 5, 64), axis=1)
     asks = [{}, {"k": 9}, {"k": 3, "threshold": 0.3}, {"threshold": 0.25}, {"k": 20}]
     bound = [bind(sig, queries[i : i + 1], **a) for i, a in enumerate(asks)]
@@ -209,18 +218,24 @@ def test_k_past_the_corpus_and_a_high_threshold_leave_empty_slots(tmp_path: Path
     assert scores[0].tolist() == [1.0, 0, 0, 0]
 
 
-def test_bool_queries_and_either_bit_order_give_the_same_answer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_bool_queries_and_either_bit_order_give_the_same_answer(
+    tmp_path: Path, device: str
+) -> None:
     rng = np.random.default_rng(4)
     bits = random_bits(rng, 50, 100)  # 100 bits: 4 padding bits in the last byte
     corpus = np.packbits(bits, axis=1, bitorder="little")
-    pipe, sig = build(write_index(tmp_path / "fp", corpus, nbits=100, bitorder="little"))
+    folder = write_index(tmp_path / "fp", corpus, nbits=100, bitorder="little")
+    pipe, sig = build(folder, device)
     q = random_bits(rng, 3, 100)
     want = search(pipe, sig, np.packbits(q, axis=1, bitorder="little"), k=7)
-    as_bool = search(pipe, sig, q.view(np.uint8).astype(bool), datatype="BOOL", k=7)
+    as_bool = search(pipe, sig, q, datatype="BOOL", k=7)
+    # BOOL and packed requests in one batch: the BOOL one packed on the device
+    mixed = pipe.run([bind(sig, q, datatype="BOOL", k=7), bind(sig, noisy_packed(q), k=7)])
+    for answer in mixed:
+        np.testing.assert_array_equal(answer[0], as_bool[0])
     big = search(pipe, sig, np.packbits(q, axis=1, bitorder="big"), k=7, bitorder="big")
-    noisy = np.packbits(q, axis=1, bitorder="little")
-    noisy[:, -1] |= 0xF0  # the padding bits (past bit 100) count for nothing
-    padded = search(pipe, sig, noisy, k=7)
+    padded = search(pipe, sig, noisy_packed(q), k=7)
     for other in (as_bool, big, padded):
         np.testing.assert_array_equal(other[0], want[0])
         np.testing.assert_array_equal(other[1], want[1])
@@ -245,6 +260,14 @@ def test_rdkit_fingerprint_bytes_are_little_bit_order(tmp_path: Path) -> None:
         np.testing.assert_allclose(scores[0], rdkit_sims[ids[0]], atol=1e-6)
         np.testing.assert_allclose(np.sort(scores[0])[::-1], np.sort(rdkit_sims)[::-1], atol=1e-6)
         assert ids[0, 0] == i
+
+
+def noisy_packed(bits: Array) -> Array:
+    """100 bits packed little-endian, the 4 padding bits past bit 100 set (they count for
+    nothing)."""
+    packed = np.packbits(bits, axis=1, bitorder="little")
+    packed[:, -1] |= 0xF0
+    return packed
 
 
 # --- request parameters -------------------------------------------------------------------------
