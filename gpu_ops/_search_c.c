@@ -124,36 +124,74 @@ ATTR_AVX2 static inline int64_t hsum64(__m256i v) {
     return _mm_cvtsi128_si64(_mm_add_epi64(s, _mm_unpackhi_epi64(s, s)));
 }
 
-/* Byte counters hold at most 8 per 32-byte chunk: flushed to 64-bit sums every 31 chunks. */
-#define AVX2_COUNT(NAME, VOP, OP)                                                             \
-    ATTR_AVX2 static void NAME(const uint8_t *q, const uint8_t *rows, int64_t crs, int64_t n, \
-                               int64_t W, int32_t *out) {                                     \
+/* The per-lane sums (vpsadbw) of one row's popcounts over nv 32-byte chunks. Byte counters
+ * hold at most 8 per chunk: flushed to 64-bit sums every 31 chunks. */
+#define AVX2_ROW(NAME, VOP)                                                                   \
+    ATTR_AVX2 INLINE __m256i NAME(const uint8_t *q, const uint8_t *r, int64_t nv,            \
+                                  __m256i lut, __m256i low) {                                 \
+        const __m256i zero = _mm256_setzero_si256();                                          \
+        __m256i sums = zero;                                                                  \
+        for (int64_t v0 = 0; v0 < nv; v0 += 31) {                                             \
+            const int64_t v1 = v0 + 31 < nv ? v0 + 31 : nv;                                   \
+            __m256i acc = zero;                                                               \
+            for (int64_t v = v0; v < v1; v++) {                                               \
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * v));          \
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(r + 32 * v));          \
+                acc = _mm256_add_epi8(acc, bytes_pc(VOP(a, b), lut, low));                    \
+            }                                                                                 \
+            sums = _mm256_add_epi64(sums, _mm256_sad_epu8(acc, zero));                        \
+        }                                                                                     \
+        return sums;                                                                          \
+    }
+
+/* Four rows' lane sums (each total < 2**32) to four int32 totals in one vector. */
+ATTR_AVX2 INLINE __m128i hsum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    const __m256i x = _mm256_or_si256(s0, _mm256_slli_epi64(s1, 32));
+    const __m256i y = _mm256_or_si256(s2, _mm256_slli_epi64(s3, 32));
+    const __m256i z = _mm256_add_epi64(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+    return _mm_add_epi64(_mm256_castsi256_si128(z), _mm256_extracti128_si256(z, 1));
+}
+
+/* Rows of nv whole chunks plus (W % 32) / 8 words and W % 8 tail bytes (POPCNT), four rows
+ * at a time. Always inlined into the callers below with nv a constant for the common widths
+ * (128 and 256 bytes), so the chunk loops unroll and the query stays in registers. */
+#define AVX2_BODY(NAME, ROW, OP)                                                              \
+    ATTR_AVX2 INLINE void NAME(const uint8_t *q, const uint8_t *rows, int64_t crs, int64_t n, \
+                               int64_t W, int64_t nv, int32_t *out) {                         \
         const __m256i lut = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,  \
                                              0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4); \
-        const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();            \
-        const int64_t nv = W / 32, nw = (W % 32) / 8, tail = W % 8;                           \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                           \
+        const int64_t nw = (W - 32 * nv) / 8, tail = W % 8;                                   \
         const uint8_t *qw = q + 32 * nv;                                                      \
         const uint64_t qt = tail ? load_tail(qw + 8 * nw, tail) : 0;                          \
-        for (int64_t i = 0; i < n; i++) {                                                     \
+        int64_t i = 0;                                                                        \
+        for (; i + 4 <= n; i += 4) {                                                          \
             const uint8_t *r = rows + i * crs;                                                \
-            __m256i sums = zero;                                                              \
-            for (int64_t v0 = 0; v0 < nv; v0 += 31) {                                         \
-                const int64_t v1 = v0 + 31 < nv ? v0 + 31 : nv;                               \
-                __m256i acc = zero;                                                           \
-                for (int64_t v = v0; v < v1; v++) {                                           \
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * v));      \
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(r + 32 * v));      \
-                    acc = _mm256_add_epi8(acc, bytes_pc(VOP(a, b), lut, low));                \
-                }                                                                             \
-                sums = _mm256_add_epi64(sums, _mm256_sad_epu8(acc, zero));                    \
-            }                                                                                 \
-            int64_t s = hsum64(sums);                                                         \
-            const uint8_t *rw = r + 32 * nv;                                                  \
+            const __m128i t = hsum4(ROW(q, r, nv, lut, low), ROW(q, r + crs, nv, lut, low),   \
+                                    ROW(q, r + 2 * crs, nv, lut, low),                        \
+                                    ROW(q, r + 3 * crs, nv, lut, low));                       \
+            _mm_storeu_si128((__m128i *)(out + i), t);                                        \
+        }                                                                                     \
+        for (; i < n; i++) out[i] = (int32_t)hsum64(ROW(q, rows + i * crs, nv, lut, low));    \
+        if (nw == 0 && tail == 0) return;                                                     \
+        for (i = 0; i < n; i++) {                                                             \
+            const uint8_t *rw = rows + i * crs + 32 * nv;                                     \
+            int64_t s = 0;                                                                    \
             for (int64_t w = 0; w < nw; w++)                                                  \
                 s += __builtin_popcountll(OP(load64(qw + 8 * w), load64(rw + 8 * w)));        \
             if (tail) s += __builtin_popcountll(OP(qt, load_tail(rw + 8 * nw, tail)));        \
-            out[i] = (int32_t)s;                                                              \
+            out[i] += (int32_t)s;                                                             \
         }                                                                                     \
+    }
+
+#define AVX2_COUNT(NAME, VOP, OP)                                                             \
+    AVX2_ROW(NAME##_row, VOP)                                                                 \
+    AVX2_BODY(NAME##_body, NAME##_row, OP)                                                    \
+    ATTR_AVX2 static void NAME(const uint8_t *q, const uint8_t *rows, int64_t crs, int64_t n, \
+                               int64_t W, int32_t *out) {                                     \
+        if (W == 128) NAME##_body(q, rows, crs, n, 128, 4, out);                              \
+        else if (W == 256) NAME##_body(q, rows, crs, n, 256, 8, out);                         \
+        else NAME##_body(q, rows, crs, n, W, W / 32, out);                                    \
     }
 
 AVX2_COUNT(and_avx2, _mm256_and_si256, OP_AND)
@@ -411,9 +449,15 @@ static void topk_block(const scan_t *s, const int64_t *qrows, int64_t nq, const 
                 uint64_t *hj = h + j * k;
                 if (!s->tanimoto) {
                     count(qr, rows, s->crs, n, s->W, cnt);
+                    /* Only a distance at most the k-th best's can enter (a tie by its id). */
+                    int32_t worst = sz[j] < k ? INT32_MAX : (int32_t)(hj[0] >> 32);
                     for (int64_t r = 0; r < n; r++) {
+                        if (cnt[r] > worst) continue;
                         const uint64_t key = ((uint64_t)cnt[r] << 32) | row_id(s->ids, r0 + r);
-                        if (sz[j] < k || key < hj[0]) heap_push(hj, &sz[j], k, key);
+                        if (sz[j] < k || key < hj[0]) {
+                            heap_push(hj, &sz[j], k, key);
+                            if (sz[j] == k) worst = (int32_t)(hj[0] >> 32);
+                        }
                     }
                     continue;
                 }
