@@ -38,6 +38,8 @@ CONCURRENCY = 8
 K = 10
 MiB = 1 << 20
 SECTION = "## Served over REST (bench_search_served)"
+THREADS = sorted({1, torch.get_num_threads()})
+"""The op's thread counts: the server's under ``--workers 1`` here, and torch's default."""
 
 
 def corpus_rows(rng: np.random.Generator, n: int, nbits: int, density: float) -> Array:
@@ -83,15 +85,24 @@ def served(url: str, model: str, queries: list[Array]) -> tuple[float, list[Arra
         return time.perf_counter() - t0, ids
 
 
-def in_process(corpus: Any, metric: str, queries: list[Array]) -> tuple[float, list[Array]]:
-    """Seconds for every batch of ``queries`` through the op, one call each."""
+def in_process(
+    corpus: Any, metric: str, queries: list[Array], threads: int
+) -> tuple[float, list[Array]]:
+    """Seconds for every batch of ``queries`` through the op, one call each, on ``threads``
+    torch threads."""
     out = []
-    t0 = time.perf_counter()
-    for q in queries:
-        t = torch.from_numpy(q)
-        _, rows = corpus.tanimoto_topk(t, K) if metric == "tanimoto" else corpus.hamming_topk(t, K)
-        out.append(rows.numpy() + 10**9)
-    return time.perf_counter() - t0, out
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        for q in queries:
+            t = torch.from_numpy(q)
+            search = corpus.tanimoto_topk if metric == "tanimoto" else corpus.hamming_topk
+            _, rows = search(t, K)
+            out.append(rows.numpy() + 10**9)
+        return time.perf_counter() - t0, out
+    finally:
+        torch.set_num_threads(before)
 
 
 def throughput(tmp: Path, n: int, rounds: int, requests: int) -> list[list[object]]:
@@ -116,18 +127,24 @@ def throughput(tmp: Path, n: int, rounds: int, requests: int) -> list[list[objec
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(rounds):
             for name, (metric, _, _) in specs.items():
-                t_op, want = in_process(corpora[name], metric, batches[name])
+                for threads in THREADS:
+                    t_op, want = in_process(corpora[name], metric, batches[name], threads)
+                    times.setdefault((name, f"op{threads}"), []).append(t_op)
                 t_rest, got = served(server.url, name, batches[name])
                 for a, b in zip(got, want, strict=True):
                     np.testing.assert_array_equal(a, b)  # the same hits, in the same order
-                times.setdefault((name, "op"), []).append(t_op)
                 times.setdefault((name, "rest"), []).append(t_rest)
+        q = requests * BATCH
         for name, (metric, nbits, _) in specs.items():
-            q = requests * BATCH
-            op = q / statistics.median(times[(name, "op")])
+            ops = [q / statistics.median(times[(name, f"op{t}")]) for t in THREADS]
             rest = q / statistics.median(times[(name, "rest")])
+            # Against the faster of the op's thread counts, round by round.
+            per_round = zip(*(times[(name, f"op{t}")] for t in THREADS), strict=True)
+            ratios = [min(ts) / r for ts, r in zip(per_round, times[(name, "rest")], strict=True)]
             label = f"{metric}, {n:,} x {nbits} bits, top-{K}"
-            out.append([label, f"{op:,.1f}", f"{rest:,.1f}", f"{rest / op:.2f}x"])
+            row: list[object] = [label, *(f"{o:,.1f}" for o in ops), f"{rest:,.1f}"]
+            row += [f"{rest / max(ops):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}"]
+            out.append(row)
     return out
 
 
@@ -212,15 +229,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-search-served-") as tmp:
         speed = throughput(Path(tmp), rows, rounds, requests)
         memory, load = memory_and_load(Path(tmp), big)
+    headers = ["index", *(f"op q/s, {t} thread(s)" for t in THREADS)]
+    headers += ["served q/s (REST, c=8)", "served / best op", "per round"]
+    speed_table = markdown_table(headers, speed)
     body = f"""{SECTION}
 
 Measured {machine_info(["cpu"])}; {host}. One `bitserve serve --workers 1`, the index
 `max_batch_size = {BATCH}`; the client (`Client.search`, {CONCURRENCY} threads, {BATCH}
 queries a request, k = {K}) on the same host. In process: `gpu_ops.PackedCorpus` on the same
-rows, {BATCH} queries a call. {requests} requests a round, median of {rounds} interleaved
+rows, {BATCH} queries a call, on 1 torch thread (what `--workers 1` gives the server on
+this host) and on torch's default; the ratio is against the faster of the two. {
+        requests
+    } requests a round, median of {rounds} interleaved
 rounds; every served answer equal to the op's.
 
-{markdown_table(["index", "in-process q/s", "served q/s (REST, c=8)", "served / op"], speed)}
+{speed_table}
 
 Target: served >= 0.8x the op.
 
