@@ -4,8 +4,8 @@
 safetensors file (``corpus`` (N, W) uint8 packed rows, optional ``ids`` (N,) int64) is
 memory-mapped at the offsets its header gives, an ``.npy`` by ``np.load(mmap_mode="c")``.
 It checks the tensors against the config (names, dtypes, the width ``ceil(L / 8)``, ids
-unique, ``k <= N``, zero padding bits) and hashes the file's bytes (SHA-256): the content,
-not the path, names a corpus.
+unique, ``k <= N``, zero padding bits) and starts hashing the file's bytes (SHA-256, in a
+thread, beside the rest of the load): the content, not the path, names a corpus.
 
 :data:`STORE` (a :class:`CorpusStore`) keeps one :class:`ResidentCorpus` per content and
 device, prepared once (``gpu_ops.PackedCorpus``: popcount order, popcounts) and shared by
@@ -24,6 +24,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,17 +49,42 @@ class CorpusFile:
         path: the file.
         corpus: (N, W) uint8 packed rows, a copy-on-write memory map of the file.
         ids: (N,) int64 external ids, unique; None: the row numbers are the ids.
-        digest: SHA-256 of the file's bytes (hex): the key of its resident copy.
+        hashing: SHA-256 of the file's bytes (hex), the key of its resident copy, computed
+            in a thread of its own (see :attr:`digest`).
+        identity: the file's device, inode, size and modification time: a resident copy
+            made from the same identity is a candidate before the hash is done.
     """
 
     path: Path
     corpus: np.ndarray[Any, Any]
     ids: np.ndarray[Any, Any] | None
-    digest: str
+    hashing: Future[str]
+    identity: tuple[int, int, int, int]
 
     @property
     def num_rows(self) -> int:
         return int(self.corpus.shape[0])
+
+    @property
+    def digest(self) -> str:
+        """The file's SHA-256 (waits for the hashing thread)."""
+        return self.hashing.result()
+
+
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:  # hashlib releases the GIL on large reads
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _start_hash(path: Path) -> Future[str]:
+    """The file's SHA-256, computed beside the load (hashing 256 MB takes about 0.5 s)."""
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="corpus-hash")
+    return _HASHER.submit(_sha256, path)
 
 
 def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -193,9 +219,9 @@ def read_corpus(
             )
     if problems:
         raise ConfigError(problems)
-    with path.open("rb") as fh:
-        digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    return CorpusFile(path, corpus, ids, digest)
+    st = path.stat()
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return CorpusFile(path, corpus, ids, _start_hash(path), identity)
 
 
 def _unique(ids: np.ndarray[Any, Any]) -> list[str]:
@@ -219,7 +245,7 @@ class ResidentCorpus:
     Attributes:
         packed: the prepared corpus (one copy of the rows, in popcount order).
         ids: (N,) int64 on the device, or None (row numbers).
-        digest: the file's SHA-256.
+        digest: the file's SHA-256 (set by the store once the hash is done).
         nbytes: bytes it holds on the device (rows, popcounts, order, ids).
     """
 
@@ -231,33 +257,51 @@ class ResidentCorpus:
         # are dropped when ``file`` goes.
         self.packed = PackedCorpus(rows.to(device))
         self.ids = None if file.ids is None else torch.from_numpy(file.ids).to(device, copy=True)
-        self.digest = file.digest
+        self.identity = file.identity
+        self.digest = ""
         self.num_rows = file.num_rows
         self.nbytes = int(self.packed.nbytes) + (0 if self.ids is None else self.ids.numel() * 8)
 
 
 class CorpusStore:
-    """One :class:`ResidentCorpus` per (content, device), shared while anyone holds it."""
+    """One :class:`ResidentCorpus` per (content, device), shared while anyone holds it.
+
+    The file's hash runs beside the build: a load waits for it first only when a resident
+    copy of the same file (its identity) lives, and otherwise prepares the rows while the
+    hash is computed, then keeps the copy already resident if the content turns out to be
+    one (a copy of the file elsewhere) and drops its own.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[tuple[str, str], weakref.ref[ResidentCorpus]] = {}
 
-    def get(
-        self, digest: str, device: torch.device, make: Callable[[], ResidentCorpus]
-    ) -> ResidentCorpus:
-        """The resident corpus of ``digest`` on ``device``, made by ``make`` if none lives.
+    def _find(
+        self, device: torch.device, match: Callable[[ResidentCorpus], bool]
+    ) -> ResidentCorpus | None:
+        with self._lock:
+            for (_, dev), ref in list(self._live.items()):
+                found = ref()
+                if found is not None and dev == str(device) and match(found):
+                    return found
+        return None
 
-        One load at a time makes it (the lock is held while ``make`` runs): two versions of
-        one file loading together share one copy.
-        """
-        key = (digest, str(device))
+    def get(
+        self, file: CorpusFile, device: torch.device, make: Callable[[], ResidentCorpus]
+    ) -> ResidentCorpus:
+        """The resident corpus of ``file``'s content on ``device``; ``make`` builds one
+        when none lives."""
+        same_file = self._find(device, lambda r: r.identity == file.identity)
+        if same_file is not None and same_file.digest == file.digest:
+            return same_file
+        made = make()  # while the hash runs
+        key = (file.digest, str(device))
         with self._lock:
             ref = self._live.get(key)
             found = ref() if ref is not None else None
             if found is not None:
                 return found
-            made = make()
+            made.digest = file.digest
             self._live[key] = weakref.ref(made, lambda _r, k=key: self._forget(k))  # type: ignore[misc]
             return made
 

@@ -127,7 +127,7 @@ class IndexPipeline(Pipeline):
         try:
             with torch.inference_mode(), self._device_context():
                 self._search = STORE.get(
-                    file.digest, self.device, lambda: ResidentCorpus(file, self.device)
+                    file, self.device, lambda: ResidentCorpus(file, self.device)
                 )
         except Exception as exc:
             raise load_error(source, exc, folder) from exc

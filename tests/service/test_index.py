@@ -325,8 +325,11 @@ def test_models_with_the_same_corpus_share_one_copy(tmp_path: Path) -> None:
     other = corpus.copy()
     other[0] ^= 1
     c, _ = build(write_index(tmp_path / "c", other))
-    assert a.resident is b.resident
+    assert a.resident is b.resident  # a copy of the file: found by its hash
     assert c.resident is not a.resident
+    again, _ = build(tmp_path / "a")  # the same file: found by its identity and hash
+    assert again.resident is a.resident
+    del again
     shared = weakref.ref(a.resident)
     gc.collect()
     before = len(STORE)
@@ -353,3 +356,16 @@ def test_the_dry_run_searches_a_few_rows(tmp_path: Path, monkeypatch: pytest.Mon
     build(write_index(tmp_path / "fp", corpus))
     assert seen
     assert max(seen) == DRY_RUN_ROWS
+
+
+def test_an_index_pipeline_has_every_attribute_a_pipeline_has(tmp_path: Path) -> None:
+    """IndexPipeline sets the state Pipeline's staging and timing read itself: a new
+    attribute of Pipeline's must be given to it too."""
+    from service.demo import demo_config, demo_tensors
+    from service.model_files import Artifacts
+    from service.pipeline import Pipeline
+
+    tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
+    plain = Pipeline("demo", demo_config(None), Artifacts(tensors), "cpu", warmup=False)
+    index, _ = build(write_index(tmp_path / "fp", np.zeros((8, 8), np.uint8), k=2))
+    assert set(vars(plain)) - set(vars(index)) == set()
