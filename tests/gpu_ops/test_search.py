@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import gpu_ops
 from gpu_ops import _reference, _search_ops
-from tests.common_utils import cpu_and_cuda
+from tests.common_utils import HAS_TRITON, cpu_and_cuda
 from tests.gpu_ops.search_cases import (
     cases,
     np_hamming_topk,
@@ -254,3 +254,11 @@ def test_hypothesis_against_numpy(inputs: tuple[np.ndarray, np.ndarray, int, flo
         gpu_ops.tanimoto_threshold(qt, ct, thr), np_tanimoto_threshold(q, c, thr), strict=True
     ):
         np.testing.assert_array_equal(_np(got), want)
+
+
+def test_kernels_are_registered_per_device() -> None:
+    for name in ("popcount", "hamming_topk", "tanimoto_topk", "tanimoto_threshold"):
+        qual = f"bitserve::{name}"
+        for key in ("CPU", "Meta", "CompositeExplicitAutograd"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == HAS_TRITON, name
