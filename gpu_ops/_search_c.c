@@ -451,12 +451,19 @@ static void topk_block(const scan_t *s, const int64_t *qrows, int64_t nq, const 
                     count(qr, rows, s->crs, n, s->W, cnt);
                     /* Only a distance at most the k-th best's can enter (a tie by its id). */
                     int32_t worst = sz[j] < k ? INT32_MAX : (int32_t)(hj[0] >> 32);
-                    for (int64_t r = 0; r < n; r++) {
-                        if (cnt[r] > worst) continue;
-                        const uint64_t key = ((uint64_t)cnt[r] << 32) | row_id(s->ids, r0 + r);
-                        if (sz[j] < k || key < hj[0]) {
-                            heap_push(hj, &sz[j], k, key);
-                            if (sz[j] == k) worst = (int32_t)(hj[0] >> 32);
+                    for (int64_t g = 0; g < n; g += 16) { /* groups of 16: a vector test */
+                        const int64_t ge = g + 16 < n ? g + 16 : n;
+                        int any = 0;
+                        for (int64_t r = g; r < ge; r++) any |= cnt[r] <= worst;
+                        if (!any) continue;
+                        for (int64_t r = g; r < ge; r++) {
+                            if (cnt[r] > worst) continue;
+                            const uint64_t key =
+                                ((uint64_t)cnt[r] << 32) | row_id(s->ids, r0 + r);
+                            if (sz[j] < k || key < hj[0]) {
+                                heap_push(hj, &sz[j], k, key);
+                                if (sz[j] == k) worst = (int32_t)(hj[0] >> 32);
+                            }
                         }
                     }
                     continue;
