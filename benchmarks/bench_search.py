@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -367,6 +368,25 @@ def threads_section(n: int, batch: int, rounds: int) -> str:
     return markdown_table(["op", "q/s 1 thread", "q/s 2 threads", "2 / 1", "target >= 1.7x"], rows)
 
 
+THREADS_BUSY = (
+    "The host was busy: a second thread only helps when a second core is free, and here both "
+    "cores were shared with other work, so these ratios say little about the kernels' scaling "
+    "(each thread scans its own share of the corpus tiles with its own heaps, without locks; "
+    "one merge per query block)."
+)
+
+
+def cpu_flags() -> str:
+    """The CPU features the popcount paths depend on, present or absent (/proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((ln.split(":", 1)[1].split() for ln in fh if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    wanted = ("popcnt", "avx2", "avx512f", "avx512bw", "avx512_vpopcntdq")
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
+
+
 def served_rows() -> str:
     """The served row (the index model over REST through the client at c = 8 against the
     in-process op): added by the serving work of issue 32; empty here."""
@@ -379,7 +399,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     args = p.parse_args()
     n, batch, rounds = (20_000, 8, 1) if args.smoke else (1_000_000, BATCH, args.rounds)
-    _, host = quiet_host(wait_s=0 if args.smoke else 180)
+    quiet, host = quiet_host(wait_s=0 if args.smoke else 180)
+    began = time.strftime("%H:%M UTC", time.gmtime())
     import faiss
 
     torch.set_num_threads(1)
@@ -388,10 +409,12 @@ def main() -> None:
     tan_table, _, info = tanimoto_section(n, batch, rounds)
     thr_table = threads_section(n, batch, rounds)
     served = served_rows()
+    end_load = os.getloadavg()[0]
     body = f"""
-{host}. CPU popcount path: `{_search_c.path()}` (of {", ".join(_search_c.supported_paths())}
-on this CPU); {rounds} interleaved rounds; every contender on one thread; {batch}-query
-batches; medians over rounds. Method and data: the docstring of `benchmarks/bench_search.py`.
+Run began {began}. {host}; load average {end_load:.2f} when it ended. CPU flags: {cpu_flags()}.
+CPU popcount path: `{_search_c.path()}` (of {", ".join(_search_c.supported_paths())} on this
+CPU); {rounds} interleaved rounds; every contender on one thread; {batch}-query batches;
+medians over rounds. Method and data: the docstring of `benchmarks/bench_search.py`.
 
 ## Hamming: {n:,} x 1024 bits, k = {K}
 
@@ -411,6 +434,8 @@ FPSim2's and (on the subset) RDKit's before timing.
 ## Threads: our ops on 2 threads against 1 (wall clock)
 
 {thr_table}
+
+{"" if quiet else THREADS_BUSY}
 {served}
 """
     report("search", "Exact search on packed bits: gpu_ops vs FAISS, usearch, FPSim2, RDKit", body,
