@@ -42,6 +42,9 @@ def test_popcount_any_leading_shape(device: str) -> None:
         _np(gpu_ops.popcount(x.transpose(0, 1))), np.unpackbits(a, axis=-1).sum(-1).T
     )
     assert gpu_ops.popcount(x[:, :, :0]).tolist() == [[0, 0, 0], [0, 0, 0]]
+    one = gpu_ops.popcount(x[0, 0])  # a single row: a 0-d count
+    assert one.shape == ()
+    assert one.item() == int(np.unpackbits(a[0, 0]).sum())
     assert gpu_ops.popcount(torch.zeros(0, 4, dtype=torch.uint8, device=device)).shape == (0,)
 
 
