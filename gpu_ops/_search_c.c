@@ -341,11 +341,34 @@ INLINE float pop_bound(int64_t a, int64_t b) {
     return mx > 0 ? (float)((double)mn / (double)mx) : 0.0f;
 }
 
-/* The best bound over popcounts in [lo, hi]. */
-INLINE float range_bound(int64_t a, int64_t lo, int64_t hi) {
-    if (a < lo) return pop_bound(a, lo);
-    if (a > hi) return pop_bound(a, hi);
-    return a > 0 ? 1.0f : 0.0f;
+/* The popcounts b whose bound with a query of popcount a reaches `cut`: [*blo, *bhi], empty
+ * when *blo > *bhi. The bound rises with b up to a, then falls: two binary searches. */
+static void cut_range(int64_t a, float cut, int64_t bits, int64_t *blo, int64_t *bhi) {
+    if (a == 0) { /* every bound is 0 */
+        *blo = 0;
+        *bhi = cut <= 0.0f ? bits : -1;
+        return;
+    }
+    int64_t lo = 0, hi = a; /* the smallest b <= a that reaches (b = a: bound 1) */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (pop_bound(a, mid) >= cut) hi = mid;
+        else lo = mid + 1;
+    }
+    *blo = lo;
+    lo = a;
+    hi = bits; /* the largest b >= a that reaches */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        if (pop_bound(a, mid) >= cut) lo = mid;
+        else hi = mid - 1;
+    }
+    *bhi = lo;
+}
+
+/* Row r's popcount is in [blo, bhi]. */
+INLINE int in_range(const int32_t *pc, int64_t r, int64_t blo, int64_t bhi) {
+    return pc[r] >= blo && pc[r] <= bhi;
 }
 
 INLINE uint64_t tanimoto_key(float sim, uint64_t id) {
@@ -395,10 +418,8 @@ static int64_t lower_row(const int32_t *pc, int64_t N, int64_t b) {
 /* Rows [*r0, *r1) of a sorted corpus whose popcounts can reach `cut` with a query of
  * popcount a (the bound is unimodal in b, so they are one run). */
 static void reach_rows(const scan_t *s, int64_t a, float cut, int64_t *r0, int64_t *r1) {
-    const int64_t bits = 8 * s->W;
-    int64_t blo = 0, bhi = bits;
-    while (blo <= bits && pop_bound(a, blo) < cut) blo++;
-    while (bhi >= blo && pop_bound(a, bhi) < cut) bhi--;
+    int64_t blo, bhi;
+    cut_range(a, cut, 8 * s->W, &blo, &bhi);
     if (blo > bhi) {
         *r0 = *r1 = 0;
         return;
@@ -439,9 +460,12 @@ static void topk_block(const scan_t *s, const int64_t *qrows, int64_t nq, const 
         uint64_t *h = heaps + (int64_t)tid * nq * k;
         int64_t *sz = sizes + (int64_t)tid * nq;
         int32_t *cnt = malloc(sizeof(int32_t) * (size_t)T);
+        float *lastcut = malloc(sizeof(float) * (size_t)nq); /* per query: the cut of brange */
+        int64_t *brange = malloc(sizeof(int64_t) * 2 * (size_t)nq);
+        for (int64_t j = 0; lastcut && j < nq; j++) lastcut[j] = -1.0f;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ntiles; i++) {
-            if (!cnt) continue;
+            if (!cnt || !lastcut || !brange) continue;
             const int64_t t = order[i], r0 = t * T, n = s->N - r0 < T ? s->N - r0 : T;
             const uint8_t *rows = s->c + r0 * s->crs;
             for (int64_t j = 0; j < nq; j++) {
@@ -451,12 +475,19 @@ static void topk_block(const scan_t *s, const int64_t *qrows, int64_t nq, const 
                     count(qr, rows, s->crs, n, s->W, cnt);
                     /* Only a distance at most the k-th best's can enter (a tie by its id). */
                     int32_t worst = sz[j] < k ? INT32_MAX : (int32_t)(hj[0] >> 32);
-                    for (int64_t r = 0; r < n; r++) {
-                        if (cnt[r] > worst) continue;
-                        const uint64_t key = ((uint64_t)cnt[r] << 32) | row_id(s->ids, r0 + r);
-                        if (sz[j] < k || key < hj[0]) {
-                            heap_push(hj, &sz[j], k, key);
-                            if (sz[j] == k) worst = (int32_t)(hj[0] >> 32);
+                    for (int64_t g = 0; g < n; g += 16) { /* groups of 16: a vector test */
+                        const int64_t ge = g + 16 < n ? g + 16 : n;
+                        int any = 0;
+                        for (int64_t r = g; r < ge; r++) any |= cnt[r] <= worst;
+                        if (!any) continue;
+                        for (int64_t r = g; r < ge; r++) {
+                            if (cnt[r] > worst) continue;
+                            const uint64_t key =
+                                ((uint64_t)cnt[r] << 32) | row_id(s->ids, r0 + r);
+                            if (sz[j] < k || key < hj[0]) {
+                                heap_push(hj, &sz[j], k, key);
+                                if (sz[j] == k) worst = (int32_t)(hj[0] >> 32);
+                            }
                         }
                     }
                     continue;
@@ -467,23 +498,32 @@ static void topk_block(const scan_t *s, const int64_t *qrows, int64_t nq, const 
                     const float kth = bits_float(INF_BITS - (uint32_t)(hj[0] >> 32));
                     if (kth > cut) cut = kth;
                 }
-                if (range_bound(a, pr[t].lo, pr[t].hi) < cut) continue;
-                int64_t lo = 0, hi = n;
-                if (s->sorted) { /* rows of a tile that can reach the cut form one run */
-                    while (lo < hi && pop_bound(a, s->pc[r0 + lo]) < cut) lo++;
-                    while (hi > lo && pop_bound(a, s->pc[r0 + hi - 1]) < cut) hi--;
+                if (cut != lastcut[j]) { /* the popcounts that can still enter */
+                    cut_range(a, cut, 8 * s->W, &brange[2 * j], &brange[2 * j + 1]);
+                    lastcut[j] = cut;
                 }
-                if (lo == hi) continue;
-                count(qr, rows + lo * s->crs, s->crs, hi - lo, s->W, cnt);
-                for (int64_t r = lo; r < hi; r++) {
-                    const float sim = similarity(cnt[r - lo], a, s->pc[r0 + r]);
-                    if (!(sim >= s->thr)) continue;
-                    const uint64_t key = tanimoto_key(sim, row_id(s->ids, r0 + r));
-                    if (sz[j] < k || key < hj[0]) heap_push(hj, &sz[j], k, key);
+                const int64_t blo = brange[2 * j], bhi = brange[2 * j + 1];
+                if (pr[t].hi < blo || pr[t].lo > bhi) continue;
+                const int32_t *pc = s->pc + r0;
+                for (int64_t r = 0; r < n;) { /* runs of rows in range (one, when sorted) */
+                    while (r < n && !in_range(pc, r, blo, bhi)) r++;
+                    int64_t e = r;
+                    while (e < n && in_range(pc, e, blo, bhi)) e++;
+                    if (e == r) break;
+                    count(qr, rows + r * s->crs, s->crs, e - r, s->W, cnt);
+                    for (int64_t x = r; x < e; x++) {
+                        const float sim = similarity(cnt[x - r], a, pc[x]);
+                        if (!(sim >= s->thr)) continue;
+                        const uint64_t key = tanimoto_key(sim, row_id(s->ids, r0 + x));
+                        if (sz[j] < k || key < hj[0]) heap_push(hj, &sz[j], k, key);
+                    }
+                    r = e;
                 }
             }
         }
         free(cnt);
+        free(lastcut);
+        free(brange);
     }
     {
         uint64_t *buf = malloc(sizeof(uint64_t) * (size_t)(nt * k));
@@ -646,12 +686,14 @@ static int threshold_block(const scan_t *s, const int64_t *qrows, int64_t nq, co
     const int64_t T = tile_rows_for(s->W), ntiles = (s->N + T - 1) / T;
     const count_fn count = count_for(s->path, 0);
     int nt = s->nthreads < 1 ? 1 : s->nthreads;
-    int64_t *rr = malloc(sizeof(int64_t) * 2 * (size_t)nq);
+    int64_t *rr = malloc(sizeof(int64_t) * 2 * (size_t)nq); /* rows, in a sorted corpus */
+    int64_t *br = malloc(sizeof(int64_t) * 2 * (size_t)nq); /* popcounts that can hit */
     hits_t *lists = calloc((size_t)(nt * nq), sizeof(hits_t));
-    int failed = !rr || !lists;
+    int failed = !rr || !br || !lists;
     int64_t t0 = ntiles, t1 = 0; /* the tiles any query of the block can hit */
     for (int64_t j = 0; !failed && j < nq; j++) {
         int64_t r0 = 0, r1 = s->N;
+        cut_range(qpc[j], s->thr, 8 * s->W, &br[2 * j], &br[2 * j + 1]);
         if (s->sorted) reach_rows(s, qpc[j], s->thr, &r0, &r1);
         rr[2 * j] = r0;
         rr[2 * j + 1] = r1;
@@ -675,18 +717,25 @@ static int threshold_block(const scan_t *s, const int64_t *qrows, int64_t nq, co
             const int64_t r0 = t * T, n = s->N - r0 < T ? s->N - r0 : T;
             const uint8_t *rows = s->c + r0 * s->crs;
             for (int64_t j = 0; j < nq && !bad; j++) {
-                const int64_t a = qpc[j];
-                if (range_bound(a, pr[t].lo, pr[t].hi) < s->thr) continue;
+                const int64_t a = qpc[j], blo = br[2 * j], bhi = br[2 * j + 1];
+                if (pr[t].hi < blo || pr[t].lo > bhi) continue;
                 int64_t lo = rr[2 * j] - r0, hi = rr[2 * j + 1] - r0;
                 if (lo < 0) lo = 0;
                 if (hi > n) hi = n;
-                if (lo >= hi) continue;
-                count(s->q + qrows[j] * s->qrs, rows + lo * s->crs, s->crs, hi - lo, s->W, cnt);
-                for (int64_t r = lo; r < hi; r++) {
-                    const float sim = similarity(cnt[r - lo], a, s->pc[r0 + r]);
-                    if (sim >= s->thr &&
-                        !hits_add(&mine[j], tanimoto_key(sim, row_id(s->ids, r0 + r))))
-                        bad = 1;
+                const int32_t *pc = s->pc + r0;
+                for (int64_t r = lo; r < hi;) { /* runs of rows in range (one, when sorted) */
+                    while (r < hi && !in_range(pc, r, blo, bhi)) r++;
+                    int64_t e = r;
+                    while (e < hi && in_range(pc, e, blo, bhi)) e++;
+                    if (e == r) break;
+                    count(s->q + qrows[j] * s->qrs, rows + r * s->crs, s->crs, e - r, s->W, cnt);
+                    for (int64_t x = r; x < e; x++) {
+                        const float sim = similarity(cnt[x - r], a, pc[x]);
+                        if (sim >= s->thr &&
+                            !hits_add(&mine[j], tanimoto_key(sim, row_id(s->ids, r0 + x))))
+                            bad = 1;
+                    }
+                    r = e;
                 }
             }
         }
@@ -708,6 +757,7 @@ static int threshold_block(const scan_t *s, const int64_t *qrows, int64_t nq, co
     for (int64_t x = 0; lists && x < nt * nq; x++) free(lists[x].keys);
     free(lists);
     free(rr);
+    free(br);
     return !failed;
 }
 

@@ -116,6 +116,15 @@ def _rows(t: Tensor) -> tuple[Tensor, int]:
     return t, (t.stride(0) if t.shape[0] > 1 else t.shape[1])
 
 
+# Searches comparing fewer bytes than this run on the calling thread alone: starting (and on
+# a busy host, waiting for) a second thread costs more than it saves.
+PARALLEL_MIN_BYTES = 1 << 26
+
+
+def _threads(Q: int, N: int, W: int) -> int:
+    return torch.get_num_threads() if Q * N * W >= PARALLEL_MIN_BYTES else 1
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -155,7 +164,7 @@ def hamming_topk(
     ids_c = None if ids is None else ids.contiguous()
     if Q and not lib.bs_hamming_topk(
         q.data_ptr(), Q, qrs, c.data_ptr(), N, crs, W, _ptr(ids_c), k, dist.data_ptr(),
-        idx.data_ptr(), PATHS.index(path()), torch.get_num_threads(),
+        idx.data_ptr(), PATHS.index(path()), _threads(Q, N, W),
     ):  # fmt: skip
         raise MemoryError(f"hamming_topk: out of memory for k={k}")
     return dist, idx
@@ -180,7 +189,7 @@ def tanimoto_topk(
     if Q and not lib.bs_tanimoto_topk(
         q.data_ptr(), Q, qrs, c.data_ptr(), N, crs, W, pcs.data_ptr(), _ptr(ids_c),
         int(sorted), k, threshold, sims.data_ptr(), idx.data_ptr(), PATHS.index(path()),
-        torch.get_num_threads(),
+        _threads(Q, N, W),
     ):  # fmt: skip
         raise MemoryError(f"tanimoto_topk: out of memory for k={k}")
     return sims, idx
@@ -202,8 +211,7 @@ def tanimoto_threshold(
     total = ctypes.c_int64(0)
     handle = lib.bs_tanimoto_threshold(
         q.data_ptr(), Q, qrs, c.data_ptr(), N, crs, W, pcs.data_ptr(), _ptr(ids_c),
-        int(sorted), threshold, PATHS.index(path()), torch.get_num_threads(),
-        ctypes.byref(total),
+        int(sorted), threshold, PATHS.index(path()), _threads(Q, N, W), ctypes.byref(total),
     )  # fmt: skip
     if not handle:
         raise MemoryError("tanimoto_threshold: out of memory collecting the hits")

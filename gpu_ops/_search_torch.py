@@ -21,7 +21,7 @@ from torch import Tensor
 # (Q, rows, words) int64 intermediates stay below this many elements per chunk.
 _CHUNK_ELEMENTS = 1 << 23
 _INF_BITS = 0x7F800000  # the bits of float32 +inf: every similarity's bits are below
-_NO_KEY = torch.iinfo(torch.int64).max  # an empty slot (a row below the threshold)
+NO_KEY = torch.iinfo(torch.int64).max  # an empty slot (a row below the threshold)
 _M1, _M2, _M4 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F
 _H01 = 0x0101010101010101
 
@@ -71,13 +71,15 @@ def _similarities(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return torch.where(union > 0, c.double() / union.clamp(min=1), 0.0).float()
 
 
-def _merge(best: Tensor, keys: Tensor, k: int) -> Tensor:
+def merge(best: Tensor, keys: Tensor, k: int) -> Tensor:
+    """The k smallest of the running keys ``best (Q, <= k)`` and a chunk's ``keys (Q, n)``."""
     both = torch.cat([best, keys], dim=1)
     return torch.topk(both, min(k, both.shape[1]), dim=1, largest=False, sorted=True).values
 
 
-def _pad(best: Tensor, k: int) -> Tensor:
-    fill = best.new_full((best.shape[0], k - best.shape[1]), _NO_KEY)
+def pad(best: Tensor, k: int) -> Tensor:
+    """``best (Q, <= k)`` filled to k columns with NO_KEY (empty slots)."""
+    fill = best.new_full((best.shape[0], k - best.shape[1]), NO_KEY)
     return torch.cat([best, fill], dim=1)
 
 
@@ -93,9 +95,9 @@ def hamming_topk(
         stop = min(N, start + step)
         dist = _counts(qw, words(corpus[start:stop]), "xor")
         keys = (dist << 32) | _row_ids(ids, start, stop, queries.device)[None, :]
-        best = _merge(best, keys, k)
-    best = _pad(best, k)
-    empty = best == _NO_KEY
+        best = merge(best, keys, k)
+    best = pad(best, k)
+    empty = best == NO_KEY
     distances = torch.where(empty, -1, best >> 32).to(torch.int32)
     return distances, torch.where(empty, -1, best & 0xFFFFFFFF)
 
@@ -104,16 +106,17 @@ def _tanimoto_keys(
     qw: Tensor, qpc: Tensor, corpus: Tensor, popcounts: Tensor, ids: Tensor | None,
     start: int, stop: int, threshold: Tensor,
 ) -> Tensor:  # fmt: skip
-    """The keys of chunk ``[start, stop)``, ``_NO_KEY`` below the threshold: (Q, n)."""
+    """The keys of chunk ``[start, stop)``, ``NO_KEY`` below the threshold: (Q, n)."""
     c = _counts(qw, words(corpus[start:stop]), "and")
     sims = _similarities(c, qpc, popcounts[start:stop].to(torch.int64))
     bits = sims.view(torch.int32).to(torch.int64)
     keys = ((_INF_BITS - bits) << 32) | _row_ids(ids, start, stop, qw.device)[None, :]
-    return torch.where(sims >= threshold, keys, _NO_KEY)
+    return torch.where(sims >= threshold, keys, NO_KEY)
 
 
-def _decode_tanimoto(keys: Tensor) -> tuple[Tensor, Tensor]:
-    empty = keys == _NO_KEY
+def decode_tanimoto(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """Tanimoto keys to (similarities float32, ids int64); NO_KEY to 0 and -1."""
+    empty = keys == NO_KEY
     bits = (_INF_BITS - (keys >> 32)).to(torch.int32)
     sims = torch.where(empty, 0.0, bits.view(torch.float32))
     return sims, torch.where(empty, -1, keys & 0xFFFFFFFF)
@@ -134,8 +137,8 @@ def tanimoto_topk(
     for start in range(0, N, step):
         stop = min(N, start + step)
         keys = _tanimoto_keys(qw, qpc, corpus, popcounts, ids, start, stop, thr)
-        best = _merge(best, keys, k)
-    return _decode_tanimoto(_pad(best, k))
+        best = merge(best, keys, k)
+    return decode_tanimoto(pad(best, k))
 
 
 def tanimoto_threshold(
@@ -154,15 +157,23 @@ def tanimoto_threshold(
     for start in range(0, N, step):
         stop = min(N, start + step)
         keys = _tanimoto_keys(qw, qpc, corpus, popcounts, ids, start, stop, thr)
-        q, j = torch.nonzero(keys != _NO_KEY, as_tuple=True)
+        q, j = torch.nonzero(keys != NO_KEY, as_tuple=True)
         found_q.append(q)
         found_keys.append(keys[q, j])
+    return hits_to_csr(found_q, found_keys, Q, device)
+
+
+def hits_to_csr(
+    found_q: list[Tensor], found_keys: list[Tensor], Q: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Hits gathered chunk by chunk (query numbers and keys) as the threshold search's CSR:
+    (offsets (Q + 1), ids (H,), similarities (H,)), each query's hits in key order."""
     q = torch.cat(found_q) if found_q else torch.zeros(0, dtype=torch.int64, device=device)
     keys = torch.cat(found_keys) if found_keys else q.clone()
     # By key, then (stably) by query: each query's hits in key order.
     keys, perm = torch.sort(keys)
     q, perm2 = torch.sort(q[perm], stable=True)
-    sims, hit_ids = _decode_tanimoto(keys[perm2])
+    sims, hit_ids = decode_tanimoto(keys[perm2])
     offsets = torch.zeros(Q + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(torch.bincount(q, minlength=Q), 0)
     return offsets, hit_ids, sims

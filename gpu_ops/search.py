@@ -100,7 +100,8 @@ def _check_threshold(threshold: object) -> float:
 def _check_popcounts(popcounts: object, corpus: Tensor) -> Tensor:
     if not isinstance(popcounts, torch.Tensor):
         raise TypeError(f"corpus_popcounts must be a torch.Tensor, got {type(popcounts).__name__}")
-    if popcounts.dtype.is_floating_point or popcounts.dtype in (torch.bool, torch.complex64):
+    dtype = popcounts.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"corpus_popcounts must be an integer tensor, got {popcounts.dtype}")
     if tuple(popcounts.shape) != (corpus.shape[0],):
         raise ValueError(

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import gpu_ops
 from gpu_ops import _reference, _search_ops
-from tests.common_utils import cpu_and_cuda
+from tests.common_utils import HAS_TRITON, cpu_and_cuda
 from tests.gpu_ops.search_cases import (
     cases,
     np_hamming_topk,
@@ -42,6 +42,9 @@ def test_popcount_any_leading_shape(device: str) -> None:
         _np(gpu_ops.popcount(x.transpose(0, 1))), np.unpackbits(a, axis=-1).sum(-1).T
     )
     assert gpu_ops.popcount(x[:, :, :0]).tolist() == [[0, 0, 0], [0, 0, 0]]
+    one = gpu_ops.popcount(x[0, 0])  # a single row: a 0-d count
+    assert one.shape == ()
+    assert one.item() == int(np.unpackbits(a[0, 0]).sum())
     assert gpu_ops.popcount(torch.zeros(0, 4, dtype=torch.uint8, device=device)).shape == (0,)
 
 
@@ -254,3 +257,11 @@ def test_hypothesis_against_numpy(inputs: tuple[np.ndarray, np.ndarray, int, flo
         gpu_ops.tanimoto_threshold(qt, ct, thr), np_tanimoto_threshold(q, c, thr), strict=True
     ):
         np.testing.assert_array_equal(_np(got), want)
+
+
+def test_kernels_are_registered_per_device() -> None:
+    for name in ("popcount", "hamming_topk", "tanimoto_topk", "tanimoto_threshold"):
+        qual = f"bitserve::{name}"
+        for key in ("CPU", "Meta", "CompositeExplicitAutograd"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA") == HAS_TRITON, name

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from gpu_ops import _search_c, _search_ops, _search_torch
+from tests.common_utils import HAS_TRITON
 from tests.gpu_ops.search_cases import (
     cases,
     np_hamming_topk,
@@ -40,6 +41,33 @@ BACKENDS: dict[str, Any] = {
 
 
 C_PATHS = [f"c-{p}" for p in _search_c.PATHS]
+# Interpreted (TRITON_INTERPRET=1, set by conftest) on CPU tensors without a GPU.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_triton_device(fn: Any) -> Any:
+    """``fn`` with its tensor arguments moved to the Triton device and results moved back."""
+
+    def call(*args: Any) -> Any:
+        moved = [a.to(TRITON_DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*moved)
+        return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+
+    return call
+
+
+if HAS_TRITON:
+    from gpu_ops._triton import search as _triton_search
+
+    # light: the interpreter is slow, so a subset of the cases (widths 3, 9 and 65; the
+    # corpus in popcount order with ids; the largest k).
+    BACKENDS["triton"] = SimpleNamespace(
+        light=True,
+        popcount=_on_triton_device(_triton_search.popcount),
+        hamming_topk=_on_triton_device(_triton_search.hamming_topk),
+        tanimoto_topk=_on_triton_device(_triton_search.tanimoto_topk),
+        tanimoto_threshold=_on_triton_device(_triton_search.tanimoto_threshold),
+    )
 
 
 def use_c_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,25 +83,42 @@ def use_c_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     # Small chunks, so the torch kernels merge many chunks' top-k and hits.
     monkeypatch.setattr(_search_torch, "_CHUNK_ELEMENTS", 64)
+    if request.param == "triton":  # chunks of 16 rows: the running top-k merges many
+        monkeypatch.setattr(_triton_search, "_CHUNK_ROWS", 16)
     if request.param.startswith("c-"):
         use_c_path(request.param.removeprefix("c-"), monkeypatch)
         return _search_c
     return BACKENDS[request.param]
 
 
+def _light(backend: Any) -> bool:
+    return bool(getattr(backend, "light", False))
+
+
+def _cases(backend: Any, seed: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    for label, q, c in cases(seed):
+        if not _light(backend) or q.shape[1] in (3, 9, 65):
+            yield label, q, c
+
+
+def _ks(backend: Any, *ks: int) -> list[int]:
+    return [max(ks)] if _light(backend) else sorted(set(ks))
+
+
 def _layouts(
-    corpus: np.ndarray,
+    corpus: np.ndarray, backend: Any = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]]:
     """(corpus, popcounts, ids, sorted): as given, then in popcount order."""
     c = torch.from_numpy(corpus)
     counts = torch.from_numpy(np.unpackbits(corpus, axis=-1).sum(-1).astype(np.int32))
-    yield c, counts, None, False
+    if not _light(backend):
+        yield c, counts, None, False
     rows, pcs, order = popcount_sorted(c)
     yield rows, pcs, order, True
 
 
 def test_popcount(backend: Any) -> None:
-    for label, q, c in cases():
+    for label, q, c in _cases(backend, 0):
         got = backend.popcount(torch.from_numpy(c))
         assert got.dtype == torch.int32
         expected = np.unpackbits(c, axis=-1).sum(-1)
@@ -86,11 +131,11 @@ def test_popcount(backend: Any) -> None:
 
 
 def test_hamming_topk(backend: Any) -> None:
-    for label, q, c in cases(1):
+    for label, q, c in _cases(backend, 1):
         N = c.shape[0]
-        for k in sorted({1, 3, N, N + 2}):
+        for k in _ks(backend, 1, 3, N, N + 2):
             want_d, want_i = np_hamming_topk(q, c, k)
-            for rows, _, ids, _ in _layouts(c):
+            for rows, _, ids, _ in _layouts(c, backend):
                 dist, idx = backend.hamming_topk(torch.from_numpy(q), rows, ids, k)
                 assert dist.dtype == torch.int32
                 assert idx.dtype == torch.int64
@@ -100,11 +145,11 @@ def test_hamming_topk(backend: Any) -> None:
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7, 1.0])
 def test_tanimoto_topk(backend: Any, threshold: float) -> None:
-    for label, q, c in cases(2):
+    for label, q, c in _cases(backend, 2):
         N = c.shape[0]
-        for k in sorted({1, 4, N + 3}):
+        for k in _ks(backend, 1, 4, N + 3):
             want_s, want_i = np_tanimoto_topk(q, c, k, threshold)
-            for rows, pcs, ids, srt in _layouts(c):
+            for rows, pcs, ids, srt in _layouts(c, backend):
                 sims, idx = backend.tanimoto_topk(
                     torch.from_numpy(q), rows, pcs, ids, k, threshold, srt
                 )
@@ -117,9 +162,9 @@ def test_tanimoto_topk(backend: Any, threshold: float) -> None:
 
 @pytest.mark.parametrize("threshold", [0.0, 0.2, 0.5, 0.7, 1.0])
 def test_tanimoto_threshold(backend: Any, threshold: float) -> None:
-    for label, q, c in cases(3):
+    for label, q, c in _cases(backend, 3):
         want = np_tanimoto_threshold(q, c, threshold)
-        for rows, pcs, ids, srt in _layouts(c):
+        for rows, pcs, ids, srt in _layouts(c, backend):
             got = backend.tanimoto_threshold(torch.from_numpy(q), rows, pcs, ids, threshold, srt)
             assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.float32]
             for g, w in zip(got, want, strict=True):
@@ -182,6 +227,7 @@ def test_compiled_paths_match_torch_at_any_thread_count(
     """Many tiles and two query blocks: every path, at 1 and 2 threads, gives the torch
     kernels' answers exactly (ties included)."""
     use_c_path(path.removeprefix("c-"), monkeypatch)
+    monkeypatch.setattr(_search_c, "PARALLEL_MIN_BYTES", 0)  # threads even for small inputs
     q, c = _big_case(width, width, kind)
     want = _all_results(_search_torch, q, c)
     threads = torch.get_num_threads()
