@@ -187,8 +187,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "What a user's script gets from `rates = op.forward_bits(packed)` with grad mode on "
         'and default arguments: `OnTheFlyResampler(x, c, "gaussian", 5.0, sigma=sigma, '
         "normalize=True)` and `BandedResampler.from_response(...)` of the same arguments "
-        "(which gives the on-the-fly module past its `max_band_bytes`, 64 MiB: at 50 and "
-        "200 ms its band would hold 200 and 800 MB). 'holds MiB': the module's tensors. "
+        "(which gives the on-the-fly module past its `max_band_bytes`, 16 MiB: at 10, 50 "
+        "and 200 ms its band would hold 38, 191 and 763 MiB). 'holds MiB': the module's "
+        "tensors. "
         "Elephant's times are those of the next table (the same run).\n\n"
         f"{default_table}\n\n"
         "Targets for the default call (>= 5x Elephant at 10 ms and >= 20x at 0.1 ms at every "

@@ -39,10 +39,11 @@ __all__ = ["BandedResampler", "OnTheFlyResampler", "banded_resample", "load"]
 
 _CHUNK_ITEMS = 1 << 22  # weights evaluated per chunk while building an operator
 _DENSE_CHUNK_ITEMS = 1 << 20  # entries of T (or of the band) handled at once by from_dense
-# from_response's default cap on the weights it stores. Past it the event path reads its
-# weights from main memory (a wide band, e.g. 20 x 500 x 20,001 float32 = 800 MB at a 200 ms
-# Gaussian on a 0.1 ms grid, ran at 1.3x Elephant) while the on-the-fly module holds O(N A).
-MAX_BAND_BYTES = 1 << 26
+# from_response's default cap on the weights it stores. Past it the band is read from main
+# memory (20 x 500 x 20,001 float32 = 800 MB at a 200 ms Gaussian on a 0.1 ms grid ran at
+# 1.3x Elephant; 38 MiB at 10 ms: 3.8x on dense bits) while the on-the-fly module holds O(N A)
+# and, on a lattice, a table of the response of some kB (bench_elephant).
+MAX_BAND_BYTES = 1 << 24
 
 
 def _check_band(
@@ -264,7 +265,7 @@ class BandedResampler(_resampler_base.Resampler):
             normalize, center, border, scale, recording: see
                 :class:`gpu_ops.responses.Options` (a callable takes only ``scale``).
             max_band_bytes: the most bytes of weights ``(N, A, W)`` to store (default
-                :data:`MAX_BAND_BYTES`, 64 MiB); None: the band whatever its size (e.g. to
+                :data:`MAX_BAND_BYTES`, 16 MiB); None: the band whatever its size (e.g. to
                 learn its weights).
             **params: the named response's parameter.
 
