@@ -8,6 +8,7 @@ the same spikes on the fine grid; one thread each.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -176,8 +177,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         torch.set_num_threads(threads)
     spikes = int(ws[0].bits.sum())
+    load = os.getloadavg()[0]
     body = (
-        f"{INTRO}\n\n### Parity (spikes 5-50 Hz, {N} trains, {duration:g} s: {spikes} spikes)\n\n"
+        f"{INTRO} Load average of the host at the end of this run: {load:.1f} on "
+        f"{os.cpu_count()} cores (others' work: times per call are then longer on both "
+        f"sides).\n\n### Parity (spikes 5-50 Hz, {N} trains, {duration:g} s: {spikes} spikes)\n\n"
         "Largest difference from Elephant at a 0.1 ms sampling period (its rates taken at our "
         "10 ms coarse points), as a fraction of the largest rate. The alpha kernel is compared "
         "centred on its median where Elephant finds the median, uncentred where it does not "
