@@ -74,10 +74,15 @@ class OnTheFlyResampler(_resampler_base.Resampler):
     ``sigma=``), or a table ``(xs, ys)`` as the buffer ``.table (2, K)`` (its breakpoints,
     moved by ``center``, then its values). The kernels evaluate the weights of each window as
     they use it, in the forward and in the backward, so memory is O(N A) whatever the band
-    width. Gradients flow to f, to ``c`` and to a named response's parameter (analytic
-    derivatives of the response; the movement of the window edges with the parameter is not
-    counted: the cut declares the response negligible there). A table gets no gradient: it
-    has no width to learn, and its values are data (``c`` gets the table's slopes).
+    width. Gradients flow to f always, and, when asked (``trainable=True``, or
+    ``requires_grad_()`` on the module or on ``c`` / the parameter), to ``c`` and to a named
+    response's parameter (analytic derivatives of the response; the movement of the window
+    edges with the parameter is not counted: the cut declares the response negligible there).
+    A table gets no gradient: it has no width to learn, and its values are data (``c`` gets
+    the table's slopes). Frozen by default, so that :meth:`forward_bits` in a plain script
+    (grad mode on) takes the same fast event, lattice or prefix path as under
+    ``torch.inference_mode()``; a trainable module's :meth:`forward_bits` takes the band path,
+    which has the backward.
     ``.half()``/``.to(torch.bfloat16)`` move the module but keep x, c and the parameter (or
     table) at their precision: in half precision the offsets ``c - x`` would be wrong by
     whole fine points. Inputs may still be float16 or bfloat16 (computed in float32).
@@ -100,6 +105,9 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             (gradients flow through the normalisation, the centring and the border
             correction too). A table: ``normalize`` divides by its area, ``center`` moves its
             median or peak to 0 (default: as given).
+        trainable: make ``c`` and the parameter require gradients (default False: both are
+            ``nn.Parameter`` objects that require none until asked, as ``requires_grad_()``
+            does later).
         **params: the named response's parameter, e.g. ``sigma=2.0``.
 
     Raises:
@@ -127,6 +135,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         border: str = "none",
         scale: float = 1.0,
         recording: tuple[float, float] | None = None,
+        trainable: bool = False,
         **params: float,
     ) -> None:
         super().__init__()
@@ -136,7 +145,8 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         geometry = torch.float64 if dtype == torch.float64 else torch.float32
         self.num_fine = x64.numel()
         self.register_buffer("x", x64)
-        self.c = nn.Parameter(c64)  # float64 always: c - x is formed in float64
+        # float64 always: c - x is formed in float64
+        self.c = nn.Parameter(c64, requires_grad=trainable)
         self.shape: responses.Shape | responses.Table
         self.spec: responses.NamedResponse | None
         if isinstance(response, tuple):
@@ -157,7 +167,8 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             self.shape = responses.parse_named(response, support, params, options)
             self.spec, self.response = self.shape.spec, self.shape.spec.name
             self.support = self.shape.support  # the kernels' support (includes a causal shift)
-            param = nn.Parameter(torch.tensor(self.shape.value, dtype=geometry, device=dev))
+            value = torch.tensor(self.shape.value, dtype=geometry, device=dev)
+            param = nn.Parameter(value, requires_grad=trainable)
             self.register_parameter(self.spec.param, param)
             self.register_buffer("table", None)
         else:
@@ -253,7 +264,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
         if path not in ("auto", "band") and self._needs_grad():
             raise ValueError(
                 f"path={path!r} has no backward: c or the parameter require gradients "
-                "(use path='band', torch.no_grad() or frozen parameters)"
+                "(use path='band', torch.no_grad(), or requires_grad_(False))"
             )
         if path == "prefix" and _bits_resample.pieces_of(self.response) is None:
             raise ValueError(f"{self.response!r} is not piecewise polynomial: no prefix path")
@@ -302,7 +313,7 @@ class OnTheFlyResampler(_resampler_base.Resampler):
             c_sorted = c_sorted.contiguous()
             identity = bool((order == torch.arange(order.shape[1], device=order.device)).all())
             lo, hi = resp.window(self.support)
-            first, last, _ = responses.windows(self.x, c_sorted, lo, hi)
+            first, last, _ = responses.windows(self.x, c_sorted, lo, hi, resp.tie_ends)
             bounds = coef = None
             got = responses.pieces(self.response, resp.value)
             if got is not None:
@@ -314,7 +325,8 @@ class OnTheFlyResampler(_resampler_base.Resampler):
                 inverse_mass = self._inverse_mass()
             lattice = None
             if self._lattice_kernel():
-                lattice = _lattice.find(self.x, c_sorted, first, last, resp, (lo, hi))
+                window = responses.inclusive(self.x, c_sorted, lo, hi, resp.tie_ends)
+                lattice = _lattice.find(self.x, c_sorted, first, last, resp, window)
             self._geo = _Geometry(
                 key, resp.value, c_sorted, first.contiguous(), last.contiguous(),
                 None if identity else torch.argsort(order, dim=1), bounds, coef,
@@ -391,7 +403,8 @@ class OnTheFlyResampler(_resampler_base.Resampler):
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> OnTheFlyResampler:
-        """Read a module written by :meth:`save` (safetensors, no pickle) onto ``device``.
+        """Read a module written by :meth:`save` (safetensors, no pickle) onto ``device``;
+        frozen, as the constructor makes it by default (``requires_grad_()`` to train it).
 
         Raises:
             ValueError: not such a file (a stored band: use ``BandedResampler.load``).

@@ -147,7 +147,7 @@ class Windows:
         self.c = c.detach().to(torch.float64).contiguous()
         # wmax sizes the kernels' per-thread buffers (at least 1).
         lo, hi = resp.window(support)
-        self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi)
+        self.first, self.last, self.wmax = responses.windows(self.x, self.c, lo, hi, resp.tie_ends)
         self._response(resp)
 
     def _response(self, resp: responses.KernelResponse) -> None:

@@ -102,7 +102,7 @@ class Windows:
         support: float | None,
     ) -> None:  # fmt: skip
         lo, hi = resp.window(support)
-        first, last, W = responses.windows(x, c, lo, hi)
+        first, last, W = responses.windows(x, c, lo, hi, resp.tie_ends)
         self._set(first, last, W, x.numel())
 
     def _set(self, first: torch.Tensor, last: torch.Tensor, W: int, B: int) -> None:

@@ -95,8 +95,9 @@ class Resampler(nn.Module):
                 parameter's on the fly).
 
         Returns:
-            ``[..., N, A]``. When the module's own tensors require gradients (stored weights;
-            c or the width on the fly) and grad mode is on, ``"auto"`` takes the band path
+            ``[..., N, A]``. When the module's own tensors require gradients (stored weights
+            made to; c or the width of an ``OnTheFlyResampler(..., trainable=True)``) and
+            grad mode is on, ``"auto"`` takes the band path
             and gradients reach them as in :meth:`forward`; the event and prefix paths have
             no backward (run them under ``torch.no_grad()`` or ``torch.inference_mode()``).
 

@@ -25,7 +25,9 @@ under ``torch.compile(fullgraph=True)`` and in ``torch.export`` programs.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +39,11 @@ __all__ = ["BandedResampler", "OnTheFlyResampler", "banded_resample", "load"]
 
 _CHUNK_ITEMS = 1 << 22  # weights evaluated per chunk while building an operator
 _DENSE_CHUNK_ITEMS = 1 << 20  # entries of T (or of the band) handled at once by from_dense
+# from_response's default cap on the weights it stores. Past it the band is read from main
+# memory (20 x 500 x 20,001 float32 = 800 MB at a 200 ms Gaussian on a 0.1 ms grid ran at
+# 1.3x Elephant; 38 MiB at 10 ms: 3.8x on dense bits) while the on-the-fly module holds O(N A)
+# and, on a lattice, a table of the response of some kB (bench_elephant).
+MAX_BAND_BYTES = 1 << 24
 
 
 def _check_band(
@@ -166,7 +173,8 @@ class BandedResampler(_resampler_base.Resampler):
     start (so the transposed band of the backward is banded too), plus ``inverse_order
     (N, A)`` when c was not sorted, so the output keeps the caller's order. Gradients flow
     to f, and to ``weights`` if you make them require grad. Build with
-    :meth:`from_response`, :meth:`from_dense` or :meth:`load`; for a band whose weights are
+    :meth:`from_response` (which gives an :class:`OnTheFlyResampler` instead of a band over
+    its ``max_band_bytes``), :meth:`from_dense` or :meth:`load`; for a band whose weights are
     computed in the kernels (and gradients w.r.t. the coarse points and the response's
     width), see :class:`OnTheFlyResampler`.
 
@@ -230,9 +238,16 @@ class BandedResampler(_resampler_base.Resampler):
         border: str = "none",
         scale: float = 1.0,
         recording: tuple[float, float] | None = None,
+        max_band_bytes: int | None = MAX_BAND_BYTES,
         **params: float,
-    ) -> BandedResampler:
+    ) -> BandedResampler | OnTheFlyResampler:
         """Build the operator ``T[n, a, b] = r(c[n, a] - x[b])`` as a band.
+
+        A band that would take more than ``max_band_bytes`` is not built: a named or
+        tabulated response then gives the :class:`OnTheFlyResampler` of the same arguments
+        (the same sums, the weights evaluated in the kernels, O(N A) memory; frozen, outputs
+        in float32 unless ``dtype`` is float64), a callable (which only a band can hold) its
+        band with a ``UserWarning``.
 
         Args:
             x: (B,) fine grid, non-decreasing, evenly spaced or not.
@@ -249,11 +264,15 @@ class BandedResampler(_resampler_base.Resampler):
             device: where the operator lives (default: x's device).
             normalize, center, border, scale, recording: see
                 :class:`gpu_ops.responses.Options` (a callable takes only ``scale``).
+            max_band_bytes: the most bytes of weights ``(N, A, W)`` to store (default
+                :data:`MAX_BAND_BYTES`, 16 MiB); None: the band whatever its size (e.g. to
+                learn its weights).
             **params: the named response's parameter.
 
         Returns:
             The operator; windows are clipped at the grid edges, empty windows give 0.
-            Windows and weights are found in float64, then stored in ``dtype``.
+            Windows and weights are found in float64, then stored in ``dtype``. Past
+            ``max_band_bytes``: see above.
         """
         if "on_the_fly" in params:
             raise TypeError("on_the_fly= is gone: use OnTheFlyResampler.from_response")
@@ -262,9 +281,25 @@ class BandedResampler(_resampler_base.Resampler):
         options = responses.Options(normalize, center, border, scale, recording)
         cut = responses.parse(response, support, params, dev, options, x64)
         c_sorted, order = torch.sort(c64, dim=1, stable=True)
-        first, last, W = responses.windows(x64, c_sorted, cut.lo, cut.hi)
-        starts = responses.clipped_starts(first, W, x64.numel())
+        ties = responses.named(response).tie_ends if isinstance(response, str) else (False, False)
+        first, last, W = responses.windows(x64, c_sorted, cut.lo, cut.hi, ties)
         N, A = c64.shape
+        band_bytes = N * A * W * dtype.itemsize
+        if max_band_bytes is not None and band_bytes > max_band_bytes:
+            if isinstance(response, str | tuple):
+                otf = torch.float64 if dtype == torch.float64 else torch.float32
+                named: dict[str, Any] = dict(params)  # the parameter, e.g. sigma=0.2
+                return OnTheFlyResampler(
+                    x64, c64, response, support, dtype=otf, device=dev, normalize=normalize,
+                    center=center, border=border, scale=scale, recording=recording, **named,
+                )  # fmt: skip
+            warnings.warn(
+                f"a band of {band_bytes / 2**20:.0f} MiB (N={N}, A={A}, W={W}), more than "
+                f"max_band_bytes={max_band_bytes}: a named response or a table (xs, ys) is "
+                "computed in the kernels instead (OnTheFlyResampler), storing nothing",
+                stacklevel=2,
+            )
+        starts = responses.clipped_starts(first, W, x64.numel())
         weights = torch.empty(N, A, W, dtype=dtype, device=dev)
         step = max(1, _CHUNK_ITEMS // max(1, N * W))
         for a0 in range(0, A, step):

@@ -223,6 +223,14 @@ class NamedResponse:
         hi = self.extent(support) * value
         return (0.0 if self.causal else -hi), hi
 
+    @property
+    def tie_ends(self) -> tuple[bool, bool]:
+        """Which ends of the window count an offset exactly there whatever its rounding
+        (:func:`inclusive`): a cut where the response goes on (not a compact response's own
+        end, where it drops to 0 or jumps, nor a causal response's start)."""
+        cut = self.default_support is not None
+        return cut and not self.causal, cut
+
 
 _SQRT2 = math.sqrt(2.0)
 NAMED: dict[str, NamedResponse] = {
@@ -589,10 +597,26 @@ class KernelResponse:
         return 0.0 if self.tabulated else float(self.param)
 
     def window(self, support: float | None) -> tuple[float, float]:
-        """``(lo, hi)`` in x's units: the named response's cut, the table's ends."""
+        """``(lo, hi)`` in x's units: the named response's cut, the table's ends.
+
+        A float32 parameter knows its cut only to float32's precision: the ends in
+        :attr:`tie_ends` are widened by that (2 ulp), so that an offset exactly at the cut as
+        given (a spike exactly 5 sigma away) counts in float32 as in float64 (see
+        :func:`inclusive`).
+        """
         if self.tabulated:
             return float(self.param[0, 0]), float(self.param[0, -1])
-        return named(self.name).window(float(self.param), support)
+        lo, hi = named(self.name).window(float(self.param), support)
+        if self.param.dtype == torch.float64:
+            return lo, hi
+        tol = 2 * torch.finfo(self.param.dtype).eps * max(abs(lo), abs(hi))
+        widen_lo, widen_hi = self.tie_ends
+        return lo - tol * widen_lo, hi + tol * widen_hi
+
+    @property
+    def tie_ends(self) -> tuple[bool, bool]:
+        """See :attr:`NamedResponse.tie_ends`; a table's ends: neither."""
+        return (False, False) if self.tabulated else named(self.name).tie_ends
 
     def evaluate(self, d: torch.Tensor) -> torch.Tensor:
         """r(d), in d's dtype (unit peak for a named response, the values for a table)."""
@@ -738,25 +762,70 @@ def tabulated(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[torch.Tensor], to
     return lambda d: interpolate(xs.to(d), ys.to(d), d)
 
 
+def inclusive(
+    x: torch.Tensor, c: torch.Tensor, lo: float, hi: float, ties: tuple[bool, bool] = (True, True)
+) -> tuple[float, float]:
+    """The cut ``[lo, hi]``, its ends named in ``ties`` widened by the rounding of the offsets
+    ``c - x`` and of the cut.
+
+    An offset that equals a cut in exact arithmetic (a spike exactly 5 sigma, a whole number
+    of fine steps, from a coarse point) then counts whichever way the float64 roundings of
+    ``c - x``, of ``c - hi`` and of ``hi`` fell, as Elephant's kernel array includes its ends.
+    Without it such a tie fell either way (by 1 ulp), leaving out a spike whose weight at a
+    causal response's far end is a few thousandths of its peak. The widening, 8 ulp of the
+    largest magnitude involved, moves no offset that is not a tie. Only where the response
+    goes on past the cut (:attr:`NamedResponse.tie_ends`): at a compact response's own end or
+    a causal start the value at the rounded offset decides, as before.
+    """
+    tol = float(_tolerance(x, c, lo, hi))
+    return lo - tol * ties[0], hi + tol * ties[1]
+
+
+def _tolerance(x: torch.Tensor, c: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """0-d: 8 ulp of float64 at the largest magnitude of x, c and the cut (tensor ops only:
+    no host sync on CUDA, and it runs on meta tensors)."""
+    scale = torch.tensor(max(abs(lo), abs(hi)), dtype=torch.float64, device=x.device)
+    if x.numel():
+        scale = scale + x[[0, -1]].detach().abs().amax().to(torch.float64)
+    if c.numel():
+        scale = scale + c.detach().abs().amax().to(torch.float64)
+    return 8 * torch.finfo(torch.float64).eps * scale
+
+
 def windows(
-    x: torch.Tensor, c: torch.Tensor, lo: float, hi: float
+    x: torch.Tensor, c: torch.Tensor, lo: float, hi: float, ties: tuple[bool, bool] = (False, False)
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The fine points each coarse point reaches: ``lo <= c - x[b] <= hi``.
+    """The fine points each coarse point reaches: ``lo <= c - x[b] <= hi``, at the ends named
+    in ``ties`` a tie counted whichever way its rounding fell (:func:`inclusive`).
 
     Args:
         x: (B,) sorted fine grid.
         c: (N, A) coarse points.
         lo, hi: the response's support, ``lo <= hi``.
+        ties: (lo's, hi's): whether that end counts a tie (:attr:`NamedResponse.tie_ends`).
 
     Returns:
         ``first (N, A)`` and ``last (N, A)`` int64 (the window is ``[first, last)``, empty when
         equal) and the band width W (the longest window, at least 1, at most B).
     """
-    c_ = c.detach().to(x.dtype).contiguous()
-    first = torch.searchsorted(x, c_ - hi, side="left")
-    last = torch.searchsorted(x, c_ - lo, side="right")
+    first, last = bounds(x, c, lo, hi, ties)
     W = int((last - first).max().item()) if c.numel() else 1
     return first, last, min(max(W, 1), x.numel())
+
+
+def bounds(
+    x: torch.Tensor, c: torch.Tensor, lo: float, hi: float, ties: tuple[bool, bool] = (False, False)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windows` without the band width: ``first, last (N, A)`` int64, no host sync."""
+    c_ = c.detach().to(x.dtype).contiguous()
+    if any(ties):
+        tol = _tolerance(x, c_, lo, hi).to(x.dtype)
+        first = torch.searchsorted(x, c_ - (hi + tol * ties[1]), side="left")
+        last = torch.searchsorted(x, c_ - (lo - tol * ties[0]), side="right")
+    else:
+        first = torch.searchsorted(x, c_ - hi, side="left")
+        last = torch.searchsorted(x, c_ - lo, side="right")
+    return first, last
 
 
 def clipped_starts(first: torch.Tensor, W: int, B: int) -> torch.Tensor:

@@ -162,6 +162,7 @@ class TorchWorkload:
             support=SUPPORT_SIGMAS * SIGMA,
             dtype=torch.float32,
             device=self.device,
+            max_band_bytes=None,  # the band bitserve's pipeline runs (40 MB)
         )
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:

@@ -337,6 +337,7 @@ def _check_values(
         raise ConfigError(problems)
     options = responses.Options(**op.options)
     K = 0
+    ties = (False, False)
     if op.response == "tabulated":
         table = (tensors["response_x"], tensors["response_y"])
         try:  # its centring moves its ends
@@ -348,7 +349,8 @@ def _check_values(
         shape = responses.parse_named(op.response, op.support, op.parameters, options)
         lo, hi = shape.window(shape.value)
         lo, hi = lo - shape.shift * shape.value, hi - shape.shift * shape.value
-    _, _, W = responses.windows(x, c, lo, hi)
+        ties = shape.spec.tie_ends
+    _, _, W = responses.windows(x, c, lo, hi, ties)
     sorted_rows = bool((c[:, 1:] >= c[:, :-1]).all())
     size = operator_bytes(cfg, c.shape[1], W, sorted_rows=sorted_rows, table_points=K)
     if size > limit:

@@ -74,12 +74,12 @@ def build_operator(
         kw: dict[str, Any] = {**op.options, **op.parameters}
         return OnTheFlyResampler(x, c, op.response, op.support, device=device, **kw)
     # Windows and weights are found in float64 (from_response converts), then stored in dtype.
+    # The config asked for a stored band and the size check counted it: no cap here.
+    kw = {"dtype": dtype, "device": device, "max_band_bytes": None, **op.options}
     if table is not None:
-        return BandedResampler.from_response(x, c, table, dtype=dtype, device=device, **op.options)
+        return BandedResampler.from_response(x, c, table, **kw)
     params: dict[str, Any] = op.parameters  # e.g. sigma=125.0
-    return BandedResampler.from_response(
-        x, c, op.response, op.support, dtype=dtype, device=device, **op.options, **params
-    )
+    return BandedResampler.from_response(x, c, op.response, op.support, **kw, **params)
 
 
 def _module_bytes(module: Any) -> int:

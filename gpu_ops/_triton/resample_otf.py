@@ -271,8 +271,8 @@ def prepare(
     lo, hi = resp.window(support)
     c_sorted, order = torch.sort(c.detach(), dim=1, stable=True)
     c64 = c_sorted.to(x.dtype).contiguous()
-    first = torch.searchsorted(x, c64 - hi, side="left").to(torch.int32)
-    last = torch.searchsorted(x, c64 - lo, side="right").to(torch.int32)
+    first64, last64 = responses.bounds(x, c64, lo, hi, resp.tie_ends)
+    first, last = first64.to(torch.int32), last64.to(torch.int32)
     return Geometry(
         x, c_sorted.contiguous(), first, last, order, torch.argsort(order, dim=1),
         table_args(resp, x.device),

@@ -158,7 +158,10 @@ def test_the_choice_follows_density_and_width() -> None:
         assert otf_wide.plan_bits(sparse).path == "event"
         assert box_wide.plan_bits(full).path == "prefix"  # width does not count
         assert box_wide.plan_bits(full).events == (N * B,)
-    # With gradients wanted for c and the parameter, only the band path has a backward.
+    # Frozen (the default), grad mode changes nothing; with gradients asked for c and the
+    # parameter, only the band path has a backward.
+    assert otf_wide.plan_bits(sparse).path == "event"
+    otf_wide.requires_grad_()
     assert otf_wide.plan_bits(sparse).path == "band"
     with pytest.raises(ValueError, match="has no backward"):
         otf_wide.forward_bits(sparse, path="event")
@@ -230,7 +233,9 @@ def test_band_path_keeps_gradients_of_c_and_the_parameter() -> None:
     gen = torch.Generator().manual_seed(5)
     B = 40
     x, c = grid(B, gen), coarse(2, 4, gen)
-    op = OnTheFlyResampler(x, c, "laplacian", dtype=torch.float64, sigma=3.0, normalize=True)
+    op = OnTheFlyResampler(
+        x, c, "laplacian", dtype=torch.float64, sigma=3.0, normalize=True, trainable=True
+    )
     bits = torch.rand(2, 2, B, generator=gen) < 0.4
     packed = packbits(bits, dim=-1)
     op.forward_bits(packed).square().sum().backward()

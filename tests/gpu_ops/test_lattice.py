@@ -112,14 +112,19 @@ def test_the_lattice_kernel_matches_the_float64_reference(
 def test_the_lattice_is_baked_unless_a_rounding_tips_a_window() -> None:
     """A boxcar of half-width 5 fine steps cuts exactly on the lattice: whether an offset
     c - x of exactly 0.5 counts depends on its rounding, which differs between coarse
-    points; the tables then keep their values and each event walks the exact windows."""
+    points; the tables then keep their values and each event walks the exact windows. A
+    Laplacian cut at 5 fine steps counts such a tie whatever its rounding
+    (responses.inclusive): its windows are the lattice's own."""
     B, dx, step = 400, 0.1, 10
     x = torch.arange(B, dtype=torch.float64) * dx
     c = (torch.arange(B // step, dtype=torch.float64) * (step * dx)).expand(2, -1).contiguous()
     gen = torch.Generator().manual_seed(3)
     bits = torch.rand(2, 2, B, generator=gen) < 0.3
-    for half_width, walk in ((0.5, True), (0.3, False)):
-        op = OnTheFlyResampler(x, c, "boxcar", half_width=half_width)
+    cases = (("boxcar", {"half_width": 0.5}, True), ("boxcar", {"half_width": 0.3}, False),
+             ("laplacian", {"tau": 0.1}, False))  # fmt: skip
+    for name, kw, walk in cases:
+        support = 5.0 if name == "laplacian" else None
+        op = OnTheFlyResampler(x, c, name, support, **kw)
         assert _geometry_lattice(op).walk is walk
         with torch.no_grad():
             ref = op(bits.float())

@@ -75,7 +75,7 @@ def test_gradients_match_autograd_of_the_dense_reference(name: str, dtype: torch
     x, c, gen = _problem(seed(name))
     f = torch.randn(3, 2, 300, generator=gen, dtype=dtype)
     g = torch.randn(3, 2, 40, generator=gen, dtype=torch.float64)
-    op = OnTheFlyResampler(x, c, name, dtype=dtype, **PARAMS[name])
+    op = OnTheFlyResampler(x, c, name, dtype=dtype, trainable=True, **PARAMS[name])
     fr = f.clone().requires_grad_()
     out = op(fr)
     (out * g.to(dtype)).sum().backward()
@@ -162,7 +162,7 @@ def test_triton_kernels_match_the_torch_kernels(name: str, M: int) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, c, gen = _problem(seed(name, M))
-    op = OnTheFlyResampler(x, c, name, dtype=torch.float64, **PARAMS[name])
+    op = OnTheFlyResampler(x, c, name, dtype=torch.float64, trainable=True, **PARAMS[name])
     f = torch.randn(M, 2, 300, generator=gen, dtype=torch.float64, requires_grad=True)
     g = torch.randn(M, 2, 40, generator=gen, dtype=torch.float64)
     ref = op(f)
@@ -205,10 +205,10 @@ def test_cuda_module_gradients(name: str) -> None:
     kw = PARAMS[name]
     f = torch.randn(5, 2, 5000, generator=gen, dtype=torch.float64)
     g = torch.randn(5, 2, 40, generator=gen, dtype=torch.float64)
-    ref_op = OnTheFlyResampler(x, c, name, dtype=torch.float64, **kw)
+    ref_op = OnTheFlyResampler(x, c, name, dtype=torch.float64, trainable=True, **kw)
     fr = f.clone().requires_grad_()
     (ref_op(fr) * g).sum().backward()
-    op = OnTheFlyResampler(x, c, name, device="cuda", **kw)
+    op = OnTheFlyResampler(x, c, name, device="cuda", trainable=True, **kw)
     fc = f.float().cuda().requires_grad_()
     out = op(fc)
     (out * g.float().cuda()).sum().backward()

@@ -77,7 +77,7 @@ def test_forward_and_gradients_match_the_dense_reference(
 ) -> None:
     x, c, xs, ys, f = _problem((kernels, case, dtype))
     g = torch.randn(3, 2, 40, generator=torch.Generator().manual_seed(case), dtype=torch.float64)
-    op = OnTheFlyResampler(x, c, (xs, ys), dtype=dtype)
+    op = OnTheFlyResampler(x, c, (xs, ys), dtype=dtype, trainable=True)
     assert op.table is not None
     assert op.table.dtype == dtype
     fr = f.to(dtype, copy=True).requires_grad_()
@@ -287,11 +287,11 @@ def test_triton_kernels_match_the_dense_reference(K: int) -> None:
 @pytest.mark.needs_cuda
 def test_cuda_module_matches_the_cpu_module() -> None:
     x, c, xs, ys, f = _problem("cuda", B=5000)
-    ref_op = OnTheFlyResampler(x, c, (xs, ys), dtype=torch.float64)
+    ref_op = OnTheFlyResampler(x, c, (xs, ys), dtype=torch.float64, trainable=True)
     fr = f.clone().requires_grad_()
     ref = ref_op(fr)
     ref.square().sum().backward()
-    op = OnTheFlyResampler(x, c, (xs, ys), device="cuda")
+    op = OnTheFlyResampler(x, c, (xs, ys), device="cuda", trainable=True)
     fc = f.float().cuda().requires_grad_()
     out = op(fc)
     out.square().sum().backward()
