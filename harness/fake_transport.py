@@ -100,6 +100,14 @@ class FakeClient(asyncio.Transport):
             if self.protocol is not None:
                 asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        """The server's last answer is out (a lingering close): the client, having read
+        it, hangs up."""
+        self.close()
+
     def pause_reading(self) -> None:
         self.paused = True
 

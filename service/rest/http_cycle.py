@@ -184,8 +184,9 @@ class Exchange:
     def _abort(self, message: str) -> None:
         """A 500 if the response has not started, else cut the connection (the client sees a
         truncated response, never a wrong one); nothing once the response is complete (the
-        connection may be serving the next request)."""
-        if self.complete:
+        connection may be serving the next request), nor once the request was dropped (its
+        client gone, or an error on its connection answered in its place)."""
+        if self.complete or self.disconnected:
             return
         transport = self.conn.transport
         if not self.started and not transport.is_closing():
