@@ -22,8 +22,9 @@ What a connection owns beyond parsing (``docs/http.md`` says it for users):
   connection closes without a word (an unsolicited 408 could be read as an answer).
 - **A connection cap**: beyond ``max_connections``, a new connection evicts the one idle
   longest with nothing received (never answered and open over ``_FRESH_GRACE_S``, else
-  answered before); one whose socket holds unread bytes, or with a head, a request or a
-  body under way, is never evicted. With none idle, the newcomer gets 503 and Retry-After.
+  answered before) with a 503 and Retry-After (a request on its way reads it as its answer);
+  one whose socket holds unread bytes, or with a head, a request or a body under way, is
+  never evicted. With none idle, the newcomer gets the 503.
 - **JSON errors**: malformed HTTP is a 400 naming the parser's reason; so are two ``Host``
   or two ``Authorization`` headers; a chunk declared larger than ``max_body_bytes`` is a 413
   as its size line arrives (:mod:`service.rest.chunks`).
@@ -181,7 +182,9 @@ class HttpProtocol(asyncio.Protocol):
                 )
                 return
             self.idle.evicted(cap)
-            idle._close()  # nothing received: closed as the keep-alive timeout closes
+            # Nothing received, but a request may be on its way: it reads this 503 as its
+            # answer (it was not served), never a close without a byte.
+            idle._close(Overloaded(f"closed to admit another connection (max_connections {cap})"))
         self.idle.add(self, served=False)
         self._wait_for_head(clock=True)
 

@@ -45,7 +45,7 @@ class IdleConnections(Generic[C]):
         self.evicted = Tally(
             logger,
             logging.WARNING,
-            "connection cap %d reached: closed idle connection(s) that had received nothing",
+            "connection cap %d reached: closed idle connection(s) with a 503 (nothing received)",
         )
         self.refused = Tally(
             logger,

@@ -11,8 +11,8 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -392,7 +392,7 @@ def test_at_the_connection_cap_every_simultaneous_client_is_answered(
     for _ in range(3):
         start = threading.Barrier(40)
         with ThreadPoolExecutor(40) as pool:
-            answers = list(pool.map(lambda _: _one_answer(port, start), range(40)))
+            answers = list(pool.map(_one_answer, [port] * 40, [start] * 40))
         statuses = sorted(status for status, _ in answers)
         assert set(statuses) <= {200, 503}, statuses
         assert statuses.count(200) >= 16, statuses
