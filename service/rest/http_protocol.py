@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import urllib.parse
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,7 @@ from service.errors import (
 )
 from service.rest.chunks import ChunkWatch
 from service.rest.errors import error_bytes
-from service.rest.http_cycle import App, Exchange, Message, Request
+from service.rest.http_cycle import App, Exchange, Request, request_scope
 from service.rest.sockets import IdleConnections, unread_bytes
 from service.text import safe_text
 
@@ -72,7 +71,6 @@ log = logging.getLogger(__name__)
 
 _HIGH_WATER = 64 << 10
 """Body bytes held for an application that has not taken them, above which reading pauses."""
-_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
 _SINGLE = {b"host": "Host", b"authorization": "Authorization"}
 """Request headers a request may have once (RFC 9112 for Host; for Authorization, one rule
 on every route instead of the first on some and the last on others)."""
@@ -309,7 +307,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.express is not None and not self._expect:
             request = self.express.begin(self, method, version, url, headers, keep_alive)
         if request is None:
-            scope = self.scope(method, version, url, headers)
+            scope = request_scope(self, method, version, url, headers)
             request = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
         self.parsing = request
         if self._chunked and self.max_body_bytes:
@@ -320,39 +318,11 @@ class HttpProtocol(asyncio.Protocol):
             self.queued.append(request)  # answered in order
             self._pause_reading()
 
-    def scope(
-        self, method: bytes, version: str, url: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> Message:
-        """The ASGI scope of a request with this head."""
-        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
-            raw_path, query = url, b""
-        else:
-            parsed = httptools.parse_url(url)
-            raw_path, query = parsed.path, parsed.query or b""
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        return {
-            "type": "http",
-            "asgi": self.asgi,
-            "http_version": version,
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,
-            "method": _METHODS.get(method) or method.decode("ascii"),
-            "root_path": self.root_path,
-            "path": self.root_path + path,
-            "raw_path": self.root_path.encode("ascii") + raw_path,
-            "query_string": query,
-            "headers": headers,
-            "state": self.app_state.copy(),
-        }
-
     def take_over(self, express: ExpressRequest) -> Exchange:
         """An express request handed to the general way: an exchange with its head, its body
         so far and its place on the connection (started if it was)."""
         method, version, url, headers = express.head
-        scope = self.scope(method, version, url, headers)
+        scope = request_scope(self, method, version, url, headers)
         exchange = Exchange(self, scope, keep_alive=express.keep_alive, expect_continue=False)
         exchange.chunks = express.chunks
         exchange.more_body = express.more_body
