@@ -125,6 +125,8 @@ def host_config(app: Any, http: Any) -> tuple[Any, Any]:
     import uvicorn
     from uvicorn.server import ServerState
 
-    config = uvicorn.Config(app, http=http, lifespan="off", proxy_headers=False, access_log=False)
+    config = uvicorn.Config(
+        app, http=http, ws="none", lifespan="off", proxy_headers=False, access_log=False
+    )
     config.load()
     return config, ServerState()
