@@ -56,7 +56,7 @@ test-uvicorn-floor: $(STAMP)
 		"import uvicorn; assert uvicorn.__version__ == '$(UVICORN_FLOOR)', uvicorn.__version__"
 	PYTHONPATH=$(CURDIR)/.uvicorn-floor $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/service/test_http_protocol.py tests/service/test_http_limits.py \
-		tests/service/test_app_http.py tests/e2e/test_server.py
+		tests/service/test_app_http.py tests/service/test_http_answers.py tests/e2e/test_server.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"

@@ -100,6 +100,14 @@ class FakeClient(asyncio.Transport):
             if self.protocol is not None:
                 asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        """The server's last answer is out (a lingering close): the client, having read
+        it, hangs up."""
+        self.close()
+
     def pause_reading(self) -> None:
         self.paused = True
 
@@ -117,6 +125,8 @@ def host_config(app: Any, http: Any) -> tuple[Any, Any]:
     import uvicorn
     from uvicorn.server import ServerState
 
-    config = uvicorn.Config(app, http=http, lifespan="off", proxy_headers=False, access_log=False)
+    config = uvicorn.Config(
+        app, http=http, ws="none", lifespan="off", proxy_headers=False, access_log=False
+    )
     config.load()
     return config, ServerState()

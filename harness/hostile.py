@@ -482,6 +482,9 @@ class Outcome:
     retry_after: bool = False
     json_error: bool = True
     wrong: bool = False
+    failure: str = ""
+    """Why there is no answer (status 0): ``closed`` (the connection closed or reset with no
+    answer), ``timeout`` (none within ``give_up_s``), ``connect`` (no connection)."""
 
 
 async def open_loop(
@@ -514,8 +517,15 @@ async def open_loop(
                 answer, conn = await _exchange(port, conn, requests[i % len(requests)])
                 if not answer.closes:
                     idle.append(conn)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            outcomes.append(Outcome(0, loop.time() - due, lag))
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+            failure = (
+                "timeout"
+                if isinstance(e, TimeoutError)
+                else "connect"
+                if isinstance(e, ConnectionRefusedError)
+                else "closed"
+            )
+            outcomes.append(Outcome(0, loop.time() - due, lag, failure=failure))
             return
         latency = loop.time() - due
         wrong = answer.status == 200 and check is not None and not check(i, answer)

@@ -48,7 +48,9 @@ class Tally:
     """Counts an event that clients can cause by the thousand (a shed request, an evicted
     connection) and logs it at most every ``every_s`` seconds, with the count since the last
     line: one line per occurrence would flood the log (and cost the CPU that shedding is
-    meant to save).
+    meant to save). Occurrences counted after a line are written ``every_s`` after it (a
+    timer on the running event loop), even if no other occurrence comes: the last burst's
+    count is never left unsaid.
 
     Args:
         logger: where the lines go.
@@ -66,15 +68,34 @@ class Tally:
         self.every_s = every_s
         self._count = 0
         self._logged_at = -math.inf
+        self._args: tuple[object, ...] = ()
+        self._flush_due = False
 
     def __call__(self, *args: object) -> None:
         """Count one occurrence (``args`` fill ``message`` if a line is written now)."""
         self._count += 1
+        self._args = args
         now = time.monotonic()
         if now - self._logged_at >= self.every_s:
-            self.logger.log(self.level, self.message, *args, self._count)
-            self._count = 0
-            self._logged_at = now
+            self._write(now)
+        elif not self._flush_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # outside a loop: the next occurrence's line carries the count
+            self._flush_due = True
+            loop.call_later(self._logged_at + self.every_s - now, self.flush)
+
+    def flush(self) -> None:
+        """Write the occurrences counted since the last line, if any."""
+        self._flush_due = False
+        if self._count:
+            self._write(time.monotonic())
+
+    def _write(self, now: float) -> None:
+        self.logger.log(self.level, self.message, *self._args, self._count)
+        self._count = 0
+        self._logged_at = now
 
 
 def printable_path(path: str) -> str:

@@ -155,10 +155,10 @@ class Settings(BaseSettings):
     the finer bounds)."""
 
     max_connections: int = Field(default=1000, gt=0)
-    """Open connections per worker process. A new connection beyond it closes the one that has
-    waited longest for a request head (slow, idle, or skipping a body answered early); when
-    all are busy it is answered 503. Lowered at start to fit the process's file-descriptor
-    limit."""
+    """Open connections per worker process. A new connection beyond it closes, with a 503 and
+    ``Retry-After``, the connection idle longest with nothing received (never one holding a
+    request, part of one, or unread bytes); when none is idle the new one gets the 503.
+    Lowered at start to fit the process's file-descriptor limit (docs/http.md)."""
 
     head_timeout_s: float = Field(default=10.0, gt=0)
     """Most seconds a request head (request line and headers) may take to arrive, from its

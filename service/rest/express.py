@@ -125,8 +125,8 @@ class ExpressLanes:
                 header_length = v
             elif k == b"x-request-id":
                 sent_id = v
-            elif k == b"authorization":
-                token = v
+            elif k == b"authorization" and token is None:
+                token = v  # the first, as every route reads it
             elif k == b"accept-encoding":
                 accept = v
             elif k in _GENERAL:

@@ -219,8 +219,8 @@ class InferRoute:
                 header_length = v.decode("latin-1")
             elif k == b"accept-encoding":
                 accept = v.decode("latin-1")
-            elif k == b"authorization":
-                token = v.decode("latin-1")
+            elif k == b"authorization" and token is None:
+                token = v.decode("latin-1")  # the first, as every route reads it
         check_bearer(token, self.token)
         if declared is not None and declared > self.max_body_bytes:
             raise PayloadTooLarge(

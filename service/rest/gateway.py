@@ -10,8 +10,8 @@ no ``Location`` is ever built from the request's ``Host`` header. Paths are logg
 cut (``service.observability.printable_path``): a percent-encoded newline must not forge a
 log line.
 
-A request with ``Expect: 100-continue`` that is answered before its body was asked for (an
-unknown model, a full queue) has its connection closed after the answer: the client may
+A request with ``Expect: 100-continue`` and a body that is answered before its body was asked
+for (an unknown model, a full queue) has its connection closed after the answer: the client may
 never send that body, and whatever it sends next could not be told apart from it.
 """
 
@@ -66,15 +66,18 @@ async def _last_answer(send: Send, error: ServiceError, request_id: str) -> None
 
 
 def _inspect(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bool]:
-    """The sent ``X-Request-ID`` and whether the client expects ``100 Continue``."""
+    """The sent ``X-Request-ID`` and whether the client expects ``100 Continue`` before a
+    body (a request without a body has nothing to wait for: its connection stays open)."""
     sent = None
-    expects = False
+    expects = has_body = False
     for k, v in headers:
         if k == b"x-request-id":
             sent = v
         elif k == b"expect":
             expects = v.lower() == b"100-continue"
-    return sent, expects
+        elif k == b"transfer-encoding" or (k == b"content-length" and v.strip(b"0 \t")):
+            has_body = True
+    return sent, expects and has_body
 
 
 class Gateway:

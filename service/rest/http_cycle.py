@@ -16,8 +16,11 @@ import asyncio
 import http
 import logging
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
+
+import httptools
 
 from service.errors import ServiceError
 from service.rest.disconnect import client_gone
@@ -51,6 +54,43 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
+_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
+
+
+def request_scope(
+    conn: HttpProtocol,
+    method: bytes,
+    version: str,
+    url: bytes,
+    headers: list[tuple[bytes, bytes]],
+) -> Message:
+    """The ASGI scope of a request with this head on ``conn``."""
+    if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+        raw_path, query = url, b""
+    else:
+        parsed = httptools.parse_url(url)
+        raw_path, query = parsed.path, parsed.query or b""
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    root_path = conn.root_path
+    return {
+        "type": "http",
+        "asgi": conn.asgi,
+        "http_version": version,
+        "server": conn.server,
+        "client": conn.client,
+        "scheme": conn.scheme,
+        "method": _METHODS.get(method) or method.decode("ascii"),
+        "root_path": root_path,
+        "path": root_path + path,
+        "raw_path": root_path.encode("ascii") + raw_path,
+        "query_string": query,
+        "headers": headers,
+        "state": conn.app_state.copy(),
+    }
 
 
 class Request(Protocol):
@@ -184,8 +224,9 @@ class Exchange:
     def _abort(self, message: str) -> None:
         """A 500 if the response has not started, else cut the connection (the client sees a
         truncated response, never a wrong one); nothing once the response is complete (the
-        connection may be serving the next request)."""
-        if self.complete:
+        connection may be serving the next request), nor once the request was dropped (its
+        client gone, or an error on its connection answered in its place)."""
+        if self.complete or self.disconnected:
             return
         transport = self.conn.transport
         if not self.started and not transport.is_closing():

@@ -7,36 +7,35 @@ uvicorn's public attributes give: uvicorn calls the class with ``config``, ``ser
 ``server_state.connections`` while open and stops on ``shutdown()``; its requests' tasks are
 in ``server_state.tasks`` (uvicorn waits for them, then cancels them, on a graceful shutdown);
 ``server_state.total_requests`` counts the responses; ``server_state.default_headers`` are
-the headers every response carries (Date, and ``Config(headers=...)``). Nothing here
-subclasses uvicorn or reads its private state; CI runs the tests at both ends of the uvicorn
-range that ``pyproject.toml`` pins. There is no WebSocket: an upgrade request is answered as
-plain HTTP and its connection closed.
+the headers every response carries. Nothing here subclasses uvicorn or reads its private
+state; CI runs the tests at both ends of the uvicorn range that ``pyproject.toml`` pins.
+There is no WebSocket: an upgrade request is answered as plain HTTP and its connection closed.
 
-What a connection owns, beyond parsing:
+What a connection owns beyond parsing (``docs/http.md`` says it for users):
 
-- **A head-read timeout.** A request head (request line and headers) must arrive whole within
-  ``head_timeout_s`` of the connection's opening, or of its first byte on a connection
-  that has been answered before; otherwise the connection is closed, with a 408 when part of
-  a head had come. The same clock bounds the unread rest of a body that was answered early
-  (a 404, a 503 from the headers): its bytes are skipped as they come, for ``head_timeout_s``
-  at most.
-- **Bounds on the head.** A head of more than ``max_head_bytes`` (request target and header
-  lines, as sent: the one place they are counted), counted as it arrives in one read or many,
-  or of more than ``max_headers`` header lines, is answered 431 and the connection closed.
-- **A keep-alive timeout.** A connection idle for ``Config.timeout_keep_alive`` seconds after
-  a response is closed without an answer: an unsolicited 408 could be read as the answer to
-  a request the client is sending at that moment. (The same holds for a connection closed
-  while it had sent no byte of a head.)
-- **A connection cap.** Beyond ``max_connections`` open connections, a new one first evicts
-  the connection that has been waiting longest for a request head among those never
-  answered (a slow client), else among those answered before (an idle keep-alive client, or
-  one whose early-answered body is being skipped); only when every connection is busy with a
-  request is the new one answered 503 and closed.
-- **JSON errors.** Malformed HTTP is answered ``{"error": ...}`` naming the parser's reason.
+- **A head-read timeout**: a head must arrive whole within ``head_timeout_s`` of the
+  connection's opening, or of its first byte after an answer; else a 408 if part of one came
+  (silence otherwise). The same clock bounds the skipped rest of a body answered early.
+- **Bounds on the head**: more than ``max_head_bytes`` (target and header lines as sent,
+  counted as they arrive) or ``max_headers`` lines is a 431.
+- **A keep-alive timeout**: idle ``Config.timeout_keep_alive`` seconds after an answer, the
+  connection closes without a word (an unsolicited 408 could be read as an answer).
+- **A connection cap**: beyond ``max_connections``, a new connection evicts the one idle
+  longest with nothing received (never answered and open over ``_FRESH_GRACE_S``, else
+  answered before) with a 503 and Retry-After (a request on its way reads it as its answer);
+  one whose socket holds unread bytes, or with a head, a request or a body under way, is
+  never evicted. With none idle, the newcomer gets the 503.
+- **JSON errors**: malformed HTTP is a 400 naming the parser's reason; so are two ``Host``
+  or two ``Authorization`` headers; a chunk declared larger than ``max_body_bytes`` is a 413
+  as its size line arrives (:mod:`service.rest.chunks`).
 - **One write per response** (:class:`~service.rest.http_cycle.Exchange`).
-- **Pipelining.** Requests sent back to back are answered in order; reading pauses while one
-  waits its turn, and while a request holds more than 64 KiB of body its application has not
-  taken yet.
+- **Pipelining**: answers go in request order; reading pauses while a request waits its
+  turn, or holds 64 KiB of body its application has not taken. An error that ends the
+  connection (400, 408, 413, 431) is answered after every request received whole before it,
+  then the connection closes; a request whose body the error cut is dropped.
+- **A lingering close**: after its last answer a connection is half-closed and what the
+  client still sends is dropped, until it closes or ``_LINGER_S`` passes (a close with
+  unread bytes sends a reset, which can destroy the answer before the client reads it).
 
 The limits are class attributes, set once per server by :func:`protocol_class`.
 """
@@ -46,16 +45,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import urllib.parse
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import httptools
 
-from service.errors import HeaderLimit, InvalidInput, Overloaded, RequestTimeout, ServiceError
+from service.errors import (
+    HeaderLimit,
+    InvalidInput,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+)
+from service.rest.chunks import ChunkWatch
 from service.rest.errors import error_bytes
-from service.rest.http_cycle import App, Exchange, Message, Request
-from service.rest.sockets import Waiting, unread_bytes
+from service.rest.http_cycle import App, Exchange, Request, request_scope
+from service.rest.sockets import IdleConnections, unread_bytes
 from service.text import safe_text
 
 if TYPE_CHECKING:
@@ -65,11 +71,14 @@ log = logging.getLogger(__name__)
 
 _HIGH_WATER = 64 << 10
 """Body bytes held for an application that has not taken them, above which reading pauses."""
-_METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
-
-
-class _HeadTooLarge(Exception):
-    """Raised in a parser callback to stop parsing a head past a bound (431)."""
+_SINGLE = {b"host": "Host", b"authorization": "Authorization"}
+"""Request headers a request may have once (RFC 9112 for Host; for Authorization, one rule
+on every route instead of the first on some and the last on others)."""
+_LINGER_S = 2.0
+"""The longest a connection closed after an answer reads what its client still sends."""
+_FRESH_GRACE_S = 1.0
+"""A connection accepted this recently, with nothing received yet, is not evicted: its
+request may be on the way."""
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -85,7 +94,8 @@ class HttpProtocol(asyncio.Protocol):
     max_head_bytes: int = 64 << 10
     max_headers: int = 100
     max_connections: int = 0  # 0: no cap
-    waiting: Waiting[HttpProtocol] = Waiting(log)  # one per server: protocol_class makes one
+    max_body_bytes: int = 0  # 0: chunk sizes are not checked
+    idle: IdleConnections[HttpProtocol] = IdleConnections(log)  # protocol_class makes one
 
     def __init__(
         self,
@@ -125,6 +135,11 @@ class HttpProtocol(asyncio.Protocol):
         self.reading = False
         """Inside ``data_received``: the parser is at work."""
         self.stopping = False
+        self.fatal: ServiceError | None = None
+        """An error that ends the connection, answered after the requests ahead of it."""
+        self.lingering = False
+        """Answered for the last time: half-closed, dropping what the client still sends."""
+        self.opened_at = 0.0
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._reading_paused = False
@@ -134,14 +149,16 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect = False
+        self._chunked = False
+        self._chunks: ChunkWatch | None = None
         self._head_bytes = 0
         self._partial_bytes = 0
         self._began_in_this_read = False
         self._head_begun = False
         self._waiting_for_head = False
-        self._served = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # --- the transport's callbacks --------------------------------------------------------
 
@@ -152,20 +169,29 @@ class HttpProtocol(asyncio.Protocol):
         self.client = _address(transport.get_extra_info("peername"))
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = "https"
+        self.opened_at = now = self.loop.time()
         cap = self.max_connections
         if cap and len(self.state.connections) > cap:
-            oldest = self.waiting.oldest()
-            if oldest is None:
-                self._close(Overloaded(f"too many connections (max_connections {cap})"))
+            idle = self.idle.evictable(opened_before=now - _FRESH_GRACE_S)
+            if idle is None:
+                self.idle.refused(cap)
+                self._close(
+                    Overloaded(f"too many connections (max_connections {cap}); retry later")
+                )
                 return
-            self.waiting.evicted(cap)
-            oldest._close_waiting("closed to admit another connection: request head too slow")
+            self.idle.evicted(cap)
+            # Nothing received, but a request may be on its way: it reads this 503 as its
+            # answer (it was not served), never a close without a byte.
+            idle._close(Overloaded(f"closed to admit another connection (max_connections {cap})"))
+        self.idle.add(self, served=False)
         self._wait_for_head(clock=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
         self._stop_waiting()
         self._cancel_idle()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         for exchange in (self.active, *self.queued, self.parsing):
             if exchange is not None and not exchange.complete:
                 exchange.lost()
@@ -176,8 +202,8 @@ class HttpProtocol(asyncio.Protocol):
         return None  # the transport closes itself
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
-            return  # refused, timed out or evicted: what else arrives is not parsed
+        if self.transport.is_closing() or self.fatal is not None or self.lingering:
+            return  # refused, failed, answered for the last time: what else comes is dropped
         self._cancel_idle()
         self._began_in_this_read = False
         self.reading = True
@@ -187,16 +213,29 @@ class HttpProtocol(asyncio.Protocol):
             log.debug("upgrade request answered as plain HTTP")  # its connection then closes
             return
         except httptools.HttpParserError as e:
-            if isinstance(e.__context__, _HeadTooLarge):
-                self._close(HeaderLimit(str(e.__context__)))
+            cause = e.__context__
+            if isinstance(cause, ServiceError):  # raised by a callback of ours
+                self._fail(cause)
                 return
-            reason = e.__context__ if isinstance(e.__context__, httptools.HttpParserError) else e
+            reason = cause if isinstance(cause, httptools.HttpParserError) else e
             text = safe_text(str(reason) or type(reason).__name__, 200)
             log.info("malformed HTTP request: %s", text)
-            self._close(InvalidInput(f"malformed HTTP request: {text}"))
+            self._fail(InvalidInput(f"malformed HTTP request: {text}"))
             return
         finally:
             self.reading = False
+        chunks = self._chunks
+        if chunks is not None:
+            size = chunks.after_read(data)
+            limit = self.max_body_bytes
+            if size is not None and chunks.received - chunks.in_chunk + size > limit:
+                self._fail(
+                    PayloadTooLarge(
+                        f"a chunk of {size} bytes would pass the request body limit of "
+                        f"{limit} bytes (max_body_bytes)"
+                    )
+                )
+                return
         parsing = self.parsing
         if parsing is not None and parsing.more_body:
             parsing.body_incomplete()
@@ -207,7 +246,7 @@ class HttpProtocol(asyncio.Protocol):
             if not self._began_in_this_read:
                 self._partial_bytes += len(data)
             if self._partial_bytes > self.max_head_bytes:
-                self._close(HeaderLimit(self._too_large()))
+                self._fail(HeaderLimit(self._too_large()))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -229,8 +268,9 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._expect = False
+        self._expect = self._chunked = False
         self._head_begun = True
+        self.idle.remove(self)
         self._began_in_this_read = True
         self._head_bytes = self._partial_bytes = 0
         if self._waiting_for_head:
@@ -246,10 +286,14 @@ class HttpProtocol(asyncio.Protocol):
         self._count_head(len(name) + len(value) + 4)  # as sent: "name: value\r\n"
         headers = self._headers
         if len(headers) >= self.max_headers:
-            raise _HeadTooLarge(f"too many request headers (limit {self.max_headers})")
+            raise HeaderLimit(f"too many request headers (limit {self.max_headers})")
         name = name.lower()
+        if name in _SINGLE and any(k == name for k, _ in headers):
+            raise InvalidInput(f"malformed HTTP request: more than one {_SINGLE[name]} header")
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect = True
+        elif name == b"transfer-encoding":
+            self._chunked = True  # the parser refuses any coding but a final "chunked"
         headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -263,48 +307,22 @@ class HttpProtocol(asyncio.Protocol):
         if self.express is not None and not self._expect:
             request = self.express.begin(self, method, version, url, headers, keep_alive)
         if request is None:
-            scope = self.scope(method, version, url, headers)
+            scope = request_scope(self, method, version, url, headers)
             request = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
         self.parsing = request
+        if self._chunked and self.max_body_bytes:
+            self._chunks = ChunkWatch()
         if self.active is None:
             self._start(request)
         else:
             self.queued.append(request)  # answered in order
             self._pause_reading()
 
-    def scope(
-        self, method: bytes, version: str, url: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> Message:
-        """The ASGI scope of a request with this head."""
-        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
-            raw_path, query = url, b""
-        else:
-            parsed = httptools.parse_url(url)
-            raw_path, query = parsed.path, parsed.query or b""
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        return {
-            "type": "http",
-            "asgi": self.asgi,
-            "http_version": version,
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,
-            "method": _METHODS.get(method) or method.decode("ascii"),
-            "root_path": self.root_path,
-            "path": self.root_path + path,
-            "raw_path": self.root_path.encode("ascii") + raw_path,
-            "query_string": query,
-            "headers": headers,
-            "state": self.app_state.copy(),
-        }
-
     def take_over(self, express: ExpressRequest) -> Exchange:
         """An express request handed to the general way: an exchange with its head, its body
         so far and its place on the connection (started if it was)."""
         method, version, url, headers = express.head
-        scope = self.scope(method, version, url, headers)
+        scope = request_scope(self, method, version, url, headers)
         exchange = Exchange(self, scope, keep_alive=express.keep_alive, expect_continue=False)
         exchange.chunks = express.chunks
         exchange.more_body = express.more_body
@@ -318,6 +336,8 @@ class HttpProtocol(asyncio.Protocol):
         return exchange
 
     def on_body(self, body: bytes) -> None:
+        if self._chunks is not None:
+            self._chunks.body(len(body))
         exchange = self.parsing
         if exchange is None or exchange.complete or self.transport.is_closing():
             return  # the rest of a body answered early (or refused) is skipped
@@ -325,9 +345,18 @@ class HttpProtocol(asyncio.Protocol):
             self._pause_reading()
 
     def on_message_complete(self) -> None:
+        self._chunks = None
         exchange = self.parsing
         if exchange is not None:
             exchange.body_done()
+
+    def on_chunk_header(self) -> None:
+        if self._chunks is not None:
+            self._chunks.header()
+
+    def on_chunk_complete(self) -> None:
+        if self._chunks is not None:
+            self._chunks.complete()
 
     # --- requests -------------------------------------------------------------------------
 
@@ -344,12 +373,13 @@ class HttpProtocol(asyncio.Protocol):
     def response_done(self, exchange: Request) -> None:
         """``exchange``'s response is complete (called by the exchange)."""
         self.state.total_requests += 1
-        self._served = True
         if exchange is self.parsing and not exchange.more_body:
             self.parsing = None
-        if not exchange.keep_alive or self.stopping:
-            self.transport.close()
-        if self.transport.is_closing():
+        if self.stopping:
+            self.transport.close()  # the server is going: its loop may end before a linger
+        elif not exchange.keep_alive:
+            self._linger()
+        if self.transport.is_closing() or self.lingering:
             self.active = None
             return
         if self.queued:
@@ -359,6 +389,9 @@ class HttpProtocol(asyncio.Protocol):
                 self.transport.resume_reading()
             return
         self.active = None
+        if self.fatal is not None:
+            self._close(self.fatal)  # every request ahead of it is answered
+            return
         if self._reading_paused:
             self._reading_paused = False
             self.transport.resume_reading()
@@ -371,13 +404,14 @@ class HttpProtocol(asyncio.Protocol):
         else:
             # Idle. The next head's clock starts at its first byte; the keep-alive timeout
             # covers the silence before it.
+            self.idle.add(self, served=True)
             self._wait_for_head(clock=False)
             self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
 
     def shutdown(self) -> None:
         """Stop after the request being answered (uvicorn calls this on a graceful shutdown)."""
         self.stopping = True
-        if self.active is None:
+        if self.active is None and not self.lingering:
             self._close()
 
     def default_headers(self) -> bytes:
@@ -391,10 +425,9 @@ class HttpProtocol(asyncio.Protocol):
     # --- limits ---------------------------------------------------------------------------
 
     def _wait_for_head(self, *, clock: bool) -> None:
-        """Join the connections waiting for a head, as the newest; ``clock``: start the
-        head's clock now (else it starts at the head's first byte)."""
+        """Wait for a head; ``clock``: start the head's clock now (else it starts at the
+        head's first byte)."""
         self._waiting_for_head = True
-        self.waiting.add(self, served=self._served)
         if clock:
             self._start_clock()
 
@@ -405,7 +438,7 @@ class HttpProtocol(asyncio.Protocol):
     def _stop_waiting(self) -> None:
         self._waiting_for_head = False
         self._head_begun = False
-        self.waiting.remove(self)
+        self.idle.remove(self)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -416,26 +449,69 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_timer = None
 
     def _close(self, error: ServiceError | None = None) -> None:
-        """Close the connection, after answering ``error`` when one is given."""
+        """Close the connection: silently, or after answering ``error`` (then lingering)."""
         self._stop_waiting()
         self._cancel_idle()
-        if not self.transport.is_closing():
-            if error is not None:
-                self.transport.write(error_bytes(error))
+        if self.transport.is_closing() or self.lingering:
+            return
+        if error is None:
             self.transport.close()
+            return
+        self.transport.write(error_bytes(error))
+        self._linger()
 
-    def _close_waiting(self, message: str) -> None:
-        """Close a connection waiting for a head: 408 if part of one came, else silently."""
-        self._close(RequestTimeout(message) if self._head_begun else None)
+    def _fail(self, error: ServiceError) -> None:
+        """An error that ends the connection (400, 408, 413, 431): answered after the
+        requests received whole before it, in order; a request whose body it cut is dropped
+        (``error`` is its answer)."""
+        self._stop_waiting()
+        self._cancel_idle()
+        if self.fatal is not None or self.lingering or self.transport.is_closing():
+            return
+        self.fatal = error
+        cut, self.parsing, self._chunks = self.parsing, None, None
+        if cut is not None and cut.more_body and not cut.complete:
+            if cut is self.active:
+                if isinstance(cut, Exchange) and cut.started and cut.head is None:
+                    self.transport.close()  # part of its answer is out: cut, never followed
+                    return
+                self.active = None
+            else:
+                self.queued = deque(r for r in self.queued if r is not cut)
+            cut.lost()
+        if self.active is None:
+            self._close(error)
+
+    def _linger(self) -> None:
+        """Half-close after the last answer (see the module docstring)."""
+        transport = self.transport
+        if transport.is_closing() or self.lingering:
+            return
+        self._stop_waiting()
+        self._cancel_idle()
+        if not transport.can_write_eof():  # TLS: no half-close
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        self._linger_timer = self.loop.call_later(_LINGER_S, transport.close)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._waiting_for_head:
-            self._close_waiting(f"the request head did not arrive within {self.head_timeout_s:g} s")
+        if not self._waiting_for_head:
+            return
+        if self._head_begun:
+            timeout = self.head_timeout_s
+            self._fail(RequestTimeout(f"the request head did not arrive within {timeout:g} s"))
+        else:
+            self._close()
 
     def _idle_timed_out(self) -> None:
         self._idle_timer = None
-        if self.active is not None or self._head_begun:
+        if self.active is not None or self._head_begun or self.lingering:
             return
         if unread_bytes(self.transport):
             # A request arrived as the timer fired (the loop runs due timers before it reads
@@ -447,7 +523,7 @@ class HttpProtocol(asyncio.Protocol):
     def _count_head(self, nbytes: int) -> None:
         self._head_bytes += nbytes
         if self._head_bytes > self.max_head_bytes:
-            raise _HeadTooLarge(self._too_large())
+            raise HeaderLimit(self._too_large())
 
     def _too_large(self) -> str:
         return f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)"
@@ -470,6 +546,7 @@ def protocol_class(
     max_header_bytes: int,
     max_connections: int,
     max_headers: int = 100,
+    max_body_bytes: int = 0,
 ) -> type[HttpProtocol]:
     """A protocol class for one server, with its limits (uvicorn's ``Config(http=...)``)."""
     return type(
@@ -480,6 +557,7 @@ def protocol_class(
             "max_head_bytes": max_header_bytes,
             "max_headers": max_headers,
             "max_connections": max_connections,
-            "waiting": Waiting(log),
+            "max_body_bytes": max_body_bytes,
+            "idle": IdleConnections(log),
         },
     )

@@ -56,6 +56,7 @@ def uvicorn_config(
         max_header_bytes=settings.max_header_bytes,
         max_headers=settings.max_headers,
         max_connections=max_connections(settings.max_connections),
+        max_body_bytes=settings.max_body_bytes,
     )
     return uvicorn.Config(
         app,

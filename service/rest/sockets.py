@@ -1,6 +1,6 @@
 """The HTTP server's connections and what it asks of the operating system about them: bytes
 a socket holds unread, how many connections fit the process's file-descriptor limit, and
-which connection the connection cap evicts first."""
+which connection the connection cap may close to admit another."""
 
 from __future__ import annotations
 
@@ -11,20 +11,33 @@ import resource
 import sys
 import termios
 from collections import OrderedDict
-from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from service.observability import Tally
 
 log = logging.getLogger(__name__)
-C = TypeVar("C", bound=Hashable)
 
 
-class Waiting(Generic[C]):
-    """One server's connections waiting for a request head, oldest first, in two classes:
-    those that were never answered (slowloris holds only these) and those that were (a
-    keep-alive client between requests). The first are evicted first; evictions are counted
-    and logged (to ``logger``) at most every 10 s."""
+class Connection(Protocol):
+    """What the connection cap reads of a connection."""
+
+    opened_at: float
+    """The event loop's time when it was accepted."""
+    transport: asyncio.Transport
+
+    def __hash__(self) -> int: ...
+
+
+C = TypeVar("C", bound=Connection)
+
+
+class IdleConnections(Generic[C]):
+    """One server's idle connections, oldest first: those that have received nothing since
+    they were accepted or last answered, in two classes: those never answered (a client
+    that connects and sends nothing holds only these) and those answered before (a
+    keep-alive client between requests). A connection leaves as the first byte of a head is
+    parsed. Evictions and refusals are counted and logged (to ``logger``) at most every 10 s.
+    """
 
     def __init__(self, logger: logging.Logger) -> None:
         self.fresh: OrderedDict[C, None] = OrderedDict()
@@ -32,7 +45,12 @@ class Waiting(Generic[C]):
         self.evicted = Tally(
             logger,
             logging.WARNING,
-            "connection cap %d reached: closed connection(s) waiting for a head",
+            "connection cap %d reached: closed idle connection(s) with a 503 (nothing received)",
+        )
+        self.refused = Tally(
+            logger,
+            logging.WARNING,
+            "connection cap %d reached: answered new connection(s) 503 (no connection idle)",
         )
 
     def add(self, conn: C, *, served: bool) -> None:
@@ -44,11 +62,19 @@ class Waiting(Generic[C]):
         self.fresh.pop(conn, None)
         self.served.pop(conn, None)
 
-    def oldest(self) -> C | None:
-        """The connection to evict first, if any."""
-        for group in (self.fresh, self.served):
-            if group:
-                return next(iter(group))
+    def evictable(self, opened_before: float) -> C | None:
+        """The connection to close for a newcomer, if any: the one idle longest among those
+        never answered and accepted before ``opened_before`` (a younger one may have its
+        request on the way), else among those answered before; never one whose socket holds
+        bytes not read yet (a request that has arrived)."""
+        for conn in self.fresh:
+            if conn.opened_at > opened_before:
+                break  # the rest are younger still
+            if not unread_bytes(conn.transport):
+                return conn
+        for conn in self.served:
+            if not unread_bytes(conn.transport):
+                return conn
         return None
 
 

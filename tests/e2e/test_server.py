@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -307,6 +309,13 @@ def test_limits_auth_and_graceful_sigterm(
     )
     auth = {"Authorization": "Bearer tok"}
 
+    # Two Authorization headers: 400 on every route, whichever of them is right.
+    for method, path in (("POST", "/v2/models/slow/infer"), ("GET", "/v2/models/slow")):
+        headers = [("Authorization", "Bearer tok"), ("Authorization", "Bearer nope")]
+        r = httpx.request(method, server.url + path, headers=headers, content=b"{}")
+        assert r.status_code == 400, (path, r.text)
+        assert "more than one Authorization header" in r.json()["error"]
+
     # Content-Length over the limit: 413 before the body is read.
     r = httpx.post(server.url + "/v2/models/slow/infer", content=b"\0" * 5000, headers=auth)
     assert r.status_code == 413
@@ -347,6 +356,47 @@ def test_limits_auth_and_graceful_sigterm(
     log = server.log()
     assert log.index("POST /v2/models/slow/infer 200") < log.index("repository stopped")
     assert "Application shutdown complete" in log
+    assert "nanobind: leaked" not in log
     assert time.monotonic() - started < grace_s
     with pytest.raises(httpx.ConnectError):  # after shutdown, new connections are refused
         httpx.get(server.url + "/v2/health/live", timeout=2)
+
+
+def _one_answer(port: int, start: threading.Barrier) -> tuple[int, bytes]:
+    """Connect, wait for the others, send one whole GET; the answer's status and head (0 and
+    b"" when the connection closed without a byte)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        start.wait(30)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = b""
+        while b"\r\n\r\n" not in raw:
+            try:
+                part = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not part:
+                break
+            raw += part
+    head = raw.partition(b"\r\n\r\n")[0]
+    m = re.match(rb"HTTP/1\.1 (\d{3}) ", head)
+    return (int(m.group(1)) if m else 0), head
+
+
+def test_at_the_connection_cap_every_simultaneous_client_is_answered(
+    server_factory: Callable[..., BitserveServer],
+) -> None:
+    """40 clients at once against ``--max-connections 16``: each one's GET is answered,
+    200 or 503 with Retry-After; none is closed without a byte (three rounds)."""
+    server = server_factory(None, args=["--max-connections", "16"])
+    port = int(server.host_port.rsplit(":", 1)[1])
+    for _ in range(3):
+        start = threading.Barrier(40)
+        with ThreadPoolExecutor(40) as pool:
+            answers = list(pool.map(_one_answer, [port] * 40, [start] * 40))
+        statuses = sorted(status for status, _ in answers)
+        assert set(statuses) <= {200, 503}, statuses
+        assert 200 in statuses, statuses
+        for status, head in answers:
+            if status == 503:
+                assert re.search(rb"(?im)^retry-after: \d+\r?$", head), head
+        time.sleep(1.5)  # the answered keep-alive connections are idle: the next round evicts

@@ -4,8 +4,8 @@ A uvicorn server with our protocol class and the fake repository (``app_fakes``)
 thread; raw sockets play the clients. Covered: the head-read timeout (silent close when no
 byte of a head came, 408 for a partial head, the skipped rest of an early-answered body), the
 head-size bound whatever the packets (431), malformed HTTP (400 naming the parser's reason),
-pipelining, the connection cap (evicting the connection waiting longest for a head, never one
-whose request is running; 503 when all are busy), and ``Expect: 100-continue`` answered
+pipelining, the connection cap (evicting only connections idle with nothing received; 503 with
+Retry-After when none is), and ``Expect: 100-continue`` answered
 before the body.
 """
 
@@ -310,33 +310,40 @@ def test_pipelined_requests_are_answered_in_order(port: int) -> None:
 # --- the connection cap -------------------------------------------------------------------
 
 
-def test_at_the_cap_never_answered_connections_are_evicted_first_oldest_first() -> None:
+def evicted(raw: bytes) -> bool:
+    """``raw`` is the 503 of a connection closed at the cap to admit another."""
+    [(status, body)] = parse_all(raw)
+    return (
+        status == 503
+        and re.search(rb"(?im)^retry-after: 1\r$", raw) is not None
+        and "closed to admit another connection (max_connections 3)" in error_of(body)
+    )
+
+
+def test_at_the_cap_only_connections_idle_with_nothing_received_are_evicted() -> None:
     with serving(max_connections=3, head_timeout_s=WAIT_S) as port:
-        keep = connect(port)  # the oldest, but a client that was answered
+        keep = connect(port)  # the oldest: a client that was answered, idle now
         keep.sendall(LIVE)
         assert read_response(keep)[0] == 200
         slow = connect(port)
-        slow.sendall(b"GET /v2 HTTP/1.1\r\n")  # part of a head: evicted with a 408
-        time.sleep(0.05)
-        silent = connect(port)  # never sent a byte: evicted without an answer
-        time.sleep(0.05)
-        new = []
-        for _ in range(2):
-            new.append(connect(port))
-            new[-1].sendall(LIVE)
-            assert read_response(new[-1])[0] == 200
-        [(status, body)] = parse_all(read_until_closed(slow))
-        assert status == 408
-        assert "to admit another connection" in error_of(body)
-        assert read_until_closed(silent) == b""
-        keep.sendall(LIVE)  # still open: the never-answered ones went first
-        assert read_response(keep)[0] == 200
-        # Now only answered connections wait: the one idle longest goes.
+        slow.sendall(b"GET /v2/health/live HTTP/1.1\r\n")  # part of a head: never evicted
+        silent = connect(port)  # never sends a byte
+        time.sleep(1.2)  # past the grace a new connection has for its first bytes
+        new = connect(port)  # closes `silent`: never answered, nothing received
+        new.sendall(LIVE)
+        assert read_response(new)[0] == 200
+        # A request on its way would read this 503 as its answer: never a close without one.
+        assert evicted(read_until_closed(silent))
+        # Now `keep` and `new` are idle after an answer: the one idle longest goes.
         last = connect(port)
         last.sendall(LIVE)
         assert read_response(last)[0] == 200
-        assert read_until_closed(new[0]) == b""
-        for s in (keep, slow, silent, *new, last):
+        assert evicted(read_until_closed(keep))
+        slow.sendall(b"Host: t\r\n\r\n")  # the head under way was kept: it is answered
+        assert read_response(slow)[0] == 200
+        new.sendall(LIVE)
+        assert read_response(new)[0] == 200
+        for s in (keep, slow, silent, new, last):
             s.close()
 
 
@@ -348,8 +355,10 @@ def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503() -> None:
             s.sendall(echo_request(body=b"{}")[:-2])
         time.sleep(0.1)
         with connect(port) as s:
-            [(status, body)] = parse_all(read_until_closed(s))
+            raw = read_until_closed(s)
+        [(status, body)] = parse_all(raw)
         assert status == 503
+        assert re.search(rb"(?im)^retry-after: 1\r$", raw)
         assert "max_connections 2" in error_of(body)
         for s in busy:
             s.sendall(b"{}")

@@ -27,6 +27,8 @@ class Transport(asyncio.Transport):
         super().__init__()
         self.writes: list[bytes] = []
         self.closed = False
+        self.eof = False
+        """Half-closed: the server's last answer is out (it reads on until the client closes)."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
@@ -36,6 +38,17 @@ class Transport(asyncio.Transport):
 
     def is_closing(self) -> bool:
         return self.closed
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    @property
+    def ended(self) -> bool:
+        """Closed, or half-closed after a last answer."""
+        return self.closed or self.eof
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
@@ -75,6 +88,7 @@ def connect(
         max_header_bytes=limits.get("max_header_bytes", 1024),
         max_headers=limits.get("max_headers", 100),
         max_connections=limits.get("max_connections", 0),
+        max_body_bytes=limits.get("max_body_bytes", 0),
     )
     config = Config(
         asgi or app,
@@ -155,7 +169,7 @@ async def test_malformed_http_is_a_json_400_and_closes() -> None:
     assert head.startswith(b"HTTP/1.1 400 ")
     assert b"content-type: application/json" in head
     assert json.loads(body)["error"].startswith("malformed HTTP request")
-    assert transport.closed
+    assert transport.ended
 
 
 async def test_a_head_past_the_limit_is_431_in_one_piece_or_many() -> None:
@@ -165,13 +179,13 @@ async def test_a_head_past_the_limit_is_431_in_one_piece_or_many() -> None:
         head += b"\r\n\r\nbody"
         step = -(-len(head) // pieces)
         for i in range(0, len(head), step):
-            if transport.closed:
+            if transport.ended:
                 break
             protocol.data_received(head[i : i + step])
         (response,) = transport.writes
         assert response.startswith(b"HTTP/1.1 431 "), pieces
         assert b"max_header_bytes" in response
-        assert transport.closed
+        assert transport.ended
 
 
 async def test_a_head_too_slow_is_408() -> None:
@@ -181,7 +195,7 @@ async def test_a_head_too_slow_is_408() -> None:
     (response,) = transport.writes
     assert response.startswith(b"HTTP/1.1 408 ")
     assert b"did not arrive within 0.05 s" in response
-    assert transport.closed
+    assert transport.ended
     # A complete head in time is served, and its timer does not fire later.
     protocol, transport = connect(head_timeout_s=0.05)
     protocol.data_received(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -203,7 +217,7 @@ async def test_too_many_header_lines_are_431() -> None:
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ")
     assert json.loads(body) == {"error": "too many request headers (limit 8)"}
-    assert transport.closed
+    assert transport.ended
 
 
 async def test_idle_keep_alive_connections_close_without_an_answer() -> None:
@@ -212,7 +226,7 @@ async def test_idle_keep_alive_connections_close_without_an_answer() -> None:
     await settle()
     assert len(transport.writes) == 1
     await asyncio.sleep(0.2)
-    assert transport.closed
+    assert transport.ended
     assert len(transport.writes) == 1
 
 
@@ -266,7 +280,7 @@ async def test_a_header_value_cannot_forge_another_header() -> None:
     (response,) = transport.writes
     assert response.startswith(b"HTTP/1.1 500 ")
     assert b"set-cookie" not in response
-    assert transport.closed
+    assert transport.ended
 
 
 async def silent(
@@ -290,7 +304,7 @@ async def test_an_application_that_does_not_answer_gets_a_json_500(asgi: Any) ->
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 500 ")
     assert json.loads(body)["error"].startswith("internal error")
-    assert transport.closed
+    assert transport.ended
 
 
 async def test_uvicorns_server_state_counts_connections_tasks_and_responses() -> None:
@@ -307,7 +321,7 @@ async def test_uvicorns_server_state_counts_connections_tasks_and_responses() ->
     (response,) = transport.writes
     assert b"\r\ndate: Thu, 01 Jan 2026 00:00:00 GMT\r\nx-worker: 3\r\n" in response
     protocol.shutdown()  # idle: closes at once
-    assert transport.closed
+    assert transport.ended
     protocol.connection_lost(None)
     assert not state.connections
 
@@ -323,7 +337,7 @@ async def test_shutdown_lets_the_running_request_finish_then_closes() -> None:
     (response,) = transport.writes
     assert b"connection: close" not in response.split(b"\r\n\r\n")[0] or True
     assert json.loads(response.partition(b"\r\n\r\n")[2])["n"] == 4
-    assert transport.closed
+    assert transport.ended
 
 
 async def test_a_body_arriving_in_pieces_is_handed_over_whole() -> None:
