@@ -79,6 +79,26 @@ class Repository(Protocol):
     async def unload(self, name: str) -> None: ...
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
     def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
+    def use(self, handle: ModelHandle) -> bool: ...
+    async def resident(
+        self, handle: ModelHandle, timeout_s: float | None = None
+    ) -> ModelHandle: ...
+
+
+class NotResident(ModelNotReady):
+    """The version is READY but evicted (``--device-memory-budget``): its request waits for
+    its load (:meth:`DataPlane.infer_with`); the express lane hands such a request over."""
+
+    def __init__(self, handle: ModelHandle) -> None:
+        super().__init__(f"model '{handle.name}' version {handle.version} is not resident")
+        self.handle = handle
+
+
+def load_wait_s(handle: ModelHandle, request: InferRequest) -> float | None:
+    """How long a request may wait for its version's load: its ``parameters.timeout`` or its
+    model's ``queue_timeout_us``, whichever is shorter; None: no bound."""
+    bounds = [us for us in (request.timeout_us, handle.cfg.queue_timeout_us) if us]
+    return min(bounds) / 1e6 if bounds else None
 
 
 async def off_loop(fn: Callable[[], T]) -> T:
@@ -252,6 +272,20 @@ class DataPlane:
             extensions.append("system_shared_memory")
         return {"name": "bitserve", "version": service.__version__, "extensions": extensions}
 
+    def admit(self, name: str, version: str | None) -> ModelHandle:
+        """A new inference request's model version, before its body is read (every
+        transport's first step): resident (counted as used now) and with room in its queue.
+
+        Raises:
+            ModelNotFound, ModelNotReady: see :meth:`model`. NotResident: evicted (the
+            request waits for its load: :meth:`infer_with`). Overloaded: its queue is full.
+        """
+        handle = self.repository.get(name, version)
+        if not self.repository.use(handle):
+            raise NotResident(handle)
+        handle.batcher.check_capacity()
+        return handle
+
     def model(self, name: str, version: str | None = None) -> ModelHandle:
         """The READY handle of a model version (the highest READY one by default).
 
@@ -325,9 +359,11 @@ class DataPlane:
         submitted = False
         status = 200
         try:
-            handle = self.repository.get(name, version)
+            try:
+                handle = self.admit(name, version)
+            except NotResident as e:
+                handle = e.handle  # decoded with its signature, then waits for its load
             label = handle.name
-            handle.batcher.check_capacity()
             if trace is None:
                 request = await decode(handle)
             else:
@@ -336,6 +372,8 @@ class DataPlane:
             # found first, and the request belongs to the one serving now (decoded again if
             # the reload changed what the model accepts).
             current = self.repository.get(handle.name, version)
+            if not self.repository.use(current):  # evicted: loaded again (one load for all)
+                current = await self.repository.resident(current, load_wait_s(current, request))
             if current is not handle:
                 if not current.signature.same_as(handle.signature):
                     request = await decode(current)

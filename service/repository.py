@@ -5,12 +5,23 @@ resident on its device and a :class:`~service.batcher.Batcher` in front of it) a
 thread per device. It alone holds the state of each version (READY, LOADING, UNLOADING,
 UNAVAILABLE and why): :meth:`ModelRepository.get` hands out only READY versions' handles, and
 a retired version's batcher refuses new requests.
+
+Residency (``--device-memory-budget``, :mod:`service.residency`): a READY version is either
+resident (its pipeline on its device, its batcher serving) or evicted (its handle kept for
+metadata, its tensors released). Every version is built once when its model loads (its dry
+run checks it and measures the bytes it holds); a load that would pass its device's budget
+first evicts the least recently used versions that hold no request. An evicted version stays
+READY and listed; its next request (:meth:`ModelRepository.resident`) loads it again, and
+concurrent requests wait for that one load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +35,11 @@ from service.config import (
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
+    load_config,
 )
 from service.config_override import ConfigOverride
 from service.devices import DeviceExecutors
-from service.errors import InvalidInput, ModelNotFound, ModelNotReady
+from service.errors import DeadlineExceeded, InvalidInput, ModelNotFound, ModelNotReady
 from service.handle import ModelHandle, Result
 from service.layout import (
     VersionSource,
@@ -40,8 +52,17 @@ from service.metrics import Metrics
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device
 from service.priority import level_limits
+from service.residency import (
+    Accounting,
+    NoRoom,
+    Transient,
+    budget_bytes,
+    held_bytes,
+    release,
+)
 from service.settings import Settings
 from service.signature import Bound, Signature
+from service.sizes import Size
 from service.statistics import Statistics
 from service.tracing import BatchTracer, Tracing
 
@@ -55,6 +76,11 @@ READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVA
 # concurrency 8: 4,500 req/s inline under 1 ms, 3,100 under the earlier 300 µs, 2,750 always
 # in the thread). A batch this short delays the loop's other requests by at most as long.
 INLINE_BELOW_S = 1e-3
+ROOM_WAIT_S = 60.0
+"""How long a load waits for busy versions to finish so that it fits in the budget."""
+_ROOM_POLL_S = 0.002
+START_PARALLEL = 4
+"""Models loaded at once at start."""
 
 
 @dataclass
@@ -64,6 +90,9 @@ class _Entry:
     state: str
     reason: str = ""
     handle: ModelHandle | None = None
+    """READY: the version's handle (resident, or evicted and kept for its metadata)."""
+    loading: asyncio.Task[ModelHandle] | None = None
+    """Its load on demand in progress: every request for it waits for this one."""
 
 
 class ModelRepository:
@@ -83,6 +112,10 @@ class ModelRepository:
             (see :meth:`not_ready_reason`).
         tracing: the server's tracing (``service.tracing``): the batches of each version
             record their spans; None: off.
+        budget: ``--device-memory-budget`` parsed (``service.sizes.parse_budget``); None:
+            every version stays resident.
+        sharers: the worker processes that share a device's budget (``--workers``), by
+            device; default 1.
     """
 
     def __init__(
@@ -97,8 +130,17 @@ class ModelRepository:
         initial_models: list[str] | None = None,
         strict_readiness: bool = True,
         tracing: Tracing | None = None,
+        budget: dict[str, Size] | None = None,
+        sharers: Callable[[str], int] | None = None,
     ) -> None:
         self.root = root
+        self.budget = budget
+        self._sharers = sharers or (lambda device: 1)
+        self.accounting = Accounting(self._budget_of)
+        """The bytes of every resident version (keys: handles) and their order of use."""
+        self._overrides: dict[str, ConfigOverride | None] = {}
+        self._builds = 0  # builds in progress (the allocator's delta is theirs alone at 1)
+        self._builds_lock = threading.Lock()
         self.tracing = tracing
         self.strict_readiness = strict_readiness
         self.max_operator_bytes = max_operator_bytes
@@ -126,6 +168,7 @@ class ModelRepository:
         device: str | None = None,
         initial_models: list[str] | None = None,
         tracing: Tracing | None = None,
+        sharers: Callable[[str], int] | None = None,
     ) -> ModelRepository:
         """The server's repository as ``settings`` describe it (its folder, warm-up and
         limits): the one way ``serve`` and every ``--workers`` worker build it.
@@ -133,7 +176,7 @@ class ModelRepository:
         Args:
             device: the device for ``device = "auto"`` configs (a worker's own GPU);
                 None: ``settings.device``.
-            initial_models, tracing: see the class.
+            initial_models, tracing, sharers: see the class.
         """
         return cls(
             settings.model_repository,
@@ -145,6 +188,8 @@ class ModelRepository:
             initial_models=initial_models,
             strict_readiness=settings.strict_readiness,
             tracing=tracing,
+            budget=settings.budget,
+            sharers=sharers,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -159,11 +204,18 @@ class ModelRepository:
             names = self._initial_models
         else:
             names = repository_models(self.root)
-        for name in names:
-            try:
-                await self.load(name)
-            except (InvalidInput, ModelNotFound) as exc:
-                log.error("model %s failed to load: %s", name, exc)
+        # Loads of different models run in parallel (a few at once: each builds on the cores);
+        # past the budget, each first evicts the least recently loaded.
+        gate = asyncio.Semaphore(START_PARALLEL)
+
+        async def load(name: str) -> None:
+            async with gate:
+                try:
+                    await self.load(name)
+                except (InvalidInput, ModelNotFound) as exc:
+                    log.error("model %s failed to load: %s", name, exc)
+
+        await asyncio.gather(*(load(name) for name in names))
         self._started = True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
@@ -210,7 +262,16 @@ class ModelRepository:
                 continue
             for v in sorted(versions, key=int):
                 e = versions[v]
-                out.append({"name": name, "version": v, "state": e.state, "reason": e.reason})
+                row: dict[str, Any] = {
+                    "name": name, "version": v, "state": e.state, "reason": e.reason
+                }  # fmt: skip
+                if self.budget is not None:  # Triton's four keys, and where it is
+                    resident = e.handle is not None and e.handle in self.accounting
+                    row["resident"] = resident
+                    row["resident_bytes"] = self.accounting.bytes_of(e.handle)
+                    if e.handle is not None:
+                        row["device"] = str(e.handle.pipeline.device)
+                out.append(row)
         return out
 
     # --- lookup ---------------------------------------------------------------------------
@@ -270,15 +331,18 @@ class ModelRepository:
 
         The new versions are built first; the old ones keep serving until the swap, then
         drain. If any version fails, nothing is swapped and the error names the problem.
+        Under a budget, each version first makes room (evicting the least recently used
+        versions of other models that hold no request); one larger than the whole budget
+        fails with that reason.
 
         Args:
             name: the model.
             override: a config override for this load (every version), checked as the
-                files are (``service.config_override``).
+                files are (``service.config_override``); kept for its loads on demand.
 
         Raises:
             ModelNotFound: no such model (or a name that could leave the repository).
-            InvalidInput: its configuration or files are invalid.
+            InvalidInput: its configuration or files are invalid, or it does not fit.
             ModelNotReady: the repository is stopping.
         """
         if self._closing:
@@ -297,7 +361,7 @@ class ModelRepository:
                     e.state, e.reason = LOADING, ""
             try:
                 sources = self._sources(name)
-                built = await asyncio.to_thread(self._build_all, name, sources, override)
+                built = await self._build_within_budget(name, sources, override)
             except ConfigError as exc:
                 reason = "; ".join(exc.problems)
                 # READY versions keep serving; the others show why the load failed.
@@ -310,32 +374,284 @@ class ModelRepository:
             versions = sorted(built, key=int)
             new: dict[str, _Entry] = {}
             for v in versions:
-                cfg, pipeline = built[v]
-                stats = self.statistics.for_version(name, v)
-                pipeline.stats = stats
-                batcher: Batcher[Bound, Result] = Batcher(
-                    name,
-                    pipeline.run,
-                    max_batch_size=cfg.max_batch_size,
-                    max_queue_delay_us=cfg.max_queue_delay_us,
-                    max_queue_size=cfg.max_queue_size,
-                    queue_timeout_us=cfg.queue_timeout_us,
-                    executor=self._executors.get(str(pipeline.device)),
-                    metrics=self.metrics,
-                    stats=stats,
-                    inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
-                    level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
-                    version=v,
-                    tracer=self._batch_tracer(name, v, pipeline),
-                )
-                batcher.start()
-                handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
+                cfg, pipeline, nbytes = built[v]
+                handle = self._serve(name, v, cfg, pipeline, versions)
+                self._account(handle, nbytes)
                 new[v] = _Entry(READY, "", handle)
             self._models[name] = new
+            self._overrides[name] = override
             self._unloaded.discard(name)
             await self._retire(name, old)
             self._report_memory(name)
             log.info("model %s loaded: versions %s", name, versions)
+
+    def _serve(
+        self, name: str, v: str, cfg: ModelConfig, pipeline: Pipeline, versions: list[str]
+    ) -> ModelHandle:
+        """A built version's handle, its batcher started."""
+        stats = self.statistics.for_version(name, v)
+        pipeline.stats = stats
+        batcher: Batcher[Bound, Result] = Batcher(
+            name,
+            pipeline.run,
+            max_batch_size=cfg.max_batch_size,
+            max_queue_delay_us=cfg.max_queue_delay_us,
+            max_queue_size=cfg.max_queue_size,
+            queue_timeout_us=cfg.queue_timeout_us,
+            executor=self._executors.get(str(pipeline.device)),
+            metrics=self.metrics,
+            stats=stats,
+            inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
+            level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
+            version=v,
+            tracer=self._batch_tracer(name, v, pipeline),
+        )
+        batcher.start()
+        return ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
+
+    # --- residency ------------------------------------------------------------------------
+
+    def _budget_of(self, device: str) -> int | None:
+        if self.budget is None:
+            return None
+        nbytes = budget_bytes(self.budget, device, sharers=self._sharers(device))
+        if nbytes is not None and self.metrics is not None:
+            self.metrics.device_memory_budget.labels(device).set(nbytes)
+        return nbytes
+
+    def use(self, handle: ModelHandle) -> bool:
+        """Whether ``handle``'s version is resident (then counted as used now: the last to be
+        evicted). The data plane asks this of every request's version."""
+        accounting = self.accounting
+        if handle in accounting:
+            accounting.touch(handle)
+            return True
+        return False
+
+    async def resident(self, handle: ModelHandle, timeout_s: float | None = None) -> ModelHandle:
+        """The resident handle of ``handle``'s version: itself, or after its load on demand
+        (one load, however many requests wait for it).
+
+        Args:
+            handle: a handle :meth:`get` gave (evicted, or replaced by a reload since).
+            timeout_s: the most seconds to wait for the load (the request's deadline or its
+                model's ``queue_timeout_us``); None: as long as it takes.
+
+        Raises:
+            ModelNotReady: the version was unloaded, or its load failed (the reason).
+            DeadlineExceeded: the load took longer than ``timeout_s`` (it goes on).
+        """
+        e = self._models.get(handle.name, {}).get(handle.version)
+        if e is None or e.state != READY or e.handle is None:
+            raise ModelNotReady(f"model '{handle.name}' version {handle.version} is not ready")
+        if self.use(e.handle):
+            return e.handle
+        if e.loading is None:
+            e.loading = asyncio.get_running_loop().create_task(
+                self._load_evicted(handle.name, handle.version, e)
+            )
+            e.loading.add_done_callback(_retrieved)
+        if self.metrics is not None:
+            self.metrics.load_waits.labels(handle.name).inc()
+        try:
+            return await asyncio.wait_for(asyncio.shield(e.loading), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"model '{handle.name}' version {handle.version} was still loading after "
+                f"{timeout_s:g} s (its request's timeout or queue_timeout_us)"
+            ) from None
+
+    async def _load_evicted(self, name: str, v: str, e: _Entry) -> ModelHandle:
+        """Load an evicted version again (its model's lock held: not with a reload or an
+        unload of it); its entry's handle becomes the new one."""
+        try:
+            async with self._lock(name):
+                now = self._models.get(name, {}).get(v)
+                if now is None or now.state != READY or now.handle is None:
+                    raise ModelNotReady(f"model '{name}' version {v} was unloaded")
+                if now.handle in self.accounting:  # a reload meanwhile made it resident
+                    return now.handle
+                e = now
+                assert e.handle is not None
+                try:
+                    sources = self._sources(name)
+                    if sources is not None and v not in sources:
+                        raise ConfigError([f"{name}/{v}: the version's folder is gone"])
+                    one = None if sources is None else {v: sources[v]}
+                    built = await self._build_within_budget(name, one, self._overrides.get(name))
+                except ConfigError as exc:
+                    reason = "; ".join(exc.problems)
+                    e.reason = f"its last load on demand failed: {reason}"
+                    raise ModelNotReady(
+                        f"model '{name}' version {v} failed to load: {reason}"
+                    ) from None
+                cfg, pipeline, nbytes = built[v]
+                handle = self._serve(name, v, cfg, pipeline, e.handle.versions)
+                self._account(handle, nbytes)
+                e.handle, e.reason = handle, ""
+                self._report_memory(name)
+                return handle
+        finally:
+            e.loading = None
+
+    def _account(self, handle: ModelHandle, nbytes: int) -> None:
+        """A resident version's bytes, the most recently used."""
+        self.accounting.reserve(
+            handle,
+            str(handle.pipeline.device),
+            nbytes,
+            pinned=handle.cfg.pinned,
+            busy=lambda: not handle.batcher.idle,
+        )
+
+    async def _build_within_budget(
+        self,
+        name: str,
+        sources: dict[str, VersionSource] | None,
+        override: ConfigOverride | None,
+    ) -> dict[str, tuple[ModelConfig, Pipeline, int]]:
+        """Every version of ``sources`` built (:meth:`_build_all`, in a thread), each with
+        the bytes it holds, after making room for it on its device.
+
+        Room is made for an estimate (the bytes measured at its last load, else its files'
+        size) before the build, and again for the measured bytes after; the estimates are
+        accounted only while the build runs (whatever it raises).
+
+        Raises:
+            ConfigError: a version failed to build, or does not fit in its budget.
+        """
+        plans = await asyncio.to_thread(self._plan, name, sources, override)
+        tokens: list[Hashable] = []
+        t0 = time.perf_counter()
+        try:
+            for device, estimate in plans:
+                budget = self.accounting.budget(device)
+                estimate = estimate if budget is None else min(estimate, budget)
+                try:
+                    await self._make_room(device, estimate, name)
+                except ConfigError:
+                    estimate = 0  # only an estimate: the measured bytes decide below
+                token: Hashable = _Loading(name)
+                self.accounting.reserve(token, device, estimate, pinned=True, busy=_always)
+                tokens.append(token)
+            built = await asyncio.to_thread(self._build_measured, name, sources, override)
+        finally:
+            for token in tokens:
+                self.accounting.remove(token)
+        where = "<built-in demo>"
+        try:
+            for v, (_, pipe, nbytes) in built.items():
+                where = sources[v].source if sources is not None else where
+                device = str(pipe.device)
+                self.accounting.check_fits(device, nbytes)
+                await self._make_room(device, nbytes, name)
+        except (NoRoom, ConfigError) as exc:
+            for _, pipe, _ in built.values():
+                release(pipe)
+            problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
+            raise ConfigError([f"{where}: does not fit: {p}" for p in problems]) from None
+        if self.metrics is not None:
+            self.metrics.loads.labels(name).inc(len(built))
+            self.metrics.load_seconds.labels(name).observe(time.perf_counter() - t0)
+        return built
+
+    def _plan(
+        self, name: str, sources: dict[str, VersionSource] | None, override: ConfigOverride | None
+    ) -> list[tuple[str, int]]:
+        """``(device, estimated bytes)`` of each version to build: the bytes measured at its
+        last load, else the size of its folder's files (unknown devices and unreadable
+        configs are left to the build to report)."""
+        if self.budget is None:
+            return []
+        out: list[tuple[str, int]] = []
+        patch = override.patch if override is not None else None
+        todo: dict[str, VersionSource | None] = {"1": None} if sources is None else {**sources}
+        for v, src in todo.items():
+            known = self._models.get(name, {}).get(v)
+            if known is not None and known.handle is not None:
+                device = str(known.handle.pipeline.device)
+                out.append((device, known.handle.pipeline.device_memory_bytes))
+                continue
+            try:
+                if src is None:
+                    from service.demo import demo_config
+
+                    cfg = demo_config(patch)
+                    estimate = 0
+                else:
+                    cfg = load_config(src.config_path, src.source, patch=patch)
+                    estimate = sum(f.stat().st_size for f in src.folder.iterdir() if f.is_file())
+                out.append((resolve_device(cfg.device, self.default_device), estimate))
+            except (ConfigError, OSError):
+                continue
+        return out
+
+    def _build_measured(
+        self,
+        name: str,
+        sources: dict[str, VersionSource] | None,
+        override: ConfigOverride | None,
+    ) -> dict[str, tuple[ModelConfig, Pipeline, int]]:
+        """:meth:`_build_all` with each pipeline's bytes: the tensors it holds, or on CUDA
+        the allocator's growth over the build when no other build ran meanwhile."""
+        with self._builds_lock:
+            self._builds += 1
+        cuda = torch.cuda.is_available()
+        before = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
+        try:
+            built = self._build_all(name, sources, override)
+            alone = self._builds == 1 and len(built) == 1
+        finally:
+            with self._builds_lock:
+                self._builds -= 1
+        out: dict[str, tuple[ModelConfig, Pipeline, int]] = {}
+        for v, (cfg, pipe) in built.items():
+            nbytes = max(held_bytes(pipe), pipe.device_memory_bytes)
+            if cuda and alone and pipe.device.type == "cuda":
+                index = pipe.device.index or 0
+                grown = torch.cuda.memory_allocated(index) - before[index]
+                nbytes = max(nbytes, grown)
+            pipe.device_memory_bytes = nbytes
+            out[v] = (cfg, pipe, nbytes)
+        return out
+
+    async def _make_room(self, device: str, nbytes: int, name: str) -> None:
+        """Evict the least recently used versions (of other models) that hold no request
+        until ``nbytes`` more fit on ``device``, waiting up to :data:`ROOM_WAIT_S` for busy
+        ones to finish.
+
+        Raises:
+            ConfigError: ``nbytes`` is more than the budget, or no room came in time.
+        """
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            try:
+                victims = self.accounting.victims(
+                    device, nbytes, spare=lambda k: getattr(k, "name", None) == name
+                )
+            except NoRoom as exc:
+                if exc.permanent or time.monotonic() > deadline or self._closing:
+                    raise ConfigError([str(exc)]) from None
+                await asyncio.sleep(_ROOM_POLL_S)
+                continue
+            if not victims:
+                return
+            for key in victims:  # now: no other load may choose them too
+                self.accounting.remove(key)
+            await asyncio.gather(*(self._evict(v) for v in victims))
+
+    async def _evict(self, key: Hashable) -> None:
+        """Free an evicted version (no longer accounted): it stays READY and listed."""
+        if not isinstance(key, ModelHandle):
+            return
+        log.info("model %s version %s evicted", key.name, key.version)
+        if self.metrics is not None:
+            self.metrics.evictions.labels(key.name).inc()
+        await key.batcher.stop()
+        release(key.pipeline)
+        if key.pipeline.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._report_memory(key.name)
 
     def _batch_tracer(self, name: str, version: str, pipeline: Pipeline) -> BatchTracer | None:
         if self.tracing is None:
@@ -399,6 +715,8 @@ class ModelRepository:
             e.state = UNLOADING
         handles = [e.handle for e in entries.values() if e.handle is not None]
         await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
+        for h in handles:
+            self.accounting.remove(h)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain in-flight ones, free its memory.
@@ -428,13 +746,32 @@ class ModelRepository:
             return
         per_device: dict[str, int] = {}
         for e in self._models.get(name, {}).values():
-            if e.handle is not None:
+            if e.handle is not None and e.handle in self.accounting:
                 dev = str(e.handle.pipeline.device)
                 per_device[dev] = per_device.get(dev, 0) + e.handle.pipeline.device_memory_bytes
         devices = self._memory_devices.setdefault(name, set())
         devices |= set(per_device)
         for dev in devices:  # devices it has left are set to 0, not left stale
             self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
+
+
+class _Loading(Transient):
+    """The accounting key of a build in progress (never evicted)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _always() -> bool:
+    return True
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A load on demand whose waiters all gave up: its error is logged, not left unread."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a load on demand failed: %s", task.exception())
 
 
 def readiness_reason(

@@ -294,8 +294,7 @@ class ExpressRequest:
             self._hand_over()  # the gateway answers 503
             return
         try:
-            handle = lane.dataplane.repository.get(self.target[0], self.target[1])
-            handle.batcher.check_capacity()
+            handle = lane.dataplane.admit(self.target[0], self.target[1])
             held = Held(lane.route)
             held.grow(self.declared)
         except ServiceError:

@@ -181,6 +181,12 @@ class FakeRepository:
         names = sorted(self.models) if name is None else [name]
         return [self.models[n] for n in names if self.is_ready and n != "busy"]
 
+    def use(self, handle: Any) -> bool:
+        return True  # every fake model is resident
+
+    async def resident(self, handle: Any, timeout_s: float | None = None) -> Any:
+        return handle
+
     def get(self, name: str, version: str | None = None) -> FakeHandle:
         if name not in self.models:
             raise ModelNotFound(unknown_model(name))  # the real repository's wording
