@@ -60,6 +60,7 @@ from service.residency import (
     held_bytes,
     release,
 )
+from service.response_cache import ResponseCache
 from service.settings import Settings
 from service.signature import Bound, Signature
 from service.sizes import Size
@@ -116,6 +117,7 @@ class ModelRepository:
             every version stays resident.
         sharers: the worker processes that share a device's budget (``--workers``), by
             device; default 1.
+        cache: the server's response cache (``--cache-config``); None: none.
     """
 
     def __init__(
@@ -132,8 +134,11 @@ class ModelRepository:
         tracing: Tracing | None = None,
         budget: dict[str, Size] | None = None,
         sharers: Callable[[str], int] | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.root = root
+        self.cache = cache
+        """The response cache; the versions of models that enable it answer from it."""
         self.budget = budget
         self._sharers = sharers or (lambda device: 1)
         self.accounting = Accounting(self._budget_of)
@@ -190,6 +195,7 @@ class ModelRepository:
             tracing=tracing,
             budget=settings.budget,
             sharers=sharers,
+            cache=ResponseCache(settings.cache_bytes) if settings.cache_bytes else None,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -407,7 +413,8 @@ class ModelRepository:
             tracer=self._batch_tracer(name, v, pipeline),
         )
         batcher.start()
-        return ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
+        cache = self.cache if cfg.response_cache.enable else None
+        return ModelHandle(name, v, cfg, pipeline, batcher, versions, stats, cache)
 
     # --- residency ------------------------------------------------------------------------
 
@@ -647,6 +654,8 @@ class ModelRepository:
         log.info("model %s version %s evicted", key.name, key.version)
         if self.metrics is not None:
             self.metrics.evictions.labels(key.name).inc()
+        if self.cache is not None:
+            self.cache.drop(key.name, key.version)
         await key.batcher.stop()
         release(key.pipeline)
         if key.pipeline.device.type == "cuda":
@@ -717,6 +726,8 @@ class ModelRepository:
         await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
         for h in handles:
             self.accounting.remove(h)
+            if self.cache is not None:  # its answers go with it (reloaded or unloaded)
+                self.cache.drop(h.name, h.version)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain in-flight ones, free its memory.

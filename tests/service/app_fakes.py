@@ -102,6 +102,10 @@ class FakeHandle(ModelHandle):
         self.batcher.start()  # a no-op once started; tests swap handles in at any time
         return await super().submit(bound, timeout_us, priority, trace)
 
+    def enqueue(self, *args: Any, **kw: Any) -> Any:
+        self.batcher.start()  # a no-op once started; tests swap handles in at any time
+        return super().enqueue(*args, **kw)
+
     def compute(self, bound: Bound) -> Result:
         """One request's outputs, in config order."""
         if self.name == "boom":

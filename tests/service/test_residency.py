@@ -166,7 +166,9 @@ def plane(repo: ModelRepository, metrics: Metrics | None = None) -> DataPlane:
 async def ask(dp: DataPlane, name: str, seed: int = 0, **kw: Any) -> InferResponse:
     """One request through the data plane (as every transport sends it)."""
     bits = bits_of(2, seed)
+    rid = kw.pop("id", "r1")
     req = request(bits, **kw)
+    req.id = rid
 
     async def decode(handle: ModelHandle) -> InferRequest:
         for t in req.inputs:
