@@ -460,8 +460,13 @@ class DataPlane:
             # found first, and the request belongs to the one serving now (decoded again if
             # the reload changed what the model accepts).
             current = self.repository.get(handle.name, version)
-            if not self.repository.use(current):  # evicted: loaded again (one load for all)
-                current = await self.repository.resident(current, load_wait_s(current, request))
+            wait_s = load_wait_s(current, request)
+            for _ in range(3):  # evicted: loaded again (one load for every waiting request)
+                if self.repository.use(current):
+                    break
+                current = await self.repository.resident(current, wait_s)
+            else:
+                raise ModelNotReady(f"model '{name}' was evicted again as soon as it loaded")
             if current is not handle:
                 if not current.signature.same_as(handle.signature):
                     request = await decode(current)

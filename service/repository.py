@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -29,13 +28,11 @@ from typing import Any
 import torch
 
 from service.batcher import Batcher
-from service.builder import build_version
 from service.config import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
     ModelConfig,
-    load_config,
 )
 from service.config_override import ConfigOverride
 from service.devices import DeviceExecutors
@@ -48,21 +45,21 @@ from service.layout import (
     valid_model_name,
     valid_version,
 )
+from service.loading import VersionBuilder
 from service.metrics import Metrics
-from service.model_files import Artifacts, check_buffers, check_operator
-from service.pipeline import Pipeline, resolve_device
+from service.pipeline import Pipeline
 from service.priority import level_limits
 from service.residency import (
     Accounting,
     NoRoom,
     Transient,
     budget_bytes,
-    held_bytes,
     release,
+    trim_host_memory,
 )
 from service.response_cache import ResponseCache
 from service.settings import Settings
-from service.signature import Bound, Signature
+from service.signature import Bound
 from service.sizes import Size
 from service.statistics import Statistics
 from service.tracing import BatchTracer, Tracing
@@ -81,7 +78,10 @@ ROOM_WAIT_S = 60.0
 """How long a load waits for busy versions to finish so that it fits in the budget."""
 _ROOM_POLL_S = 0.002
 START_PARALLEL = 4
-"""Models loaded at once at start."""
+"""Models whose loads start at once at start."""
+LOADS_AT_ONCE = 2
+"""Builds at once (in parallel threads): loads of different models overlap, but the
+temporaries of many builds at once would pass the budget by far."""
 
 
 @dataclass
@@ -94,6 +94,8 @@ class _Entry:
     """READY: the version's handle (resident, or evicted and kept for its metadata)."""
     loading: asyncio.Task[ModelHandle] | None = None
     """Its load on demand in progress: every request for it waits for this one."""
+    waiting: int = 0
+    """Requests waiting for that load (until each is queued, the version is busy)."""
 
 
 class ModelRepository:
@@ -144,8 +146,8 @@ class ModelRepository:
         self.accounting = Accounting(self._budget_of)
         """The bytes of every resident version (keys: handles) and their order of use."""
         self._overrides: dict[str, ConfigOverride | None] = {}
-        self._builds = 0  # builds in progress (the allocator's delta is theirs alone at 1)
-        self._builds_lock = threading.Lock()
+        self._building = asyncio.Semaphore(LOADS_AT_ONCE)
+        self._builder = VersionBuilder(default_device, max_operator_bytes, max_batch_bytes, warmup)
         self.tracing = tracing
         self.strict_readiness = strict_readiness
         self.max_operator_bytes = max_operator_bytes
@@ -382,8 +384,8 @@ class ModelRepository:
             for v in versions:
                 cfg, pipeline, nbytes = built[v]
                 handle = self._serve(name, v, cfg, pipeline, versions)
-                self._account(handle, nbytes)
                 new[v] = _Entry(READY, "", handle)
+                self._account(handle, nbytes, new[v])
             self._models[name] = new
             self._overrides[name] = override
             self._unloaded.discard(name)
@@ -460,6 +462,7 @@ class ModelRepository:
             e.loading.add_done_callback(_retrieved)
         if self.metrics is not None:
             self.metrics.load_waits.labels(handle.name).inc()
+        e.waiting += 1  # until it resumes, and is queued in the same turn
         try:
             return await asyncio.wait_for(asyncio.shield(e.loading), timeout_s)
         except TimeoutError:
@@ -467,6 +470,8 @@ class ModelRepository:
                 f"model '{handle.name}' version {handle.version} was still loading after "
                 f"{timeout_s:g} s (its request's timeout or queue_timeout_us)"
             ) from None
+        finally:
+            e.waiting -= 1
 
     async def _load_evicted(self, name: str, v: str, e: _Entry) -> ModelHandle:
         """Load an evicted version again (its model's lock held: not with a reload or an
@@ -494,21 +499,22 @@ class ModelRepository:
                     ) from None
                 cfg, pipeline, nbytes = built[v]
                 handle = self._serve(name, v, cfg, pipeline, e.handle.versions)
-                self._account(handle, nbytes)
+                self._account(handle, nbytes, e)
                 e.handle, e.reason = handle, ""
                 self._report_memory(name)
                 return handle
         finally:
             e.loading = None
 
-    def _account(self, handle: ModelHandle, nbytes: int) -> None:
-        """A resident version's bytes, the most recently used."""
+    def _account(self, handle: ModelHandle, nbytes: int, entry: _Entry) -> None:
+        """A resident version's bytes, the most recently used; busy (never evicted) while
+        it has requests queued or running, or waiting for its load to resume."""
         self.accounting.reserve(
             handle,
             str(handle.pipeline.device),
             nbytes,
             pinned=handle.cfg.pinned,
-            busy=lambda: not handle.batcher.idle,
+            busy=lambda: entry.waiting > 0 or not handle.batcher.idle,
         )
 
     async def _build_within_budget(
@@ -527,6 +533,15 @@ class ModelRepository:
         Raises:
             ConfigError: a version failed to build, or does not fit in its budget.
         """
+        async with self._building:
+            return await self._build_room_made(name, sources, override)
+
+    async def _build_room_made(
+        self,
+        name: str,
+        sources: dict[str, VersionSource] | None,
+        override: ConfigOverride | None,
+    ) -> dict[str, tuple[ModelConfig, Pipeline, int]]:
         plans = await asyncio.to_thread(self._plan, name, sources, override)
         tokens: list[Hashable] = []
         t0 = time.perf_counter()
@@ -565,33 +580,17 @@ class ModelRepository:
     def _plan(
         self, name: str, sources: dict[str, VersionSource] | None, override: ConfigOverride | None
     ) -> list[tuple[str, int]]:
-        """``(device, estimated bytes)`` of each version to build: the bytes measured at its
-        last load, else the size of its folder's files (unknown devices and unreadable
-        configs are left to the build to report)."""
+        """``(device, estimated bytes)`` of each version to build (none without a budget)."""
         if self.budget is None:
             return []
-        out: list[tuple[str, int]] = []
-        patch = override.patch if override is not None else None
-        todo: dict[str, VersionSource | None] = {"1": None} if sources is None else {**sources}
-        for v, src in todo.items():
-            known = self._models.get(name, {}).get(v)
-            if known is not None and known.handle is not None:
-                device = str(known.handle.pipeline.device)
-                out.append((device, known.handle.pipeline.device_memory_bytes))
-                continue
-            try:
-                if src is None:
-                    from service.demo import demo_config
 
-                    cfg = demo_config(patch)
-                    estimate = 0
-                else:
-                    cfg = load_config(src.config_path, src.source, patch=patch)
-                    estimate = sum(f.stat().st_size for f in src.folder.iterdir() if f.is_file())
-                out.append((resolve_device(cfg.device, self.default_device), estimate))
-            except (ConfigError, OSError):
-                continue
-        return out
+        def known(v: str) -> tuple[str, int] | None:
+            e = self._models.get(name, {}).get(v)
+            if e is None or e.handle is None:
+                return None
+            return str(e.handle.pipeline.device), e.handle.pipeline.device_memory_bytes
+
+        return self._builder.plan(sources, override, known)
 
     def _build_measured(
         self,
@@ -599,28 +598,8 @@ class ModelRepository:
         sources: dict[str, VersionSource] | None,
         override: ConfigOverride | None,
     ) -> dict[str, tuple[ModelConfig, Pipeline, int]]:
-        """:meth:`_build_all` with each pipeline's bytes: the tensors it holds, or on CUDA
-        the allocator's growth over the build when no other build ran meanwhile."""
-        with self._builds_lock:
-            self._builds += 1
-        cuda = torch.cuda.is_available()
-        before = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
-        try:
-            built = self._build_all(name, sources, override)
-            alone = self._builds == 1 and len(built) == 1
-        finally:
-            with self._builds_lock:
-                self._builds -= 1
-        out: dict[str, tuple[ModelConfig, Pipeline, int]] = {}
-        for v, (cfg, pipe) in built.items():
-            nbytes = max(held_bytes(pipe), pipe.device_memory_bytes)
-            if cuda and alone and pipe.device.type == "cuda":
-                index = pipe.device.index or 0
-                grown = torch.cuda.memory_allocated(index) - before[index]
-                nbytes = max(nbytes, grown)
-            pipe.device_memory_bytes = nbytes
-            out[v] = (cfg, pipe, nbytes)
-        return out
+        """:meth:`_build_all` with each pipeline's measured bytes."""
+        return self._builder.measured(lambda: self._build_all(name, sources, override))
 
     async def _make_room(self, device: str, nbytes: int, name: str) -> None:
         """Evict the least recently used versions (of other models) that hold no request
@@ -660,6 +639,8 @@ class ModelRepository:
         release(key.pipeline)
         if key.pipeline.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            await asyncio.to_thread(trim_host_memory)
         self._report_memory(key.name)
 
     def _batch_tracer(self, name: str, version: str, pipeline: Pipeline) -> BatchTracer | None:
@@ -679,45 +660,7 @@ class ModelRepository:
         override: ConfigOverride | None = None,
     ) -> dict[str, tuple[ModelConfig, Pipeline]]:
         """Load every version's files and build its pipeline (runs in a worker thread)."""
-        patch = override.patch if override is not None else None
-        if sources is None:
-            from service.demo import demo_config, demo_tensors
-
-            source = "<built-in demo>/config.toml"
-            cfg = demo_config(patch)
-            tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-            check_buffers(cfg, source, self.max_batch_bytes)
-            check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
-            device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
-            pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
-                            source=source)  # fmt: skip
-            _check_override_io(override, source, name, cfg, pipe)
-            return {"1": (cfg, pipe)}
-        out: dict[str, tuple[ModelConfig, Pipeline]] = {}
-        problems: list[str] = []
-        for v, src in sources.items():
-            try:
-                cfg, pipe = build_version(
-                    name,
-                    src,
-                    default_device=self.default_device,
-                    max_operator_bytes=self.max_operator_bytes,
-                    max_batch_bytes=self.max_batch_bytes,
-                    patch=patch,
-                    warmup=self.warmup,
-                )
-                _check_override_io(override, src.source, name, cfg, pipe)
-                out[v] = (cfg, pipe)
-            except ConfigError as exc:
-                problems += exc.problems
-                if exc.__cause__ is not None:  # a library's error: its traceback, logged
-                    log.error("%s", "; ".join(exc.problems), exc_info=exc.__cause__)
-            except Exception as exc:  # a broken operator or model: report, don't crash
-                log.exception("model %s version %s failed to build", name, v)
-                problems += src.error(src.source, "failed to build", exc).problems
-        if problems:
-            raise ConfigError(problems)
-        return out
+        return self._builder.build_all(name, sources, override)
 
     async def _retire(self, name: str, entries: dict[str, _Entry], timeout_s: float = 30.0) -> None:
         for e in entries.values():
@@ -812,15 +755,6 @@ def readiness_reason(
         f"server is not ready: model '{m}' version {v} failed to load{more}; serve with "
         f"--no-strict-readiness to be ready without it: {why or 'no reason given'}"
     )
-
-
-def _check_override_io(
-    override: ConfigOverride | None, source: str, name: str, cfg: ModelConfig, pipe: Pipeline
-) -> None:
-    """The override's ``input``/``output``, if any, against the built model's."""
-    if override is not None and (override.inputs is not None or override.outputs is not None):
-        sig = Signature(name, cfg, pipe.output_shapes)
-        override.check_io(source, sig.input_config(), sig.output_config())
 
 
 def _shown(name: str) -> str:

@@ -114,6 +114,25 @@ def release(obj: Any) -> None:
             setattr(obj, key, None)
 
 
+def trim_host_memory() -> None:
+    """Give the host memory freed by an eviction back to the system (glibc's
+    ``malloc_trim``: freed blocks of a few MB would otherwise stay in the process's heap,
+    which only grows); nothing elsewhere."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 class NoRoom(Exception):
     """A version cannot be made resident: the reason says why (larger than the budget, or
     every other version is pinned or busy).

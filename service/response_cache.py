@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -62,44 +61,59 @@ ENTRY_OVERHEAD = 256
 """Bytes counted for each entry beyond its arrays (key, lists, headers of the arrays)."""
 
 
-def _params(params: dict[str, Any] | None) -> bytes:
-    kept = {k: v for k, v in (params or {}).items() if k not in IGNORED_PARAMETERS}
+def _params(params: dict[str, Any]) -> bytes:
+    """The parameters that change the answer, canonical (empty: none do)."""
+    if params.keys() <= IGNORED_PARAMETERS:  # the usual case: nothing to write
+        return b""
+    kept = {k: v for k, v in params.items() if k not in IGNORED_PARAMETERS}
     return json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":")).encode()
+
+
+_HEADS: dict[tuple[str, int, tuple[int, ...], bool, str], bytes] = {}
+"""Each input form's bytes in the key: name, datatype, shape, packing, bit order."""
 
 
 def cache_key(handle: ModelHandle, request: InferRequest, bound: Bound) -> bytes:
     """The 16-byte key of ``request`` (checked and laid out as ``bound``) for ``handle``'s
     model version: see the module docstring for what it covers."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{handle.name}\0{handle.version}\0".encode())
-    specs = handle.cfg.inputs
-    for spec, wire in zip(specs, bound.inputs, strict=True):
+    h = hashlib.blake2b(f"{handle.name}\0{handle.version}".encode(), digest_size=16)
+    update = h.update
+    for spec, wire in zip(handle.cfg.inputs, bound.inputs, strict=True):
         data = wire.data
         bitorder = (wire.bitorder or spec.bitorder) if wire.packed else "-"
-        head = f"{spec.name}\0{data.dtype.str}\0{data.shape}\0{int(wire.packed)}\0{bitorder}\0"
-        h.update(head.encode())
+        form = (spec.name, data.dtype.num, data.shape, wire.packed, bitorder)
+        head = _HEADS.get(form)
+        if head is None:  # a handful of forms per model: each written once
+            if len(_HEADS) > 4096:
+                _HEADS.clear()
+            text = f"\0{spec.name}\0{data.dtype.str}{data.shape}{wire.packed:d}{bitorder}\0"
+            head = _HEADS[form] = text.encode()
+        update(head)
         if data.dtype.hasobject:  # BYTES elements: each with its length
             for item in data.reshape(-1):
                 b = bytes(item)
-                h.update(len(b).to_bytes(8, "little"))
-                h.update(b)
+                update(len(b).to_bytes(8, "little"))
+                update(b)
+        elif data.flags.c_contiguous:
+            update(data.data if data.ndim else data.tobytes())
         else:
-            h.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-    h.update(b"\0params\0" + _params(request.parameters))
+            update(np.ascontiguousarray(data).data)
+    parts = [b"\0outputs", repr(bound.outputs).encode(), _params(request.parameters)]
     for inp in request.inputs:
         if inp.parameters:
-            h.update(f"\0input\0{inp.name}\0".encode() + _params(inp.parameters))
-    h.update(b"\0outputs\0" + ",".join(map(str, bound.outputs)).encode())
+            parts += [b"\0input\0", inp.name.encode(), _params(inp.parameters)]
     for out in request.outputs or ():
         if out.parameters:
-            h.update(f"\0output\0{out.name}\0".encode() + _params(out.parameters))
+            parts += [b"\0output\0", out.name.encode(), _params(out.parameters)]
+    update(b"\0".join(parts))
     return h.digest()
 
 
 class ResponseCache:
     """Answers by key, least recently used first out, within ``size_bytes``.
 
-    Thread-safe (a lock around each operation); the data plane uses it from the event loop.
+    Used from the event loop only (the data plane's lookups and stores, the repository's
+    drops), so it takes no lock.
 
     Args:
         size_bytes: the most bytes the entries may take (their arrays plus
@@ -113,41 +127,43 @@ class ResponseCache:
             OrderedDict()
         )
         self._by_version: dict[tuple[str, str], set[bytes]] = {}
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: bytes) -> tuple[Arrays, BatchInfo] | None:
         """The stored answer of ``key`` (now the most recently used), or None."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return entry[1], entry[2]
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1], entry[2]
 
     def put(self, key: bytes, version: tuple[str, str], arrays: Arrays, info: BatchInfo) -> None:
         """Store a copy of ``arrays`` (the outputs of one answer, config order) under ``key``
         for ``version`` (``(model, version)``); one larger than the whole cache is not
         stored."""
-        copies = [np.array(a, copy=True) for a in arrays]
-        nbytes = sum(a.nbytes for a in copies) + ENTRY_OVERHEAD
+        copies = [a.copy() for a in arrays]
+        nbytes = ENTRY_OVERHEAD
+        for a in copies:
+            nbytes += a.nbytes
         if nbytes > self.size_bytes:
             return
-        with self._lock:
+        if key in self._entries:
             self._remove(key)
-            while self.used_bytes + nbytes > self.size_bytes and self._entries:
-                self._remove(next(iter(self._entries)))
-            self._entries[key] = (version, copies, info, nbytes)
-            self._by_version.setdefault(version, set()).add(key)
-            self.used_bytes += nbytes
+        while self.used_bytes + nbytes > self.size_bytes and self._entries:
+            self._remove(next(iter(self._entries)))
+        self._entries[key] = (version, copies, info, nbytes)
+        keys = self._by_version.get(version)
+        if keys is None:
+            keys = self._by_version[version] = set()
+        keys.add(key)
+        self.used_bytes += nbytes
 
     def drop(self, name: str, version: str) -> None:
         """Forget every answer of ``name`` version ``version`` (reloaded, unloaded, evicted)."""
-        with self._lock:
-            for key in list(self._by_version.get((name, version), ())):
-                self._remove(key)
+        for key in list(self._by_version.get((name, version), ())):
+            self._remove(key)
 
     def _remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

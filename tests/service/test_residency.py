@@ -311,7 +311,7 @@ def test_a_load_failing_midway_leaves_the_budget_accounted(
         await ask(dp, "a")
         await ask(dp, "b")
         used = repo.accounting.used("cpu")
-        import service.repository as repository
+        import service.loading as repository
 
         real = repository.build_version
 
