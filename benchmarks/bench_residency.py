@@ -460,6 +460,8 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
         ["tiny, random inputs: cache on, requests/s", f"{on:,.0f}",
          f"hits: {tiny_hits}"],
         ["cache on / off", f"{on / off:.3f}", "target >= 0.97"],
+        ["rounds off; on (requests/s)", "; ".join(
+            ", ".join(f"{x:.0f}" for x in rates[k]) for k in ("off", "on")), ""],
     ]  # fmt: skip
     out.append("## Response cache\n")
     out.append(markdown_table(["", "measured", "note"], rows))
@@ -485,14 +487,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-trials", type=int, default=40)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--round-seconds", type=float, default=5.0)
+    p.add_argument("--part", choices=["all", "residency", "cache"], default="all")
     args = p.parse_args(argv)
     if args.smoke:
         args.seconds, args.models, args.half_width = 3.0, 6, 8.0
         args.cold_trials, args.cache_trials, args.rounds, args.round_seconds = 4, 4, 2, 1.0
     _, host = quiet_host(wait_s=0 if args.smoke else 60)
     out = [f"Host: {host}.\n"]
-    residency(args, out)
-    cache(args, out)
+    if args.part in ("all", "residency"):
+        residency(args, out)
+    if args.part in ("all", "cache"):
+        cache(args, out)
     report("residency", "More models than memory; response cache", "\n".join(out),
            smoke=args.smoke, devices=["cpu"])  # fmt: skip
 

@@ -22,7 +22,7 @@ from service.config_override import ConfigOverride
 from service.layout import VersionSource
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device
-from service.residency import held_bytes
+from service.residency import held_bytes, trim_host_memory
 from service.signature import Signature
 
 log = logging.getLogger("service.repository")  # its reports read as the repository's
@@ -152,6 +152,8 @@ class VersionBuilder:
                 nbytes = max(nbytes, torch.cuda.memory_allocated(index) - before[index])
             pipe.device_memory_bytes = nbytes
             out[v] = (cfg, pipe, nbytes)
+        if any(pipe.device.type == "cpu" for _, pipe, _ in out.values()):
+            trim_host_memory()  # the build's temporaries, back to the system
         return out
 
 
