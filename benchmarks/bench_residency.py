@@ -485,8 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--half-width", type=float, default=48.0)
     p.add_argument("--cold-trials", type=int, default=20)
     p.add_argument("--cache-trials", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--round-seconds", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--round-seconds", type=float, default=3.0)
     p.add_argument("--part", choices=["all", "residency", "cache"], default="all")
     args = p.parse_args(argv)
     if args.smoke:
