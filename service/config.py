@@ -345,6 +345,16 @@ class OutputConfig(_Strict):
     """Shape of one item without the batch dimension; checked by the dry run at load."""
 
 
+class ResponseCacheConfig(_Strict):
+    """``[response_cache]``: whether this model's answers are kept in the server's response
+    cache (``--cache-config``), as Triton's ``response_cache { enable: true }``."""
+
+    enable: bool = False
+    """Keep answers: a request equal in everything that changes the answer (the inputs'
+    names, datatypes, shapes, bit orders and bytes, its parameters, the outputs asked for) is
+    answered from the cache, without running the model."""
+
+
 class ModelConfig(_Strict):
     """A model's ``config.toml``."""
 
@@ -382,6 +392,11 @@ class ModelConfig(_Strict):
     warmup_file: str | None = None
     """A safetensors file whose tensors (one per input, named as it, batch first, in a wire
     form: UINT8 packed or the logical datatype) replace the zeros of the dry run at load."""
+    pinned: bool = False
+    """Never evicted to make room under ``--device-memory-budget``: its versions stay
+    resident from their load to their unload."""
+    response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    """Whether its answers go to the response cache (``[response_cache] enable = true``)."""
 
     @field_validator("warmup_file")
     @classmethod

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 import service
+from service.batch_queue import Answer, Pending
 from service.batcher import BatchInfo
 from service.config_override import ConfigOverride
 from service.errors import (
@@ -31,7 +32,7 @@ from service.errors import (
     ModelNotReady,
     ServiceError,
 )
-from service.handle import ModelHandle
+from service.handle import ModelHandle, Result
 from service.metrics import Metrics
 from service.observability import request_id_var
 from service.protocol import (
@@ -40,7 +41,9 @@ from service.protocol import (
     ResponseOutput,
 )
 from service.protocol.types import SharedOutput
+from service.response_cache import ResponseCache, cache_key
 from service.shared_memory import SystemSharedMemory
+from service.signature import Bound
 
 if TYPE_CHECKING:
     from service.tracing import RequestTrace, Tracing
@@ -79,6 +82,26 @@ class Repository(Protocol):
     async def unload(self, name: str) -> None: ...
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
     def ready_handles(self, name: str | None = None) -> list[ModelHandle]: ...
+    def use(self, handle: ModelHandle) -> bool: ...
+    async def resident(
+        self, handle: ModelHandle, timeout_s: float | None = None
+    ) -> ModelHandle: ...
+
+
+class NotResident(ModelNotReady):
+    """The version is READY but evicted (``--device-memory-budget``): its request waits for
+    its load (:meth:`DataPlane.infer_with`); the express lane hands such a request over."""
+
+    def __init__(self, handle: ModelHandle) -> None:
+        super().__init__(f"model '{handle.name}' version {handle.version} is not resident")
+        self.handle = handle
+
+
+def load_wait_s(handle: ModelHandle, request: InferRequest) -> float | None:
+    """How long a request may wait for its version's load: its ``parameters.timeout`` or its
+    model's ``queue_timeout_us``, whichever is shorter; None: no bound."""
+    bounds = [us for us in (request.timeout_us, handle.cfg.queue_timeout_us) if us]
+    return min(bounds) / 1e6 if bounds else None
 
 
 async def off_loop(fn: Callable[[], T]) -> T:
@@ -108,13 +131,19 @@ async def infer(
             DeadlineExceeded, ModelNotReady, ServiceError: see ``Batcher.submit``.
     """
     bound = handle.signature.bind(request)
-    priority = request.parameters.get("priority")  # checked by check_request_fields
     queued_ns = 0
     if trace is not None:
         queued_ns = time.time_ns()
-        trace.set("bitserve.priority_level", handle.level_of(priority))
+        trace.set("bitserve.priority_level", handle.level_of(request.parameters.get("priority")))
+    future: asyncio.Future[tuple[list[np.ndarray[Any, Any]], BatchInfo]]
+    future = asyncio.get_running_loop().create_future()
+    pending = enqueue(handle, request, bound, future, trace=trace)
     try:
-        arrays, info = await handle.submit(bound, request.timeout_us, priority, trace)
+        arrays, info = await future
+    except asyncio.CancelledError:
+        if pending is not None:
+            handle.batcher.cancel(pending)  # the client went away
+        raise
     finally:
         if trace is not None:
             trace.queued(queued_ns)
@@ -131,6 +160,77 @@ async def infer(
     return build_response(
         handle, request, bound.outputs, arrays, info, request_id_var.get(), shared
     )
+
+
+def enqueue(
+    handle: ModelHandle,
+    request: InferRequest,
+    bound: Bound,
+    answer: Answer[Result],
+    *,
+    trace: RequestTrace | None = None,
+    request_id: str | None = None,
+) -> Pending[Bound, Result] | None:
+    """Queue a checked request for its batch, or answer it from the response cache: every
+    transport's requests come here (:func:`infer`, and the REST express lane).
+
+    A hit answers ``answer`` in the next turn of the loop with the stored outputs (the model
+    never runs) and returns None; a miss queues the request, and its outputs are stored when
+    its batch answers. Both count in the version's ``cache_hit`` / ``cache_miss`` statistics.
+
+    Args:
+        handle: the resident version.
+        request: the decoded request; ``bound``: it, checked (``Signature.bind``).
+        answer: gets ``(outputs in config order, BatchInfo)`` or the error.
+        trace: the request's trace when traced. request_id: names it in the log.
+
+    Returns:
+        The queued request (for ``handle.batcher.cancel``), or None for a hit.
+
+    Raises:
+        Overloaded, ModelNotReady: see ``Batcher.enqueue`` (before it is queued).
+    """
+    timeout_us, priority = request.timeout_us, request.parameters.get("priority")
+    cache = handle.cache
+    if cache is None:
+        return handle.enqueue(bound, answer, timeout_us, priority, trace, request_id)
+    t0 = time.perf_counter_ns()
+    key = cache_key(handle, request, bound)
+    hit = cache.get(key)
+    if hit is not None:
+        handle.stats.cache_hit(time.perf_counter_ns() - t0)
+        asyncio.get_running_loop().call_soon(_answer_hit, answer, hit)
+        return None
+    storing = _Storing(answer, cache, key, (handle.name, handle.version))
+    pending = handle.enqueue(bound, storing, timeout_us, priority, trace, request_id)
+    handle.stats.cache_miss(time.perf_counter_ns() - t0)
+    return pending
+
+
+def _answer_hit(answer: Answer[Result], hit: tuple[Result, BatchInfo]) -> None:
+    if not answer.done():  # its client may have gone meanwhile
+        answer.set_result(hit)
+
+
+class _Storing:
+    """A missed request's answer: its outputs go to the response cache, then to it."""
+
+    __slots__ = ("answer", "cache", "key", "version")
+
+    def __init__(
+        self, answer: Answer[Result], cache: ResponseCache, key: bytes, version: tuple[str, str]
+    ) -> None:
+        self.answer, self.cache, self.key, self.version = answer, cache, key, version
+
+    def done(self) -> bool:
+        return self.answer.done()
+
+    def set_result(self, result: tuple[Result, BatchInfo], /) -> None:
+        self.cache.put(self.key, self.version, *result)
+        self.answer.set_result(result)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self.answer.set_exception(exception)
 
 
 def shared_outputs(request: InferRequest) -> dict[str, SharedOutput]:
@@ -252,6 +352,30 @@ class DataPlane:
             extensions.append("system_shared_memory")
         return {"name": "bitserve", "version": service.__version__, "extensions": extensions}
 
+    def admit(self, name: str, version: str | None) -> ModelHandle:
+        """A new inference request's model version, before its body is read (every
+        transport's first step): resident (counted as used now) and with room in its queue.
+
+        Raises:
+            ModelNotFound, ModelNotReady: see :meth:`model`. NotResident: evicted (the
+            request waits for its load: :meth:`infer_with`). Overloaded: its queue is full.
+        """
+        handle = self.repository.get(name, version)
+        if not self.admits(handle):
+            raise NotResident(handle)
+        return handle
+
+    def admits(self, handle: ModelHandle) -> bool:
+        """:meth:`admit` of a version already looked up: False when it is evicted.
+
+        Raises:
+            Overloaded: its queue is full.
+        """
+        if not self.repository.use(handle):
+            return False
+        handle.batcher.check_capacity()
+        return True
+
     def model(self, name: str, version: str | None = None) -> ModelHandle:
         """The READY handle of a model version (the highest READY one by default).
 
@@ -327,7 +451,7 @@ class DataPlane:
         try:
             handle = self.repository.get(name, version)
             label = handle.name
-            handle.batcher.check_capacity()
+            self.admits(handle)  # evicted: decoded with its signature, then waits for its load
             if trace is None:
                 request = await decode(handle)
             else:
@@ -336,6 +460,13 @@ class DataPlane:
             # found first, and the request belongs to the one serving now (decoded again if
             # the reload changed what the model accepts).
             current = self.repository.get(handle.name, version)
+            wait_s = load_wait_s(current, request)
+            for _ in range(3):  # evicted: loaded again (one load for every waiting request)
+                if self.repository.use(current):
+                    break
+                current = await self.repository.resident(current, wait_s)
+            else:
+                raise ModelNotReady(f"model '{name}' was evicted again as soon as it loaded")
             if current is not handle:
                 if not current.signature.same_as(handle.signature):
                     request = await decode(current)

@@ -6,17 +6,20 @@ A handle holds no state of its own: whether a version serves is the repository's
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from service.batch_queue import Answer, Pending
 from service.batcher import Batcher, BatchInfo
 from service.config import ModelConfig
 from service.pipeline import Pipeline
 from service.priority import level_of
 from service.protocol.header_cache import HeaderCache
+from service.response_cache import ResponseCache
 from service.signature import Bound, Signature
 from service.statistics import ModelStats
 
@@ -36,6 +39,8 @@ class ModelHandle:
         versions: every version of the model loaded with this one (for metadata).
         stats: its statistics (the batcher's and the pipeline's, which count its queue
             waits and batches; the data plane counts its requests).
+        cache: the server's response cache when this version's answers go there
+            (``[response_cache] enable = true`` and ``--cache-config``); None: not cached.
     """
 
     name: str
@@ -45,6 +50,7 @@ class ModelHandle:
     batcher: Batcher[Bound, Result]
     versions: list[str]
     stats: ModelStats
+    cache: ResponseCache | None = None
     signature: Signature = field(init=False)
     """What the wire accepts and what comes back, compiled once."""
     headers: HeaderCache = field(init=False, default_factory=HeaderCache)
@@ -73,8 +79,35 @@ class ModelHandle:
             expired first. ModelNotReady: the model is unloading. ServiceError: the batch
             failed.
         """
-        return await self.batcher.submit(
-            bound, bound.size, timeout_us=timeout_us, level=self.level_of(priority), trace=trace
+        future: asyncio.Future[tuple[Result, BatchInfo]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        pending = self.enqueue(bound, future, timeout_us, priority, trace)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.batcher.cancel(pending)  # the client went away
+            raise
+
+    def enqueue(
+        self,
+        bound: Bound,
+        answer: Answer[Result],
+        timeout_us: int | None = None,
+        priority: int | None = None,
+        trace: Any = None,
+        request_id: str | None = None,
+    ) -> Pending[Bound, Result]:
+        """:meth:`submit` without the wait: ``answer`` gets the outputs or the error (see
+        ``Batcher.enqueue``); returns the queued request, for ``batcher.cancel``."""
+        return self.batcher.enqueue(
+            bound,
+            bound.size,
+            answer,
+            timeout_us=timeout_us,
+            level=self.level_of(priority),
+            trace=trace,
+            request_id=request_id,
         )
 
     def level_of(self, priority: int | None) -> int:

@@ -31,6 +31,7 @@ _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class Metrics:
@@ -170,6 +171,39 @@ class Metrics:
             ["model", "device"],
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.device_memory_budget = Gauge(
+            "bitserve_device_memory_budget_bytes",
+            "The device memory budget of resident model versions (--device-memory-budget); "
+            "with --workers, the workers' shares added up.",
+            ["device"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.loads = Counter(
+            "bitserve_model_loads",
+            "Model versions loaded (at start, by a load call, or on demand after an eviction).",
+            ["model"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "bitserve_model_evictions",
+            "Model versions evicted to make room within the device memory budget.",
+            ["model"],
+            registry=r,
+        )
+        self.load_seconds = Histogram(
+            "bitserve_model_load_seconds",
+            "Time to load a model's versions (room made, built, dry run, measured).",
+            ["model"],
+            buckets=_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.load_waits = Counter(
+            "bitserve_requests_waited_for_load",
+            "Inference requests that found their model version evicted and waited for its load.",
+            ["model"],
+            registry=r,
         )
 
     def request_started(self) -> None:

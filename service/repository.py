@@ -5,20 +5,25 @@ resident on its device and a :class:`~service.batcher.Batcher` in front of it) a
 thread per device. It alone holds the state of each version (READY, LOADING, UNLOADING,
 UNAVAILABLE and why): :meth:`ModelRepository.get` hands out only READY versions' handles, and
 a retired version's batcher refuses new requests.
+
+Residency (``--device-memory-budget``, :mod:`service.residency`): a READY version is either
+resident (its pipeline on its device, its batcher serving) or evicted (its handle kept for
+metadata, its tensors released). Every version is built once when its model loads (its dry
+run checks it and measures the bytes it holds); a load that would pass its device's budget
+first evicts the least recently used versions that hold no request. An evicted version stays
+READY and listed; its next request (:meth:`ModelRepository.resident`) loads it again, and
+concurrent requests wait for that one load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from service.batcher import Batcher
-from service.builder import build_version
 from service.config import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_OPERATOR_BYTES,
@@ -36,18 +41,31 @@ from service.layout import (
     valid_model_name,
     valid_version,
 )
+from service.loading import VersionBuilder
 from service.metrics import Metrics
-from service.model_files import Artifacts, check_buffers, check_operator
-from service.pipeline import Pipeline, resolve_device
+from service.pipeline import Pipeline
 from service.priority import level_limits
+from service.residency import (
+    Accounting,
+)
+from service.resident_versions import (
+    LOADING,
+    LOADS_AT_ONCE,
+    READY,
+    UNAVAILABLE,
+    UNLOADING,
+    Entry,
+    ResidentVersions,
+)
+from service.response_cache import ResponseCache
 from service.settings import Settings
-from service.signature import Bound, Signature
+from service.signature import Bound
+from service.sizes import Size
 from service.statistics import Statistics
 from service.tracing import BatchTracer, Tracing
 
 log = logging.getLogger(__name__)
 
-READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 # CPU batches that take less CPU time than this run on the event loop, not in the device's
 # worker thread (see Batcher's inline_below_s). Measured on the tiny model (issue 23), whose
 # batches take 100-500 µs in a loaded server: run in the thread, the hop and the GIL's
@@ -55,18 +73,11 @@ READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVA
 # concurrency 8: 4,500 req/s inline under 1 ms, 3,100 under the earlier 300 µs, 2,750 always
 # in the thread). A batch this short delays the loop's other requests by at most as long.
 INLINE_BELOW_S = 1e-3
+START_PARALLEL = 4
+"""Models whose loads start at once at start."""
 
 
-@dataclass
-class _Entry:
-    """The state of one model version in the index."""
-
-    state: str
-    reason: str = ""
-    handle: ModelHandle | None = None
-
-
-class ModelRepository:
+class ModelRepository(ResidentVersions):
     """Every model of a repository folder (or the built-in demo), loaded on its device.
 
     Args:
@@ -83,6 +94,11 @@ class ModelRepository:
             (see :meth:`not_ready_reason`).
         tracing: the server's tracing (``service.tracing``): the batches of each version
             record their spans; None: off.
+        budget: ``--device-memory-budget`` parsed (``service.sizes.parse_budget``); None:
+            every version stays resident.
+        sharers: the worker processes that share a device's budget (``--workers``), by
+            device; default 1.
+        cache: the server's response cache (``--cache-config``); None: none.
     """
 
     def __init__(
@@ -97,8 +113,20 @@ class ModelRepository:
         initial_models: list[str] | None = None,
         strict_readiness: bool = True,
         tracing: Tracing | None = None,
+        budget: dict[str, Size] | None = None,
+        sharers: Callable[[str], int] | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.root = root
+        self.cache = cache
+        """The response cache; the versions of models that enable it answer from it."""
+        self.budget = budget
+        self._sharers = sharers or (lambda device: 1)
+        self.accounting = Accounting(self._budget_of)
+        """The bytes of every resident version (keys: handles) and their order of use."""
+        self._overrides: dict[str, ConfigOverride | None] = {}
+        self._building = asyncio.Semaphore(LOADS_AT_ONCE)
+        self._builder = VersionBuilder(default_device, max_operator_bytes, max_batch_bytes, warmup)
         self.tracing = tracing
         self.strict_readiness = strict_readiness
         self.max_operator_bytes = max_operator_bytes
@@ -109,7 +137,7 @@ class ModelRepository:
         self.default_device = default_device
         self.warmup = warmup
         self._initial_models = initial_models
-        self._models: dict[str, dict[str, _Entry]] = {}
+        self._models: dict[str, dict[str, Entry]] = {}
         self._unloaded: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._executors = DeviceExecutors()
@@ -126,6 +154,7 @@ class ModelRepository:
         device: str | None = None,
         initial_models: list[str] | None = None,
         tracing: Tracing | None = None,
+        sharers: Callable[[str], int] | None = None,
     ) -> ModelRepository:
         """The server's repository as ``settings`` describe it (its folder, warm-up and
         limits): the one way ``serve`` and every ``--workers`` worker build it.
@@ -133,7 +162,7 @@ class ModelRepository:
         Args:
             device: the device for ``device = "auto"`` configs (a worker's own GPU);
                 None: ``settings.device``.
-            initial_models, tracing: see the class.
+            initial_models, tracing, sharers: see the class.
         """
         return cls(
             settings.model_repository,
@@ -145,6 +174,9 @@ class ModelRepository:
             initial_models=initial_models,
             strict_readiness=settings.strict_readiness,
             tracing=tracing,
+            budget=settings.budget,
+            sharers=sharers,
+            cache=ResponseCache(settings.cache_bytes) if settings.cache_bytes else None,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -159,11 +191,18 @@ class ModelRepository:
             names = self._initial_models
         else:
             names = repository_models(self.root)
-        for name in names:
-            try:
-                await self.load(name)
-            except (InvalidInput, ModelNotFound) as exc:
-                log.error("model %s failed to load: %s", name, exc)
+        # Loads of different models run in parallel (a few at once: each builds on the cores);
+        # past the budget, each first evicts the least recently loaded.
+        gate = asyncio.Semaphore(START_PARALLEL)
+
+        async def load(name: str) -> None:
+            async with gate:
+                try:
+                    await self.load(name)
+                except (InvalidInput, ModelNotFound) as exc:
+                    log.error("model %s failed to load: %s", name, exc)
+
+        await asyncio.gather(*(load(name) for name in names))
         self._started = True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
@@ -210,7 +249,16 @@ class ModelRepository:
                 continue
             for v in sorted(versions, key=int):
                 e = versions[v]
-                out.append({"name": name, "version": v, "state": e.state, "reason": e.reason})
+                row: dict[str, Any] = {
+                    "name": name, "version": v, "state": e.state, "reason": e.reason
+                }  # fmt: skip
+                if self.budget is not None:  # Triton's four keys, and where it is
+                    resident = e.handle is not None and e.handle in self.accounting
+                    row["resident"] = resident
+                    row["resident_bytes"] = self.accounting.bytes_of(e.handle)
+                    if e.handle is not None:
+                        row["device"] = str(e.handle.pipeline.device)
+                out.append(row)
         return out
 
     # --- lookup ---------------------------------------------------------------------------
@@ -270,15 +318,18 @@ class ModelRepository:
 
         The new versions are built first; the old ones keep serving until the swap, then
         drain. If any version fails, nothing is swapped and the error names the problem.
+        Under a budget, each version first makes room (evicting the least recently used
+        versions of other models that hold no request); one larger than the whole budget
+        fails with that reason.
 
         Args:
             name: the model.
             override: a config override for this load (every version), checked as the
-                files are (``service.config_override``).
+                files are (``service.config_override``); kept for its loads on demand.
 
         Raises:
             ModelNotFound: no such model (or a name that could leave the repository).
-            InvalidInput: its configuration or files are invalid.
+            InvalidInput: its configuration or files are invalid, or it does not fit.
             ModelNotReady: the repository is stopping.
         """
         if self._closing:
@@ -297,7 +348,7 @@ class ModelRepository:
                     e.state, e.reason = LOADING, ""
             try:
                 sources = self._sources(name)
-                built = await asyncio.to_thread(self._build_all, name, sources, override)
+                built = await self._build_within_budget(name, sources, override)
             except ConfigError as exc:
                 reason = "; ".join(exc.problems)
                 # READY versions keep serving; the others show why the load failed.
@@ -305,37 +356,46 @@ class ModelRepository:
                     if e.state != READY:
                         e.state, e.reason = UNAVAILABLE, reason
                 if not old:
-                    self._models[name] = {"1": _Entry(UNAVAILABLE, reason)}
+                    self._models[name] = {"1": Entry(UNAVAILABLE, reason)}
                 raise InvalidInput(f"failed to load '{name}': {reason}") from None
             versions = sorted(built, key=int)
-            new: dict[str, _Entry] = {}
+            new: dict[str, Entry] = {}
             for v in versions:
-                cfg, pipeline = built[v]
-                stats = self.statistics.for_version(name, v)
-                pipeline.stats = stats
-                batcher: Batcher[Bound, Result] = Batcher(
-                    name,
-                    pipeline.run,
-                    max_batch_size=cfg.max_batch_size,
-                    max_queue_delay_us=cfg.max_queue_delay_us,
-                    max_queue_size=cfg.max_queue_size,
-                    queue_timeout_us=cfg.queue_timeout_us,
-                    executor=self._executors.get(str(pipeline.device)),
-                    metrics=self.metrics,
-                    stats=stats,
-                    inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
-                    level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
-                    version=v,
-                    tracer=self._batch_tracer(name, v, pipeline),
-                )
-                batcher.start()
-                handle = ModelHandle(name, v, cfg, pipeline, batcher, versions, stats)
-                new[v] = _Entry(READY, "", handle)
+                cfg, pipeline, nbytes = built[v]
+                handle = self._serve(name, v, cfg, pipeline, versions)
+                new[v] = Entry(READY, "", handle)
+                self._account(handle, nbytes, new[v])
             self._models[name] = new
+            self._overrides[name] = override
             self._unloaded.discard(name)
             await self._retire(name, old)
             self._report_memory(name)
             log.info("model %s loaded: versions %s", name, versions)
+
+    def _serve(
+        self, name: str, v: str, cfg: ModelConfig, pipeline: Pipeline, versions: list[str]
+    ) -> ModelHandle:
+        """A built version's handle, its batcher started."""
+        stats = self.statistics.for_version(name, v)
+        pipeline.stats = stats
+        batcher: Batcher[Bound, Result] = Batcher(
+            name,
+            pipeline.run,
+            max_batch_size=cfg.max_batch_size,
+            max_queue_delay_us=cfg.max_queue_delay_us,
+            max_queue_size=cfg.max_queue_size,
+            queue_timeout_us=cfg.queue_timeout_us,
+            executor=self._executors.get(str(pipeline.device)),
+            metrics=self.metrics,
+            stats=stats,
+            inline_below_s=INLINE_BELOW_S if pipeline.device.type == "cpu" else 0.0,
+            level_limits=level_limits(cfg.priority_levels, cfg.priority_queue_policy),
+            version=v,
+            tracer=self._batch_tracer(name, v, pipeline),
+        )
+        batcher.start()
+        cache = self.cache if cfg.response_cache.enable else None
+        return ModelHandle(name, v, cfg, pipeline, batcher, versions, stats, cache)
 
     def _batch_tracer(self, name: str, version: str, pipeline: Pipeline) -> BatchTracer | None:
         if self.tracing is None:
@@ -354,51 +414,17 @@ class ModelRepository:
         override: ConfigOverride | None = None,
     ) -> dict[str, tuple[ModelConfig, Pipeline]]:
         """Load every version's files and build its pipeline (runs in a worker thread)."""
-        patch = override.patch if override is not None else None
-        if sources is None:
-            from service.demo import demo_config, demo_tensors
+        return self._builder.build_all(name, sources, override)
 
-            source = "<built-in demo>/config.toml"
-            cfg = demo_config(patch)
-            tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-            check_buffers(cfg, source, self.max_batch_bytes)
-            check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
-            device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
-            pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
-                            source=source)  # fmt: skip
-            _check_override_io(override, source, name, cfg, pipe)
-            return {"1": (cfg, pipe)}
-        out: dict[str, tuple[ModelConfig, Pipeline]] = {}
-        problems: list[str] = []
-        for v, src in sources.items():
-            try:
-                cfg, pipe = build_version(
-                    name,
-                    src,
-                    default_device=self.default_device,
-                    max_operator_bytes=self.max_operator_bytes,
-                    max_batch_bytes=self.max_batch_bytes,
-                    patch=patch,
-                    warmup=self.warmup,
-                )
-                _check_override_io(override, src.source, name, cfg, pipe)
-                out[v] = (cfg, pipe)
-            except ConfigError as exc:
-                problems += exc.problems
-                if exc.__cause__ is not None:  # a library's error: its traceback, logged
-                    log.error("%s", "; ".join(exc.problems), exc_info=exc.__cause__)
-            except Exception as exc:  # a broken operator or model: report, don't crash
-                log.exception("model %s version %s failed to build", name, v)
-                problems += src.error(src.source, "failed to build", exc).problems
-        if problems:
-            raise ConfigError(problems)
-        return out
-
-    async def _retire(self, name: str, entries: dict[str, _Entry], timeout_s: float = 30.0) -> None:
+    async def _retire(self, name: str, entries: dict[str, Entry], timeout_s: float = 30.0) -> None:
         for e in entries.values():
             e.state = UNLOADING
         handles = [e.handle for e in entries.values() if e.handle is not None]
         await asyncio.gather(*(h.batcher.stop(timeout_s) for h in handles))
+        for h in handles:
+            self.accounting.remove(h)
+            if self.cache is not None:  # its answers go with it (reloaded or unloaded)
+                self.cache.drop(h.name, h.version)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain in-flight ones, free its memory.
@@ -417,7 +443,7 @@ class ModelRepository:
         for e in entries.values():
             e.state = UNLOADING
         await self._retire(name, entries, timeout_s)
-        self._models[name] = {v: _Entry(UNAVAILABLE, "unloaded") for v in entries}
+        self._models[name] = {v: Entry(UNAVAILABLE, "unloaded") for v in entries}
         self._report_memory(name)
         self.statistics.forget(name)  # as Triton forgets an unloaded model's statistics
         if self.metrics is not None:
@@ -428,7 +454,7 @@ class ModelRepository:
             return
         per_device: dict[str, int] = {}
         for e in self._models.get(name, {}).values():
-            if e.handle is not None:
+            if e.handle is not None and e.handle in self.accounting:
                 dev = str(e.handle.pipeline.device)
                 per_device[dev] = per_device.get(dev, 0) + e.handle.pipeline.device_memory_bytes
         devices = self._memory_devices.setdefault(name, set())
@@ -464,15 +490,6 @@ def readiness_reason(
         f"server is not ready: model '{m}' version {v} failed to load{more}; serve with "
         f"--no-strict-readiness to be ready without it: {why or 'no reason given'}"
     )
-
-
-def _check_override_io(
-    override: ConfigOverride | None, source: str, name: str, cfg: ModelConfig, pipe: Pipeline
-) -> None:
-    """The override's ``input``/``output``, if any, against the built model's."""
-    if override is not None and (override.inputs is not None or override.outputs is not None):
-        sig = Signature(name, cfg, pipe.output_shapes)
-        override.check_io(source, sig.input_config(), sig.output_config())
 
 
 def _shown(name: str) -> str:

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.config import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_OPERATOR_BYTES
 from service.devices import parse_device, resolve_device
+from service.sizes import Size, parse_budget, parse_cache_config
 
 
 class Settings(BaseSettings):
@@ -169,6 +170,20 @@ class Settings(BaseSettings):
     timeout_keep_alive_s: int = Field(default=5, ge=0)
     """Seconds an idle keep-alive connection stays open."""
 
+    device_memory_budget: str | None = None
+    """Bytes of each device's memory the resident model versions may hold (``8GiB``,
+    ``500MB``, ``75%`` of each device's memory, or per device: ``cpu=4GiB,cuda:0=20GiB``; the
+    host's memory for ``device = "cpu"`` models). Past it the least recently used versions
+    that hold no request are evicted, and load again on their next request (see
+    docs/residency.md). Under ``--workers`` each worker keeps its share (the budget divided
+    by the workers on the device). Unset: every version stays resident."""
+
+    cache_config: str | None = None
+    """The response cache, as Triton's ``--cache-config``: ``local,size=BYTES`` (units as
+    above: ``local,size=256MiB``). Models that say ``[response_cache] enable = true`` are
+    answered from it for a request equal to one answered before. Each worker process keeps
+    its own. Unset: no cache."""
+
     workers: int | Literal["auto"] = "auto"
     """Server processes sharing the port, each with its own copy of the models: an integer
     >= 1, or ``auto`` (from the cores and GPUs; the start-up log says what it chose). With a
@@ -199,6 +214,37 @@ class Settings(BaseSettings):
     def _device_syntax(cls, v: str) -> str:
         parse_device(v)
         return v
+
+    @field_validator("device_memory_budget", "cache_config", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, v: object) -> object:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("device_memory_budget")
+    @classmethod
+    def _budget_syntax(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_budget(v)
+        return v
+
+    @field_validator("cache_config")
+    @classmethod
+    def _cache_syntax(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_cache_config(v)
+        return v
+
+    @property
+    def budget(self) -> dict[str, Size] | None:
+        """``device_memory_budget`` parsed; None: no budget."""
+        return (
+            None if self.device_memory_budget is None else parse_budget(self.device_memory_budget)
+        )
+
+    @property
+    def cache_bytes(self) -> int:
+        """The response cache's size in bytes from ``cache_config``; 0: no cache."""
+        return 0 if self.cache_config is None else parse_cache_config(self.cache_config)
 
     @model_validator(mode="after")
     def _check_host_resources(self) -> Settings:

@@ -54,6 +54,10 @@ class Snapshot:
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    cache_hit_count: int = 0
+    cache_hit_ns: int = 0
+    cache_miss_count: int = 0
+    cache_miss_ns: int = 0
     batches: dict[int, list[int]] = field(default_factory=dict)
 
     def __add__(self, other: Snapshot) -> Snapshot:
@@ -109,8 +113,8 @@ class Snapshot:
                 "compute_input": duration(compute, self.compute_input_ns),
                 "compute_infer": duration(compute, self.compute_infer_ns),
                 "compute_output": duration(compute, self.compute_output_ns),
-                "cache_hit": duration(0, 0),
-                "cache_miss": duration(0, 0),
+                "cache_hit": duration(self.cache_hit_count, self.cache_hit_ns),
+                "cache_miss": duration(self.cache_miss_count, self.cache_miss_ns),
             },
             "batch_stats": [
                 {
@@ -172,6 +176,20 @@ class ModelStats:
         else:
             c.fail_count += 1
             c.fail_ns += ns
+
+    def cache_hit(self, ns: int) -> None:
+        """A request answered from the response cache (by the data plane): ``ns`` to find it
+        (Triton's ``cache_hit``)."""
+        c = self._counts
+        c.cache_hit_count += 1
+        c.cache_hit_ns += ns
+
+    def cache_miss(self, ns: int) -> None:
+        """A request the response cache did not hold: ``ns`` to look it up (Triton's
+        ``cache_miss``; storing its answer later is not counted)."""
+        c = self._counts
+        c.cache_miss_count += 1
+        c.cache_miss_ns += ns
 
     def queued(self, requests: int, ns: int) -> None:
         """A batch left the queue (by the batcher): ``ns`` is its requests' waits added up."""
@@ -268,6 +286,14 @@ def triton_metrics(snapshots: Iterable[Snapshot]) -> bytes:
         ("nv_inference_compute_output_duration_us", "Cumulative inference compute output "
          "duration in microseconds (does not include cached requests)",
          lambda s: s.compute_output_ns // 1000),
+        ("nv_cache_num_hits_per_model", "Number of cache hits per model",
+         lambda s: s.cache_hit_count),
+        ("nv_cache_num_misses_per_model", "Number of cache misses per model",
+         lambda s: s.cache_miss_count),
+        ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in "
+         "microseconds", lambda s: s.cache_hit_ns // 1000),
+        ("nv_cache_miss_duration_per_model", "Total cache miss (insert + lookup) duration per "
+         "model, in microseconds", lambda s: s.cache_miss_ns // 1000),
     )  # fmt: skip
     lines: list[str] = []
     for name, help_text, value in families:

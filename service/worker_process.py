@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,22 @@ def run_worker(spec: WorkerSpec) -> None:
     os._exit(code)
 
 
+def _budget_sharers(spec: WorkerSpec) -> Callable[[str], int]:
+    """The workers that share a device's memory budget: every worker for the host's memory
+    (``cpu``), and on a GPU the workers whose default device it is."""
+    from service.workers import gpu_count, worker_device
+
+    gpus = gpu_count(spec.settings.device)
+    on = [worker_device(spec.settings.device, j, gpus) for j in range(spec.workers)]
+
+    def sharers(device: str) -> int:
+        if not device.startswith("cuda"):
+            return spec.workers
+        return max(1, on.count(device))
+
+    return sharers
+
+
 def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # Imported here: the supervisor imports this module too, and stays without torch.
     from service.metrics import Metrics
@@ -95,6 +112,7 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
         device=spec.device,
         initial_models=cluster.initial_models(),
         tracing=tracing,
+        sharers=_budget_sharers(spec),
     )
     app = create_app(
         settings,

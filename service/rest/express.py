@@ -35,7 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from service.dataplane import THREAD_BYTES, build_response, shared_outputs
+from service.dataplane import THREAD_BYTES, build_response, enqueue, shared_outputs
 from service.errors import (
     ModelNotReady,
     Overloaded,
@@ -294,8 +294,7 @@ class ExpressRequest:
             self._hand_over()  # the gateway answers 503
             return
         try:
-            handle = lane.dataplane.repository.get(self.target[0], self.target[1])
-            handle.batcher.check_capacity()
+            handle = lane.dataplane.admit(self.target[0], self.target[1])
             held = Held(lane.route)
             held.grow(self.declared)
         except ServiceError:
@@ -319,10 +318,10 @@ class ExpressRequest:
         handle = self.handle
         if not self.started or handle is None or self.answered:
             return  # never started, or its answer is written
-        if self.pending is None:  # reading its body
+        if self.pending is None and self.request is None:  # reading its body
             self.lane.dataplane.metrics.cancelled(handle.name, handle.version).inc()
             self.t0_ns = self.lane.dataplane.started()
-        else:
+        elif self.pending is not None:  # queued (None: a cache hit, answered next turn)
             handle.batcher.cancel(self.pending)
         self.answered = True
         self._finish("Cancelled", CLIENT_GONE, b"", b"", b"")
@@ -340,14 +339,9 @@ class ExpressRequest:
                 self._hand_over()  # outputs into shared memory: written the general way
                 return
             bound = handle.signature.bind(request)
-            self.pending = handle.batcher.enqueue(
-                bound,
-                bound.size,
-                _Answer(self),
-                timeout_us=request.timeout_us,
-                level=handle.level_of(request.parameters.get("priority")),
-                request_id=self.request_id,
-            )
+            # The plane's own queueing (and response cache: a hit answers in the next turn).
+            self.pending = enqueue(handle, request, bound, _Answer(self),
+                                   request_id=self.request_id)  # fmt: skip
         except ServiceError:
             self._hand_over()  # the general way answers the error
             return

@@ -453,3 +453,59 @@ def test_every_worker_applies_the_size_limits(tmp_path: Path) -> None:
         assert (
             f"needs a device buffer of {2 * limit:,} bytes, more than max_batch_bytes ({limit:,})"
         ) in index["big"]["reason"]
+
+
+def test_device_memory_budget_per_worker(tmp_path: Path) -> None:
+    """``--workers 2 --device-memory-budget``: each worker keeps its share (one model of
+    three here), evicts and loads on demand on its own; every answer is right, every model
+    stays READY on both, and the control plane's unload and load still reach both."""
+    import asyncio
+
+    from service.repository import ModelRepository
+    from service.sizes import parse_budget
+
+    root = write_models(tmp_path / "repo", a=(8, 0), b=(8, 0), c=(8, 0))
+
+    async def one_model_bytes() -> int:
+        repo = ModelRepository(root, warmup=False, budget=parse_budget("1GiB"),
+                               initial_models=["a"])  # fmt: skip
+        await repo.start()
+        size = int(repo.index()[0]["resident_bytes"])
+        await repo.stop()
+        return size
+
+    size = asyncio.run(one_model_bytes())
+    budget = 3 * size  # 1.5 models per worker
+    args = ["--workers", "2", "--device-memory-budget", str(budget)]
+    rng = np.random.default_rng(1)
+    with start_server(root, args=args, log_dir=tmp_path) as server:
+        served: Counter[str] = Counter()
+        for k in range(24):
+            name = "abc"[k % 3]
+            bits = rng.random((2, N, L)) < 0.3
+            body, headers = infer_request(bits)
+            with httpx.Client(timeout=60) as client:
+                r = client.post(f"{server.url}/v2/models/{name}/infer", content=body,
+                                headers=headers)  # fmt: skip
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(answer_of(r), reference(root, name, bits), rtol=1e-5,
+                                       atol=1e-4)  # fmt: skip
+            served[r.headers["x-bitserve-worker"]] += 1
+        assert httpx.get(server.url + "/v2/health/ready", timeout=10).status_code == 200
+        for w in WORKERS:
+            index = on_worker(server.url, w, "POST", "/v2/repository/index").json()
+            assert {m["state"] for m in index} == {"READY"}, index
+            resident = [m for m in index if m["resident"]]
+            assert len(resident) <= 1, index  # its share holds one model
+            assert sum(m["resident_bytes"] for m in index) <= budget // 2
+        text = on_worker(server.url, "0", "GET", "/metrics").text
+        assert metric(text, "bitserve_device_memory_budget_bytes", device="cpu") == budget
+        evictions = sum(metric(text, "bitserve_model_evictions_total", 0.0, model=m) for m in "abc")
+        assert evictions >= len(served)  # every worker that served evicted
+        r = control(server.url, "c", "unload")
+        assert r.status_code == 200, r.text
+        for w in WORKERS:
+            assert ready_models(server.url, w) == {"a": "READY", "b": "READY", "c": "UNAVAILABLE"}
+        assert control(server.url, "c", "load").status_code == 200
+        for w in WORKERS:
+            assert ready_models(server.url, w) == {"a": "READY", "b": "READY", "c": "READY"}

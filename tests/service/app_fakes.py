@@ -105,6 +105,10 @@ class FakeHandle(ModelHandle):
         self.batcher.start()  # a no-op once started; tests swap handles in at any time
         return await super().submit(bound, timeout_us, priority, trace)
 
+    def enqueue(self, *args: Any, **kw: Any) -> Any:
+        self.batcher.start()  # a no-op once started; tests swap handles in at any time
+        return super().enqueue(*args, **kw)
+
     def compute(self, bound: Bound) -> Result:
         """One request's outputs, in config order."""
         if self.name == "boom":
@@ -183,6 +187,12 @@ class FakeRepository:
             raise ModelNotFound(unknown_model(name))
         names = sorted(self.models) if name is None else [name]
         return [self.models[n] for n in names if self.is_ready and n != "busy"]
+
+    def use(self, handle: Any) -> bool:
+        return True  # every fake model is resident
+
+    async def resident(self, handle: Any, timeout_s: float | None = None) -> Any:
+        return handle
 
     def get(self, name: str, version: str | None = None) -> FakeHandle:
         if name not in self.models:

@@ -359,3 +359,62 @@ async def _client_leaves() -> None:
             assert stats.snapshot().inference_count == computed
             assert client.responses == []
             assert server.handed_over == 0
+
+
+def _stats(raw: bytes) -> dict[str, Any]:
+    stats: dict[str, Any] = json.loads(raw.split(b"\r\n\r\n", 1)[1])["model_stats"][0]
+    return stats
+
+
+async def test_cache_hits_and_evicted_models_alike_on_both_lanes() -> None:
+    """The response cache and the device memory budget are the plane's: the express lane
+    answers a hit from the cache and hands an evicted model's request over, whose answer is
+    the general way's (issues 33, 34)."""
+    from shutil import copytree
+
+    from benchmarks.overhead import tiny
+
+    rng = np.random.default_rng()
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = tiny.write_repository(Path(tmp))
+        copytree(repo / "tiny", repo / "tiny2")
+        for name in ("tiny", "tiny2"):
+            with (repo / name / "config.toml").open("a") as f:
+                f.write("\n[response_cache]\nenable = true\n")
+        settings = Settings(model_repository=repo, grpc_port=0, log_level="warning",
+                            cache_config="local,size=1MiB")  # fmt: skip
+        one = 0
+        async with serving(create_app(settings)) as server:
+            for k in range(6):
+                packed = rng.integers(0, 256, (3, 1, 1), dtype=np.uint8)
+                first = await server.both([_tiny_request(packed, f"t{k}")])  # a miss, then a hit
+                again = await server.both([_tiny_request(packed, f"u{k}")])  # hits both ways
+                assert _ids(first[0]) == _ids(again[0])
+            stats = _stats(bytes((await server.ask([_GET_STATS], express=False))[0].raw))
+            assert stats["execution_count"] == 6  # the model ran once per distinct request
+            assert stats["inference_stats"]["cache_hit"]["count"] == 3 * 6
+            assert stats["inference_stats"]["cache_miss"]["count"] == 6
+            one = server.app.state.repository.accounting.bytes_of(
+                server.app.state.repository.get("tiny")
+            )
+        assert server.handed_over == 0
+        # One model fits: the other one's requests wait for its load, both ways.
+        budget = Settings(model_repository=repo, grpc_port=0, log_level="warning",
+                          device_memory_budget=str(one + one // 2))  # fmt: skip
+        async with serving(create_app(budget)) as server:
+            for k in range(4):
+                packed = rng.integers(0, 256, (2, 1, 1), dtype=np.uint8)
+                for model in ("tiny", "tiny2"):
+                    body = _tiny_request(packed, f"e{k}").replace(b"/tiny/", f"/{model}/".encode())
+                    [response] = await server.ask([body], express=True)
+                    raw = bytes(response.raw)
+                    assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
+                    n = int(response.header(b"inference-header-content-length"))
+                    counts = np.frombuffer(raw.split(b"\r\n\r\n", 1)[1][n:], np.float32)
+                    expected = np.unpackbits(packed.reshape(-1)).reshape(-1, 8).sum(1)
+                    np.testing.assert_array_equal(counts, expected)
+            # Each request found its model evicted by the other's: handed to the general way.
+            assert server.handed_over >= 7
+
+
+_GET_STATS = b"GET /v2/models/tiny/stats HTTP/1.1\r\nHost: t\r\n\r\n"

@@ -1,0 +1,506 @@
+"""More models than memory, and the response cache (issue 33's targets).
+
+1. **Residency.** A repository of ``--models`` operator models (CPU) whose resident bytes add
+   up to 3x ``--device-memory-budget``; one server under the budget, one holding every model
+   (the reference). A load generator in its own process sends Zipf-distributed traffic
+   (s = 1.1 over the models, ranked in a random order) from 8 concurrent connections for
+   ``--seconds`` (the issue asks for 5 minutes: ``--seconds 300``); then every answer is
+   sent again to the reference server and compared byte for byte (the models do not batch,
+   so each answer is computed alone on both). The budget server's peak memory (``VmHWM``)
+   is compared with the budget plus its process's own footprint (a server of the same build
+   with one tiny model), and the bytes it accounts (``bitserve_device_memory_bytes``) are
+   sampled every 0.5 s. Then cold loads: a request for a model that is evicted, one at a
+   time (p50 / p99), and two evicted models asked for together (the time until both are
+   answered, against one cold request's median).
+2. **Cache.** The demo model (``[response_cache] enable = true``, ``--cache-config``): a
+   request answered from the cache against the same request computed (each new random
+   request sent twice, one after the other, medians). Then the tiny model
+   (``benchmarks/overhead/tiny.py``) with the cache on against off, every request's bytes
+   random (8 items of 1 byte: 2^64 requests, so no hits), interleaved rounds, medians of
+   requests per second. The load is a raw-socket HTTP/1.1 client in its own process, not
+   perf_analyzer: perf_analyzer's ``random`` input data is one tensor drawn once and sent
+   with every request, so every request after the first would be a hit.
+
+    python -m benchmarks.bench_residency               # writes benchmarks/results/residency.md
+    python -m benchmarks.bench_residency --seconds 300 # the issue's full length
+    python -m benchmarks.bench_residency --smoke       # short, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks._common import markdown_table, quiet_host, report
+from benchmarks.overhead import perf, tiny
+from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
+
+CLIENTS = 8
+ZIPF_S = 1.1
+N, B, A = 16, 8192, 1024  # functions, fine bits, coarse points of each model
+ONE = ("--workers", "1")
+
+
+# --- the repository ---------------------------------------------------------------------
+
+
+def write_models(root: Path, count: int, half_width: float) -> list[str]:
+    """``count`` boxcar models, each with its own coarse points (so their answers differ),
+    ``max_batch_size = 1`` (each answer computed alone: the reference's bytes are its own)."""
+    names = []
+    for i in range(count):
+        name = f"m{i:02d}"
+        config = model_toml(
+            max_batch_size=1,
+            max_queue_size=1024,
+            device="cpu",
+            inputs=[bits_input(N, B)],
+            operator={"file": "op.safetensors", "response": "boxcar", "half_width": half_width},
+            outputs=[tensor("out", "FP32")],
+        )
+        rng = np.random.default_rng(i)
+        c = np.sort(rng.uniform(0, B - 1, (N, A)), axis=1).astype(np.float32)
+        write_model_folder(root / name, config, {"x": np.arange(B, dtype=np.float32), "c": c})
+        names.append(name)
+    return names
+
+
+NAMES = {"demo": ("spikes", "resampled"), "tiny": (tiny.INPUT, tiny.OUTPUT)}
+"""Input and output names of the models that are not ours (ours: ``bits``, ``out``)."""
+
+
+def infer_bytes(model: str, packed: np.ndarray[Any, Any], rid: str) -> bytes:
+    """One binary V2 request for ``model`` (HTTP/1.1, keep-alive)."""
+    name, output = NAMES.get(model, ("bits", "out"))
+    head = json.dumps(
+        {
+            "id": rid,
+            "inputs": [{"name": name, "datatype": "UINT8", "shape": list(packed.shape),
+                        "parameters": {"binary_data_size": packed.nbytes}}],
+            "outputs": [{"name": output, "parameters": {"binary_data": True}}],
+        }
+    ).encode()  # fmt: skip
+    body = head + packed.tobytes()
+    return (
+        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: b\r\nContent-Length: {len(body)}\r\n"
+        f"Inference-Header-Content-Length: {len(head)}\r\n\r\n"
+    ).encode() + body
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection: a request's bytes in, ``(status, output bytes)``
+    out (the body after its JSON header)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        return cls(*await asyncio.open_connection("127.0.0.1", port, limit=1 << 20))
+
+    async def send(self, raw: bytes) -> tuple[int, bytes]:
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = json_length = 0
+        for line in head.split(b"\r\n"):
+            key, _, value = line.partition(b":")
+            if key.lower() == b"content-length":
+                length = int(value)
+            elif key.lower() == b"inference-header-content-length":
+                json_length = int(value)
+        body = await self.reader.readexactly(length)
+        return status, body[json_length:] if status == 200 else body
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --- the load generator (its own process) -------------------------------------------------
+
+
+async def zipf_load(port: int, names: list[str], seconds: float, seed: int) -> dict[str, Any]:
+    """Zipf traffic from :data:`CLIENTS` connections: each request's model, seed, status,
+    latency and the SHA-256 of its output bytes."""
+    rng = np.random.default_rng(seed)
+    ranked = list(rng.permutation(names))
+    weights = 1.0 / np.arange(1, len(ranked) + 1) ** ZIPF_S
+    p = weights / weights.sum()
+    records: list[tuple[str, int, int, float, str]] = []
+    deadline = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        r = np.random.default_rng(seed * 100 + k)
+        conn = await Conn.open(port)
+        try:
+            while time.perf_counter() < deadline:
+                model = ranked[int(r.choice(len(ranked), p=p))]
+                s = int(r.integers(0, 2**31))
+                packed = np.random.default_rng(s).integers(0, 256, (1, N, B // 8), np.uint8)
+                t0 = time.perf_counter()
+                status, body = await conn.send(infer_bytes(model, packed, f"{k}-{s}"))
+                ms = (time.perf_counter() - t0) * 1e3
+                digest = hashlib.sha256(body).hexdigest() if status == 200 else ""
+                records.append((model, s, status, ms, digest))
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(client(k) for k in range(CLIENTS)))
+    return {"records": records, "ranked": ranked, "p": p.tolist()}
+
+
+async def replay(port: int, records: list[list[Any]]) -> int:
+    """Send every recorded request to the reference server; the number whose output bytes
+    differ (or failed)."""
+    todo = list(records)
+    bad = 0
+
+    async def client() -> None:
+        nonlocal bad
+        conn = await Conn.open(port)
+        try:
+            while todo:
+                model, s, _, _, digest = todo.pop()
+                packed = np.random.default_rng(s).integers(0, 256, (1, N, B // 8), np.uint8)
+                status, body = await conn.send(infer_bytes(model, packed, "ref"))
+                if status != 200 or hashlib.sha256(body).hexdigest() != digest:
+                    bad += 1
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
+    return bad
+
+
+async def rate(port: int, model: str, seconds: float, items: int, seed: int) -> float:
+    """Requests per second of random ``items``-item requests to ``model`` (tiny) from
+    :data:`CLIENTS` connections."""
+    count = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        nonlocal count
+        r = np.random.default_rng(seed * 1000 + k)
+        conn = await Conn.open(port)
+        try:
+            while time.perf_counter() < deadline:
+                packed = r.integers(0, 256, (items, 1, 1), np.uint8)
+                status, _ = await conn.send(infer_bytes(model, packed, "r"))
+                assert status == 200
+                count += 1
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(CLIENTS)))
+    return count / (time.perf_counter() - t0)
+
+
+def in_child(task: str, **kw: Any) -> Any:
+    """Run a load task (``zipf``, ``replay``, ``rate``) in a separate Python process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"task": task, **kw}))
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_residency", "--child",
+                        str(spec), str(out)], check=True, cwd=perf.ROOT)  # fmt: skip
+        return json.loads(out.read_text())
+
+
+def child_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    task = spec.pop("task")
+    fn = {"zipf": zipf_load, "replay": replay, "rate": rate}[task]
+    Path(out_path).write_text(json.dumps(asyncio.run(fn(**spec))))  # type: ignore[operator]
+
+
+# --- the server side ----------------------------------------------------------------------
+
+
+def rss(pid: int, field: str = "VmRSS") -> int:
+    """The resident memory of ``pid`` now (``VmRSS``) or at its peak (``VmHWM``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def accounted(url: str) -> int:
+    """The bytes the server says its resident models hold (every model, every device)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("bitserve_device_memory_bytes{")
+        )
+    )
+
+
+def index(url: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = httpx.post(url + "/v2/repository/index", timeout=30).json()
+    return rows
+
+
+async def one_tiny(port: int) -> None:
+    conn = await Conn.open(port)
+    for k in range(20):
+        await conn.send(infer_bytes("tiny", np.full((1, 1, 1), k, np.uint8), "f"))
+    conn.close()
+
+
+async def one(port: int, model: str, seed: int) -> float:
+    conn = await Conn.open(port)
+    packed = np.random.default_rng(seed).integers(0, 256, (1, N, B // 8), np.uint8)
+    t0 = time.perf_counter()
+    status, _ = await conn.send(infer_bytes(model, packed, "cold"))
+    ms = (time.perf_counter() - t0) * 1e3
+    conn.close()
+    assert status == 200
+    return ms
+
+
+def cold_loads(
+    url: str, port: int, names: list[str], trials: int
+) -> tuple[list[float], list[float]]:
+    """Cold requests one at a time, and pairs of cold requests together (ms)."""
+    rng = np.random.default_rng(5)
+    singles, pairs = [], []
+    for t in range(2 * trials):
+        evicted = [r["name"] for r in index(url) if not r["resident"]]
+        if t % 2 == 0:
+            singles.append(asyncio.run(one(port, str(rng.choice(evicted)), t)))
+        else:
+            a, b = rng.choice(evicted, 2, replace=False)
+
+            async def both(a: str = str(a), b: str = str(b), t: int = t) -> float:
+                t0 = time.perf_counter()
+                await asyncio.gather(one(port, a, t), one(port, b, t + 1))
+                return (time.perf_counter() - t0) * 1e3
+
+            pairs.append(asyncio.run(both()))
+    return singles, pairs
+
+
+def residency(args: argparse.Namespace, out: list[str]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="bench-residency-"))
+    names = write_models(root / "repo", args.models, args.half_width)
+    tiny_root = tiny.write_repository(root / "tiny")
+    servers = [
+        ("reference", perf.bitserve(root / "repo", *ONE)),
+        ("footprint", perf.bitserve(tiny_root, *ONE)),
+    ]
+    with perf.start(servers, timeout_s=600) as (ref, foot):
+        model_bytes = accounted(ref.url)
+        asyncio.run(one_tiny(foot.port))
+        footprint = rss(foot.process.pid)
+        ref_rss = rss(ref.process.pid)
+    budget = model_bytes // 3
+    flags = ("--device-memory-budget", str(budget), "--log-level", "warning")
+    with perf.start([("budget", perf.bitserve(root / "repo", *ONE, *flags))], timeout_s=600) as (
+        srv,
+    ):
+        resident_at_start = sum(1 for r in index(srv.url) if r["resident"])
+        samples: list[int] = []
+        rss_samples: list[int] = []
+        done = False
+
+        async def sample() -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                while not done:
+                    text = (await client.get(srv.url + "/metrics")).text
+                    samples.append(int(sum(
+                        float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("bitserve_device_memory_bytes{"))))  # fmt: skip
+                    rss_samples.append(rss(srv.process.pid))
+                    await asyncio.sleep(0.5)
+
+        async def sampled_load() -> dict[str, Any]:
+            nonlocal done
+            sampler = asyncio.create_task(sample())
+            try:
+                return await asyncio.to_thread(in_child, "zipf", port=srv.port, names=names,
+                                               seconds=args.seconds, seed=1)  # fmt: skip
+            finally:
+                done = True
+                await sampler
+
+        load = asyncio.run(sampled_load())
+        records = load["records"]
+        peak = max(rss_samples)
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        evictions = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("bitserve_model_evictions_total{")
+        )
+        waited = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("bitserve_requests_waited_for_load_total{")
+        )
+        singles, pairs = cold_loads(srv.url, srv.port, names, args.cold_trials)
+    with perf.start([("reference", perf.bitserve(root / "repo", *ONE))], timeout_s=600) as (ref,):
+        mismatched = in_child("replay", port=ref.port, records=records)
+    failed = sum(1 for r in records if r[2] != 200)
+    statuses = sorted({r[2] for r in records if r[2] != 200})
+    ms = [r[3] for r in records if r[2] == 200]
+    one_cold = statistics.median(singles)
+    pair = statistics.median(pairs)
+    p50, p99 = np.percentile(singles, [50, 99])
+    rows = [
+        ["models; their resident bytes; budget", f"{len(names)}; {model_bytes / 2**20:.1f} MiB; "
+         f"{budget / 2**20:.1f} MiB (1/3)", ""],
+        ["requests (8 clients, Zipf s=1.1, " f"{args.seconds:g} s)", len(records), ""],
+        ["failed requests", failed, f"target 0 {statuses or ''}"],
+        ["answers differing from the server holding every model", mismatched, "target 0"],
+        ["request latency p50 / p99 (ms)",
+         f"{np.percentile(ms, 50):.1f} / {np.percentile(ms, 99):.1f}", ""],
+        ["evictions; requests that waited for a load", f"{evictions:.0f}; {waited:.0f}", ""],
+        ["resident at start (models)", resident_at_start, ""],
+        ["accounted resident bytes, max of samples (MiB)", f"{max(samples) / 2**20:.2f}",
+         f"<= budget {budget / 2**20:.2f}"],
+        ["RSS during the traffic, max of samples, less the footprint (MiB)",
+         f"{(peak - footprint) / 2**20:.1f}",
+         f"budget {budget / 2**20:.1f} + overhead {(peak - footprint - budget) / 2**20:.1f}"],
+        ["RSS of the server holding every model, less the footprint (MiB)",
+         f"{(ref_rss - footprint) / 2**20:.1f}", f"its models {model_bytes / 2**20:.1f}"],
+        ["cold request p50 / p99 (ms)", f"{p50:.0f} / {p99:.0f}", f"{len(singles)} cold loads"],
+        ["two cold models together / one cold (median)", f"{pair / one_cold:.2f}",
+         "target <= 1.3"],
+    ]  # fmt: skip
+    out.append("## More models than memory\n")
+    out.append(markdown_table(["", "measured", "note"], rows))
+    out.append(
+        f"\nThe footprint is the RSS of the same server build serving only the tiny model "
+        f"({footprint / 2**20:.0f} MiB); the budget server's RSS was sampled every 0.5 s "
+        "during the traffic. Beyond the footprint it holds its resident models plus the "
+        "overhead: up to two loads' temporaries at once (a boxcar band is found in float64 "
+        "before it is stored in float32) and the allocator's slack. p99 of the cold requests "
+        "is of 20 samples.\n"
+    )
+
+
+def cache(args: argparse.Namespace, out: list[str]) -> None:
+    from service.demo import write_demo_repository
+
+    root = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+    write_demo_repository(root / "demo")
+    cached = "\n[response_cache]\nenable = true\n"
+    with (root / "demo" / "demo" / "1" / "config.toml").open("a") as f:
+        f.write(cached)
+    tiny_root = tiny.write_repository(root / "tiny")
+    with (tiny_root / "tiny" / "config.toml").open("a") as f:
+        f.write(cached)
+    size = ("--cache-config", "local,size=64MiB", "--log-level", "warning")
+    servers = [
+        ("demo", perf.bitserve(root / "demo", *ONE, *size)),
+    ]
+    with perf.start(servers, timeout_s=600) as (demo,):
+
+        async def pairs() -> tuple[list[float], list[float]]:
+            miss, hit = [], []
+            conn = await Conn.open(demo.port)
+            rng = np.random.default_rng(3)
+            for k in range(args.cache_trials):
+                packed = rng.random((1, 20, 50_000)) < 0.1
+                raw = infer_bytes("demo", np.packbits(packed, axis=-1), f"c{k}")
+                for into in (miss, hit):
+                    t0 = time.perf_counter()
+                    status, _ = await conn.send(raw)
+                    into.append((time.perf_counter() - t0) * 1e3)
+                    assert status == 200
+            conn.close()
+            return miss, hit
+
+        miss, hit = asyncio.run(pairs())
+        stats = httpx.get(demo.url + "/v2/models/demo/stats", timeout=10).json()
+        cstats = stats["model_stats"][0]["inference_stats"]
+    servers = [
+        ("off", perf.bitserve(tiny_root, *ONE, "--log-level", "warning")),
+        ("on", perf.bitserve(tiny_root, *ONE, *size)),
+    ]
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    with perf.start(servers, timeout_s=600) as running:
+        for r in range(args.rounds):
+            for srv in running if r % 2 == 0 else running[::-1]:
+                rates[srv.label].append(
+                    in_child(
+                        "rate",
+                        port=srv.port,
+                        model="tiny",
+                        seconds=args.round_seconds,
+                        items=8,
+                        seed=r,
+                    )
+                )
+        hits = httpx.get(running[1].url + "/v2/models/tiny/stats", timeout=10).json()
+        tiny_hits = hits["model_stats"][0]["inference_stats"]["cache_hit"]["count"]
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    rows = [
+        ["demo: computed (miss), median ms", f"{statistics.median(miss):.2f}", ""],
+        ["demo: answered from the cache (hit), median ms", f"{statistics.median(hit):.2f}", ""],
+        ["demo: miss / hit", f"{statistics.median(miss) / statistics.median(hit):.1f}x",
+         "target >= 5x"],
+        ["demo: statistics cache_hit / cache_miss count",
+         f"{cstats['cache_hit']['count']} / {cstats['cache_miss']['count']}", ""],
+        ["tiny, random inputs: cache off, requests/s (median of rounds)", f"{off:,.0f}",
+         f"{len(rates['off'])} rounds of {args.round_seconds:g} s"],
+        ["tiny, random inputs: cache on, requests/s", f"{on:,.0f}",
+         f"hits: {tiny_hits}"],
+        ["cache on / off", f"{on / off:.3f}", "target >= 0.97"],
+        ["rounds off; on (requests/s)", "; ".join(
+            ", ".join(f"{x:.0f}" for x in rates[k]) for k in ("off", "on")), ""],
+    ]  # fmt: skip
+    out.append("## Response cache\n")
+    out.append(markdown_table(["", "measured", "note"], rows))
+    out.append(
+        "\nLatencies are one client's, sequential, over a keep-alive connection (a demo "
+        "request is 125 KB packed). The throughput rows: 8 connections of a raw-socket "
+        "HTTP/1.1 client in its own process (not perf_analyzer: its `random` input data is "
+        "drawn once and resent, so every request would be a hit), each request 8 items of "
+        "random bytes, rounds of off and on interleaved.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2], sys.argv[3])
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="short; print only, write nothing")
+    p.add_argument("--seconds", type=float, default=60.0, help="Zipf traffic (issue: 300)")
+    p.add_argument("--models", type=int, default=12)
+    p.add_argument("--half-width", type=float, default=48.0)
+    p.add_argument("--cold-trials", type=int, default=20)
+    p.add_argument("--cache-trials", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--round-seconds", type=float, default=3.0)
+    p.add_argument("--part", choices=["all", "residency", "cache"], default="all")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.models, args.half_width = 3.0, 6, 8.0
+        args.cold_trials, args.cache_trials, args.rounds, args.round_seconds = 4, 4, 2, 1.0
+    _, host = quiet_host(wait_s=0 if args.smoke else 60)
+    out = [f"Host: {host}.\n"]
+    if args.part in ("all", "residency"):
+        residency(args, out)
+    if args.part in ("all", "cache"):
+        cache(args, out)
+    report("residency", "More models than memory; response cache", "\n".join(out),
+           smoke=args.smoke, devices=["cpu"])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
