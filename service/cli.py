@@ -5,6 +5,7 @@
                                       # as serve loads it (dry runs included); exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
     bitserve score --model-repository DIR --model M INPUT OUTPUT/   # Parquet rows on Ray Data
+    bitserve genotypes score-model --bim D.bim --bed D.bed --score S.txt OUT/  # plink2 --score
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
 :class:`service.settings.Settings`.
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from service.ray import cli as ray_cli  # imports Ray only when `score` runs
 
     ray_cli.add_parser(sub)
+    from service.genotypes import cli as genotypes_cli
+
+    genotypes_cli.add_parser(sub)
     return parser
 
 
@@ -237,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"wrote the demo model to {path}")
         return 0
+    if args.command == "genotypes":
+        from service.genotypes import cli as genotypes_cli
+
+        return genotypes_cli.run(args)
     if args.command == "score":
         from service.ray import cli as ray_cli
 

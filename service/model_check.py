@@ -80,7 +80,7 @@ def _given(cfg: ModelConfig, i: int, operator_shape: Sequence[int] | None) -> st
         dims = ", ".join([*batch, *map(str, operator_shape)])
         return f"the operator's output, {cfg.operator.dtype} [{dims}]"
     dims = ", ".join([*batch, *map(str, spec.shape)])
-    how = " (bit-packed)" if spec.packing == "bits" else ""
+    how = {"bits": " (bit-packed)", "codes": f" ({spec.code_bits}-bit codes)"}.get(spec.packing, "")
     dtype = f" as {spec.dtype}" if spec.dtype is not None else ""
     return f"{spec.datatype} [{dims}]{how}{dtype}"
 
@@ -192,6 +192,8 @@ def read_warmup(src: VersionSource, cfg: ModelConfig) -> dict[str, np.ndarray[An
         forms = {spec.datatype: spec.shape}
         if spec.packing == "bits":
             forms = {"UINT8": spec.packed_shape, "BOOL": spec.shape}
+        elif spec.packing == "codes":
+            forms = {"UINT8": spec.packed_shape}
         fits = t is not None and t.ndim >= 1 and t.shape[0] >= 1 and any(
             t.dtype == DATATYPES[d] and list(t.shape[1:]) == s for d, s in forms.items()
         )  # fmt: skip
@@ -211,8 +213,8 @@ def _requests(pipe: Pipeline, m: int, sample: Mapping[str, np.ndarray[Any, Any]]
         if sample is not None:
             items = sample[spec.name]
             data = np.ascontiguousarray(np.resize(items, (m, *items.shape[1:])))
-            packed = spec.packing == "bits" and items.dtype == np.uint8
-        elif spec.packing == "bits":
+            packed = spec.packing in ("bits", "codes") and items.dtype == np.uint8
+        elif spec.packing in ("bits", "codes"):
             data, packed = np.zeros((m, *spec.packed_shape), np.uint8), True
         else:
             data, packed = np.zeros((m, *spec.shape), DATATYPES[spec.datatype]), False

@@ -1,0 +1,161 @@
+"""PLINK 1 binary files (``.bed`` / ``.bim`` / ``.fam``) as the score-model writer reads them.
+
+``.bed``: the magic bytes ``6C 1B 01`` (variant-major), then one block of
+``ceil(samples / 4)`` bytes per variant, four 2-bit genotype codes a byte, the first sample
+in the lowest bits: 00 = two copies of the ``.bim``'s first allele (column 5), 01 = missing,
+10 = one copy of each, 11 = two copies of the second (column 6). The client reads the same
+files for sending (``bitserve_client.plink``); the two agree on :func:`ids_sha256`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BED_MAGIC = bytes([0x6C, 0x1B, 0x01])
+# Variants counted per step: bounds the (variants, bytes, 4) counting table to ~64 MiB.
+_COUNT_BLOCK_BYTES = 4 << 20
+
+
+class PlinkError(ValueError):
+    """A PLINK file that cannot be read as one; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class Variants:
+    """A ``.bim``: one entry per variant, in file order."""
+
+    chrom: list[str]
+    ids: list[str]
+    a1: list[str]
+    """Column 5: the allele a ``.bed``'s code 00 has two copies of."""
+    a2: list[str]
+    """Column 6."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def read_bim(path: Path) -> Variants:
+    """The variants of a ``.bim`` (six whitespace-separated columns).
+
+    Raises:
+        PlinkError: a line without six columns, naming the file and the line.
+    """
+    chrom, ids, a1, a2 = [], [], [], []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            f = line.split()
+            if not f:
+                continue
+            if len(f) != 6:
+                raise PlinkError(f"{path}: line {n}: {len(f)} columns, a .bim has 6")
+            chrom.append(f[0])
+            ids.append(f[1])
+            a1.append(f[4])
+            a2.append(f[5])
+    return Variants(chrom, ids, a1, a2)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """A ``.fam``: family and individual ids, parents, in file order."""
+
+    fid: list[str]
+    iid: list[str]
+    pat: list[str]
+    mat: list[str]
+
+    def __len__(self) -> int:
+        return len(self.iid)
+
+    def founders(self) -> np.ndarray:
+        """(samples,) bool: no parent in the data set (plink2 counts allele frequencies over
+        founders)."""
+        present = set(zip(self.fid, self.iid, strict=True))
+        return np.array([(f, p) not in present and (f, m) not in present
+                         for f, p, m in zip(self.fid, self.pat, self.mat, strict=True)],
+                        dtype=bool)  # fmt: skip
+
+
+def read_fam(path: Path) -> Samples:
+    """The samples of a ``.fam`` (six columns: FID IID PAT MAT SEX PHENO).
+
+    Raises:
+        PlinkError: a line with fewer than four columns.
+    """
+    fid, iid, pat, mat = [], [], [], []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            f = line.split()
+            if not f:
+                continue
+            if len(f) < 4:
+                raise PlinkError(f"{path}: line {n}: {len(f)} columns, a .fam has 6")
+            fid.append(f[0])
+            iid.append(f[1])
+            pat.append(f[2])
+            mat.append(f[3])
+    return Samples(fid, iid, pat, mat)
+
+
+def ids_sha256(variants: Variants, index: Sequence[int] | None = None) -> str:
+    """SHA-256 of the variants' ``id\\ta1\\ta2`` lines (UTF-8, each ending in a newline):
+    what a score model's metadata carries and a client checks its ``.bim`` against."""
+    h = hashlib.sha256()
+    order = range(len(variants)) if index is None else index
+    for i in order:
+        h.update(f"{variants.ids[i]}\t{variants.a1[i]}\t{variants.a2[i]}\n".encode())
+    return h.hexdigest()
+
+
+def open_bed(path: Path, n_samples: int, n_variants: int) -> np.memmap:
+    """The ``.bed``'s variant-major blocks, memory-mapped: (variants, ceil(samples / 4)).
+
+    Raises:
+        PlinkError: not a variant-major ``.bed``, or its size does not fit the ``.bim`` and
+            ``.fam``.
+    """
+    nb = (n_samples + 3) // 4
+    with open(path, "rb") as fh:
+        magic = fh.read(3)
+    if magic != BED_MAGIC:
+        raise PlinkError(f"{path}: not a variant-major PLINK .bed (magic {magic.hex()})")
+    size = path.stat().st_size
+    want = 3 + n_variants * nb
+    if size != want:
+        raise PlinkError(f"{path}: {size} bytes; {n_variants} variants x {n_samples} samples "
+                         f"take {want}")  # fmt: skip
+    return np.memmap(path, np.uint8, "r", offset=3, shape=(n_variants, nb))
+
+
+def _byte_counts() -> np.ndarray:
+    """(256, 4) uint8: how many of each code a byte holds."""
+    b = np.arange(256)
+    codes = (b[:, None] >> (2 * np.arange(4))) & 3
+    counts: np.ndarray = (codes[:, :, None] == np.arange(4)).sum(1).astype(np.uint8)
+    return counts
+
+
+def code_counts(bed: np.ndarray, n_samples: int, keep: np.ndarray | None = None) -> np.ndarray:
+    """(variants, 4) int64: each variant's count of codes 00, 01, 10, 11 over the samples
+    ``keep`` selects (all when None), read in blocks of variants."""
+    L, nb = bed.shape
+    out = np.zeros((L, 4), np.int64)
+    table = _byte_counts()
+    step = max(1, _COUNT_BLOCK_BYTES // max(nb, 1))
+    cols = None if keep is None or keep.all() else np.flatnonzero(keep)
+    for v0 in range(0, L, step):
+        block = np.asarray(bed[v0 : v0 + step])
+        if cols is None:
+            out[v0 : v0 + step] = table[block].sum(1, dtype=np.int64)
+        else:
+            codes = (block[:, cols // 4] >> (2 * (cols % 4)).astype(np.uint8)) & 3
+            out[v0 : v0 + step] = (codes[:, :, None] == np.arange(4)).sum(1)
+    if cols is None:
+        out[:, 0] -= nb * 4 - n_samples  # the last byte's padding codes are 00
+    return out
