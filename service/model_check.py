@@ -8,7 +8,8 @@ One set of rules for every format (``service.backends``):
   reaches the model as the operator's output, in ``[operator] dtype``.
 - **The signature check** (:func:`check_signature`, on the host): the config's inputs
   against the file's, by position: their number, each dtype, each rank and every dim
-  (static sizes, the batch dimension's range against ``1..max_batch_size``).
+  (static sizes, the batch dimension's range against ``1..max_batch_size``), and an input
+  the program never reads (a torch.export graph's placeholder without users) is refused.
 - **The dry run** (:func:`dry_run`, on the device): a zero batch (or the ``warmup_file``
   sample) through the whole pipeline at batch 1 and at ``max_batch_size``, each output
   checked against ``[[outputs]]``. ``bitserve serve`` runs it before a version is READY and
@@ -134,6 +135,12 @@ def check_signature(
         wrong_key = inp.dtype is not None and getattr(torch, inp.dtype) != spec.dtype
         if why is None and spec.dtype is not None and not is_op and wrong_key:
             why = f"[[inputs]] dtype is {inp.dtype}"
+        if why is None and spec.used is False:
+            problems.append(
+                f"{where}: {file}: input '{safe_text(spec.name)}' (inputs[{i}] "
+                f"'{safe_text(inp.name)}') is never read by the program: its answers would "
+                "not depend on it (was one example tensor passed for two inputs at export?)"
+            )
         if why is not None:
             problems.append(
                 f"{where}: {file}: input '{safe_text(spec.name)}' (inputs[{i}] "
