@@ -34,10 +34,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-size", type=int, default=1024,
                    help="the model's max_batch_size [default 1024]")  # fmt: skip
     p.add_argument("out", type=Path, metavar="OUT_MODEL_DIR")
+    q = gsub.add_parser(
+        "score",
+        help="score every sample of a .bed with a score model, in this process",
+        description="Score every sample of a .bed (its .bim and .fam beside it) with a score "
+        "model of a repository, in this process (no server, no Ray), and write plink2's "
+        ".sscore columns: #FID IID ALLELE_CT NAMED_ALLELE_DOSAGE_SUM SCOREk_AVG SCOREk_SUM.",
+    )
+    q.add_argument("--model-repository", type=Path, required=True, metavar="DIR")
+    q.add_argument("--model", required=True)
+    q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [default cpu]")
+    q.add_argument("bed", type=Path, metavar="DATA.bed")
+    q.add_argument("out", type=Path, metavar="OUT.sscore")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``bitserve genotypes ...``: 0 on success, 1 with one line on stderr if not."""
+    if args.genotypes_command == "score":
+        return _score(args)
     from service.genotypes.writer import write_score_model
 
     try:
@@ -50,4 +64,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"bitserve genotypes score-model: {e}", file=sys.stderr)
         return 1
     print("\n".join(report.lines()))
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    from service.config import ConfigError
+    from service.genotypes.bulk import score_bed
+
+    try:
+        result = score_bed(args.model_repository, args.model, args.bed, args.out,
+                           device=args.device)  # fmt: skip
+    except ConfigError as e:
+        print("\n".join(e.problems), file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"bitserve genotypes score: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {len(result['SCORE_SUM'])} samples scored")
     return 0

@@ -159,3 +159,35 @@ def code_counts(bed: np.ndarray, n_samples: int, keep: np.ndarray | None = None)
     if cols is None:
         out[:, 0] -= nb * 4 - n_samples  # the last byte's padding codes are 00
     return out
+
+
+def _transpose_words(w: np.ndarray) -> None:
+    """In place: each uint32 holds a 4x4 matrix of 2-bit codes, element (r, c) at bit
+    ``8 r + 2 c``; afterwards element (c, r) is there (two delta swaps)."""
+    t = ((w >> 6) ^ w) & np.uint32(0x00CC00CC)
+    w ^= t ^ (t << 6)
+    t = ((w >> 12) ^ w) & np.uint32(0x0000F0F0)
+    w ^= t ^ (t << 12)
+
+
+def sample_major(blocks: np.ndarray, n_samples: int, block_bytes: int = 64) -> np.ndarray:
+    """Variant-major ``.bed`` blocks (V, ceil(n / 4)) -> (n, ceil(V / 4)) uint8 codes, one row
+    per sample (what a genotype model takes). The client's ``bitserve_client.plink`` does the
+    same for sending (the client and the server share no code); tests check they agree.
+
+    Each group of 4 variants x 4 samples is one 32-bit word whose 4x4 matrix of 2-bit codes
+    is transposed in place; ``block_bytes`` sample bytes are done per step.
+    """
+    V, nbs = blocks.shape
+    V4 = (V + 3) // 4
+    out = np.empty((nbs * 4, V4), np.uint8)
+    padded = np.zeros((V4 * 4, min(block_bytes, nbs)), np.uint8)
+    for g0 in range(0, nbs, block_bytes):
+        g = min(block_bytes, nbs - g0)
+        padded[:V, :g] = blocks[:, g0 : g0 + g]
+        words = np.ascontiguousarray(padded[:, :g].reshape(V4, 4, g).transpose(0, 2, 1))
+        w = words.view(np.uint32).reshape(V4, g)
+        _transpose_words(w)
+        rows = w.view(np.uint8).reshape(V4, g, 4).transpose(1, 2, 0)
+        out[4 * g0 : 4 * (g0 + g)] = rows.reshape(4 * g, V4)
+    return out[:n_samples]

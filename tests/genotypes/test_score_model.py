@@ -197,3 +197,32 @@ def test_matches_plink2(tmp_path: Path) -> None:
     ct, ds, avg, sums = _run(tmp_path / "repo" / "m", plink.read_bed(tmp_path / "d.bed"))
     got = np.column_stack([ct, ds, avg, sums])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+
+
+def test_bulk_score_matches_and_agrees_with_the_client_transpose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.genotypes.plink_files import open_bed, sample_major
+
+    data = write_dataset(tmp_path / "d", 23, 31, seed=9)
+    blocks = np.asarray(open_bed(data.bed, 23, 31))
+    np.testing.assert_array_equal(sample_major(blocks, 23, block_bytes=2),
+                                  plink.read_bed(data.bed))  # fmt: skip
+    rows = [(v, data.a2[i], [float(i), 1.0]) for i, v in enumerate(data.ids) if i % 3]
+    score = _score_file(tmp_path / "s.txt", rows)
+    write_score_model(data.bim, data.bed, score, tmp_path / "repo" / "m", score_cols=[3, 4],
+                      max_batch_size=8)  # fmt: skip
+    out = tmp_path / "o.sscore"
+    args = ["genotypes", "score", "--model-repository", str(tmp_path / "repo"), "--model", "m",
+            str(data.bed), str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "23 samples scored" in capsys.readouterr().out
+    lines = out.read_text().splitlines()
+    assert lines[0].split("\t")[:4] == ["#FID", "IID", "ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM"]
+    assert lines[1].split("\t")[:2] == ["F", "S0"]
+    got = np.array([line.split("\t")[2:] for line in lines[1:]], float)
+    want = np.column_stack(plink_score(data, rows))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    other = write_dataset(tmp_path / "x", 23, 30, seed=9)
+    assert main([*args[:-2], str(other.bed), str(out)]) == 1
+    assert "are not the model's" in capsys.readouterr().err
