@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,27 @@ from service.genotypes.plink_files import (
 )
 
 
+def load_score_model(repository: Path, model: str, device: str = "cpu") -> tuple[Any, Any]:
+    """A ``[score]`` model's config and pipeline (its highest version), built as
+    ``bitserve serve`` builds it.
+
+    Raises:
+        ConfigError: the model cannot be loaded; PlinkError: not a ``[score]`` model.
+    """
+    from service.builder import build_version
+    from service.config import DEFAULT_MAX_OPERATOR_BYTES
+    from service.layout import model_versions
+
+    versions = model_versions(repository, model)
+    src = versions[max(versions, key=int)]
+    cfg, pipe = build_version(model, src, default_device=device, warmup=False,
+                              patch={"device": device},
+                              max_operator_bytes=DEFAULT_MAX_OPERATOR_BYTES)  # fmt: skip
+    if cfg.score is None:
+        raise PlinkError(f"{src.source}: not a [score] model")
+    return cfg, pipe
+
+
 def score_bed(
     repository: Path,
     model: str,
@@ -34,6 +56,7 @@ def score_bed(
     *,
     device: str = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    loaded: tuple[Any, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Score every sample of ``bed`` (``.bim``, ``.fam`` beside it) with a ``[score]`` model.
 
@@ -44,6 +67,7 @@ def score_bed(
             NAMED_ALLELE_DOSAGE_SUM SCOREk_AVG... SCOREk_SUM...``, tab-separated).
         device: where the model runs.
         progress: called with (samples done, samples) after each batch.
+        loaded: :func:`load_score_model`'s result, to reuse (default: load it here).
 
     Returns:
         Output name -> (samples, ...) float64, in ``.fam`` order.
@@ -52,18 +76,9 @@ def score_bed(
         PlinkError: unreadable data, or variants that are not the model's.
         ConfigError: the model cannot be loaded.
     """
-    from service.builder import build_version
-    from service.config import DEFAULT_MAX_OPERATOR_BYTES
-    from service.layout import model_versions
     from service.signature import Bound, WireInput
 
-    versions = model_versions(repository, model)
-    src = versions[max(versions, key=int)]
-    cfg, pipe = build_version(model, src, default_device=device, warmup=False,
-                              patch={"device": device},
-                              max_operator_bytes=DEFAULT_MAX_OPERATOR_BYTES)  # fmt: skip
-    if cfg.score is None:
-        raise PlinkError(f"{src.source}: not a [score] model")
+    cfg, pipe = loaded or load_score_model(repository, model, device)
     variants = read_bim(bed.with_suffix(".bim"))
     samples = read_fam(bed.with_suffix(".fam"))
     spec = cfg.inputs[0]
