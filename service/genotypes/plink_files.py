@@ -161,33 +161,55 @@ def code_counts(bed: np.ndarray, n_samples: int, keep: np.ndarray | None = None)
     return out
 
 
-def _transpose_words(w: np.ndarray) -> None:
-    """In place: each uint32 holds a 4x4 matrix of 2-bit codes, element (r, c) at bit
-    ``8 r + 2 c``; afterwards element (c, r) is there (two delta swaps)."""
-    t = ((w >> 6) ^ w) & np.uint32(0x00CC00CC)
-    w ^= t ^ (t << 6)
-    t = ((w >> 12) ^ w) & np.uint32(0x0000F0F0)
-    w ^= t ^ (t << 12)
+_S6, _S12 = np.uint32(6), np.uint32(12)
+_M6, _M12 = np.uint32(0x00CC00CC), np.uint32(0x0000F0F0)
+_BYTE_SHIFTS = [np.uint32(8 * k) for k in range(4)]
 
 
-def sample_major(blocks: np.ndarray, n_samples: int, block_bytes: int = 64) -> np.ndarray:
+def _transpose_words(w: np.ndarray, t: np.ndarray) -> None:
+    """In place: each uint32 of ``w`` holds a 4x4 matrix of 2-bit codes, element (r, c) at
+    bit ``8 r + 2 c``; afterwards element (c, r) is there (two delta swaps, ``t`` scratch)."""
+    for shift, mask in ((_S6, _M6), (_S12, _M12)):
+        np.right_shift(w, shift, out=t)
+        t ^= w
+        t &= mask
+        w ^= t
+        t <<= shift
+        w ^= t
+
+
+def sample_major(blocks: np.ndarray, n_samples: int, block_variants: int = 4096) -> np.ndarray:
     """Variant-major ``.bed`` blocks (V, ceil(n / 4)) -> (n, ceil(V / 4)) uint8 codes, one row
     per sample (what a genotype model takes). The client's ``bitserve_client.plink`` does the
     same for sending (the client and the server share no code); tests check they agree.
 
-    Each group of 4 variants x 4 samples is one 32-bit word whose 4x4 matrix of 2-bit codes
-    is transposed in place; ``block_bytes`` sample bytes are done per step.
+    ``block_variants`` variants at a time: the bytes of 4 variants at one sample byte become
+    one uint32 (widening shifts), its 4x4 codes are transposed, the words are transposed as
+    uint32, and each of their 4 bytes is one sample's row (narrowing copies).
     """
     V, nbs = blocks.shape
     V4 = (V + 3) // 4
     out = np.empty((nbs * 4, V4), np.uint8)
-    padded = np.zeros((V4 * 4, min(block_bytes, nbs)), np.uint8)
-    for g0 in range(0, nbs, block_bytes):
-        g = min(block_bytes, nbs - g0)
-        padded[:V, :g] = blocks[:, g0 : g0 + g]
-        words = np.ascontiguousarray(padded[:, :g].reshape(V4, 4, g).transpose(0, 2, 1))
-        w = words.view(np.uint32).reshape(V4, g)
-        _transpose_words(w)
-        rows = w.view(np.uint8).reshape(V4, g, 4).transpose(1, 2, 0)
-        out[4 * g0 : 4 * (g0 + g)] = rows.reshape(4 * g, V4)
+    lanes = out.reshape(nbs, 4, V4)
+    step = max(4, block_variants - block_variants % 4)
+    w = np.empty((step // 4, nbs), np.uint32)
+    t = np.empty_like(w)
+    wt = np.empty((nbs, step // 4), np.uint32)
+    tt = np.empty_like(wt)
+    for v0 in range(0, V, step):
+        chunk = np.asarray(blocks[v0 : v0 + step])
+        if chunk.shape[0] % 4:
+            chunk = np.concatenate([chunk, np.zeros((4 - chunk.shape[0] % 4, nbs), np.uint8)])
+        k4 = chunk.shape[0] // 4
+        q = chunk.reshape(k4, 4, nbs)
+        wk, tk, wtk, ttk = w[:k4], t[:k4], wt[:, :k4], tt[:, :k4]
+        np.copyto(wk, q[:, 0], casting="unsafe")
+        for k in (1, 2, 3):
+            np.left_shift(q[:, k], _BYTE_SHIFTS[k], out=tk, dtype=np.uint32)
+            wk |= tk
+        _transpose_words(wk, tk)
+        np.copyto(wtk, wk.T)
+        for s in range(4):
+            np.right_shift(wtk, _BYTE_SHIFTS[s], out=ttk)
+            np.copyto(lanes[:, s, v0 // 4 : v0 // 4 + k4], ttk, casting="unsafe")
     return out[:n_samples]

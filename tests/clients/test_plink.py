@@ -87,3 +87,12 @@ def test_check_variants(tmp_path: Path) -> None:
     meta["inputs"][0]["parameters"] = {"logical_shape": [2], "ids_sha256": "0" * 64}
     with pytest.raises(plink.VariantMismatchError, match="not the model's"):
         plink.check_variants(meta, v)
+
+
+def test_read_bed_in_several_variant_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plink, "_BLOCK_VARIANTS", 8)
+    codes = np.random.default_rng(3).integers(0, 4, (29, 43), dtype=np.uint8)
+    _write(tmp_path / "d", codes)
+    np.testing.assert_array_equal(plink.read_bed(tmp_path / "d.bed"), _packed(codes))

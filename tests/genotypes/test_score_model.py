@@ -206,7 +206,7 @@ def test_bulk_score_matches_and_agrees_with_the_client_transpose(
 
     data = write_dataset(tmp_path / "d", 23, 31, seed=9)
     blocks = np.asarray(open_bed(data.bed, 23, 31))
-    np.testing.assert_array_equal(sample_major(blocks, 23, block_bytes=2),
+    np.testing.assert_array_equal(sample_major(blocks, 23, block_variants=8),
                                   plink.read_bed(data.bed))  # fmt: skip
     rows = [(v, data.a2[i], [float(i), 1.0]) for i, v in enumerate(data.ids) if i % 3]
     score = _score_file(tmp_path / "s.txt", rows)
