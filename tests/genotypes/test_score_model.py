@@ -226,3 +226,15 @@ def test_bulk_score_matches_and_agrees_with_the_client_transpose(
     other = write_dataset(tmp_path / "x", 23, 30, seed=9)
     assert main([*args[:-2], str(other.bed), str(out)]) == 1
     assert "are not the model's" in capsys.readouterr().err
+
+
+def test_code_counts_all_samples_and_founders(tmp_path: Path) -> None:
+    from service.genotypes.plink_files import code_counts, open_bed
+
+    data = write_dataset(tmp_path / "d", 19, 40, seed=8, missing=0.1)
+    bed = open_bed(data.bed, 19, 40)
+    want = (data.codes.T[:, :, None] == np.arange(4)).sum(1)
+    np.testing.assert_array_equal(code_counts(bed, 19), want)
+    keep = np.arange(19) % 3 != 0
+    want = (data.codes[keep].T[:, :, None] == np.arange(4)).sum(1)
+    np.testing.assert_array_equal(code_counts(bed, 19, keep), want)
