@@ -63,12 +63,16 @@ def byte_table(tables: torch.Tensor, code_bits: int, bitorder: str) -> torch.Ten
     padded = tables.new_zeros((nb * per, K, S))
     padded[:L] = tables
     padded = padded.view(nb, per, K, S)
-    byte_codes = codes(torch.arange(256, device=tables.device, dtype=torch.uint8)[:, None],
-                       code_bits, per, bitorder)  # (256, per)  # fmt: skip
-    lut = tables.new_zeros((nb, 256, S))
+    # A byte is a number of `per` base-K digits, code c one digit: the table of every byte
+    # is the broadcast sum of the codes' tables, each along its digit's axis (most
+    # significant first), with no gather.
+    lut = tables.new_zeros((nb, *([K] * per), S))
     for c in range(per):
-        lut += padded[:, c][:, byte_codes[:, c]]
-    return lut
+        digit = per - 1 - c if bitorder == "little" else c
+        shape = [nb] + [1] * per + [S]
+        shape[1 + digit] = K
+        lut += padded[:, c].reshape(shape)
+    return lut.view(nb, 256, S)
 
 
 def score(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
