@@ -152,7 +152,7 @@ class InputConfig(_Strict):
     packing: Literal["none", "bits", "codes"] = "none"
     """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted);
     ``"codes"``: UINT8 of ``code_bits``-bit codes packed along the last axis, decoded through
-    ``code_values`` (a float datatype; see :class:`CodesFields`)."""
+    ``code_values`` into a float datatype (see :mod:`service.codes_input`)."""
     code_bits: Literal[1, 2, 4] | None = None
     """``packing = "codes"``: bits per code (a byte holds 8, 4 or 2 codes)."""
     code_values: list[float] | None = None
@@ -347,8 +347,9 @@ class ScoreConfig(_Strict):
     ``--score`` prints them (see :mod:`service.score_model`)."""
 
     file: str
-    """safetensors file with ``weights`` (L, S) and ``flip`` (L,) uint8 (1: the weight is on
-    the allele the code values do not count, its dosage ``2 - value``)."""
+    """safetensors file with ``weights`` (L, S), ``flip`` (L,) uint8 (1: the weight is on
+    the allele the code values do not count, its dosage ``2 - value``) and ``scored`` (L,)
+    uint8 (the variants the score counts)."""
     names: list[str] = Field(default_factory=list)
     """The score columns' names, in order (documentation; default SCORE1, SCORE2, ...)."""
 
