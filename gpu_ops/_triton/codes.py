@@ -57,8 +57,10 @@ def decode(
     rows = out.numel() // count if count else 0
     if rows == 0:
         return out
-    tab = table.to(device=x.device, dtype=torch.float32).contiguous()
-    miss = missing.to(device=x.device, dtype=torch.float32).contiguous()
+    # float64 values for a float64 result (means keep their digits), float32 otherwise.
+    vdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    tab = table.to(device=x.device, dtype=vdtype).contiguous()
+    miss = missing.to(device=x.device, dtype=vdtype).contiguous()
     grid = (rows, triton.cdiv(count, _BLOCK_J))
     with on_device(x):
         _decode_kernel[grid](

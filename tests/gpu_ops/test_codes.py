@@ -214,9 +214,11 @@ def test_triton_decode_matches_numpy(bits: int, bitorder: str) -> None:
     for miss, want in ((torch.from_numpy(missing), expected),
                        (torch.tensor([0.5], dtype=torch.float64),
                         np.where(np.isnan(table[codes]), 0.5, table[codes]))):  # fmt: skip
-        got = triton_codes.decode(packed, bits, L, tab, bitorder, miss.to(TRITON_DEVICE),
-                                  torch.float32)  # fmt: skip
-        np.testing.assert_allclose(got.cpu().double().numpy(), want, rtol=1e-6)
+        for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-15)):
+            got = triton_codes.decode(packed, bits, L, tab, bitorder, miss.to(TRITON_DEVICE),
+                                      dtype)  # fmt: skip
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got.cpu().double().numpy(), want, rtol=tol)
 
 
 @needs_triton
