@@ -232,3 +232,23 @@ def test_triton_score_matches_reference(bits: int) -> None:
     lut = _codes_torch.byte_table(torch.from_numpy(tables), bits, "little").to(TRITON_DEVICE)
     got = triton_codes.score(packed, lut)
     np.testing.assert_allclose(got.cpu().numpy(), _score_reference(codes, tables), rtol=1e-10)
+
+
+def test_c_kernels_split_over_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows split over several threads give the single thread's answer."""
+    monkeypatch.setattr(_codes_c, "C_PARALLEL_MIN_BYTES", 0)
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy(rng.integers(0, 256, (37, 29), dtype=np.uint8))
+    table = torch.tensor([2.0, math.nan, 1.0, 0.0], dtype=torch.float64)
+    miss = torch.from_numpy(rng.normal(size=115))
+    lut = torch.from_numpy(rng.normal(size=(29, 256, 4)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        many = (_codes_c.decode(x, 2, 115, table, "little", miss, torch.float64),
+                _codes_c.score(x, lut))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(many[0], _codes_torch.decode(x, 2, 115, table, "little", miss,
+                                                            torch.float64))  # fmt: skip
+    torch.testing.assert_close(many[1], _codes_torch.score(x, lut))
