@@ -304,3 +304,27 @@ def test_an_input_the_program_never_reads_is_refused(
         (line,) = problems
         k = "ab".index(unused)
         assert f"model.pt2: input '{unused}' (inputs[{k}] '{unused}') is never read" in line
+
+
+def test_an_onnx_input_the_graph_never_reads_is_refused(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    dims = ["batch", 3]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "a"], ["y"])], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(folder / "model.onnx"))
+    (folder / "config.toml").write_text(model_toml(
+        max_batch_size=4, device="cpu", inputs=[tensor("a", "FP32", [3]), tensor("b", "FP32", [3])],
+        model={"file": "model.onnx"}, outputs=[tensor("y", "FP32", [3])],
+    ))  # fmt: skip
+    (line,) = check_repository(tmp_path, max_operator_bytes=1 << 20)
+    assert "model.onnx: input 'b' (inputs[1] 'b') is never read by the program" in line
