@@ -29,13 +29,15 @@ serve: $(STAMP)
 # System packages the end-to-end tests use: nginx (the load balancer in front of replicas),
 # prometheus (promtool and a real scrape of the replicas for the dashboard queries), and a
 # Docker engine with debootstrap (the container tests build the Dockerfile on a stand-in base
-# image made from Debian packages; they start dockerd themselves when none is running).
+# image made from Debian packages; they start dockerd themselves when none is running), and
+# plink2 (the genotype tests and benchmark compare `bitserve genotypes` with plink2 --score).
 system-deps:
 	@{ command -v nginx || [ -x /usr/sbin/nginx ]; } >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && \
 		{ command -v dockerd || [ -x /usr/sbin/dockerd ]; } >/dev/null 2>&1 && \
-		{ command -v debootstrap || [ -x /usr/sbin/debootstrap ]; } >/dev/null 2>&1 || \
+		{ command -v debootstrap || [ -x /usr/sbin/debootstrap ]; } >/dev/null 2>&1 && \
+		command -v plink2 >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			--no-install-recommends nginx prometheus docker.io debootstrap >/dev/null; }
+			--no-install-recommends nginx prometheus docker.io debootstrap plink2 >/dev/null; }
 
 # The container tests' stand-in base images (tests/deploy/_standin.py): built once per machine
 # and set of pins; the tests build them too when missing. CI starts this early, in the

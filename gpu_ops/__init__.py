@@ -4,6 +4,7 @@ Each op family lives in its own module; the public names are re-exported here.
 """
 
 from gpu_ops.bits import packbits, unpackbits
+from gpu_ops.codes import decode_codes, score_codes, score_table
 from gpu_ops.resample import BandedResampler, OnTheFlyResampler, banded_resample
 from gpu_ops.search import (
     PackedCorpus,
@@ -28,10 +29,13 @@ __all__: list[str] = [
     "StagingBuffer",
     "StagingPool",
     "banded_resample",
+    "decode_codes",
     "from_dlpack",
     "hamming_topk",
     "packbits",
     "popcount",
+    "score_codes",
+    "score_table",
     "tanimoto_threshold",
     "tanimoto_topk",
     "to_device",

@@ -7,6 +7,7 @@
     bitserve score --model-repository DIR --model M INPUT OUTPUT/   # Parquet rows on Ray Data
     bitserve index build IN OUT_MODEL_DIR --metric tanimoto   # an [index] model folder from
                                       # Parquet / .npy packed rows or RDKit SMILES / SDF
+    bitserve genotypes score-model --bim D.bim --bed D.bed --score S.txt OUT/  # plink2 --score
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
 :class:`service.settings.Settings`.
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ray_cli.add_parser(sub)
     index_build.add_parser(sub)
+    from service.genotypes import cli as genotypes_cli
+
+    genotypes_cli.add_parser(sub)
     return parser
 
 
@@ -245,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service import index_build
 
         return index_build.run(args)
+    if args.command == "genotypes":
+        from service.genotypes import cli as genotypes_cli
+
+        return genotypes_cli.run(args)
     if args.command == "score":
         from service.ray import cli as ray_cli
 

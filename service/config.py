@@ -106,6 +106,8 @@ ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
 """The model formats (``service.backends.FORMATS``), as ``[model] format`` names them."""
 # The dtypes bits unpack straight into (gpu_ops.UNPACK_DTYPES), by name.
 UNPACK_DTYPE_NAMES = ("uint8", "bool", "float16", "bfloat16", "float32", "float64")
+# The dtypes codes decode straight into (gpu_ops.codes.DECODE_DTYPES), by name.
+CODES_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 HandedDtype = Literal[
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
 ]
@@ -147,8 +149,25 @@ class InputConfig(_Strict):
     """Logical V2 datatype; ``"BOOL"`` with ``packing = "bits"`` for bit-packed features."""
     shape: list[int] = Field(min_length=1, max_length=8)
     """Logical shape of one item, without the batch dimension, e.g. ``[20, 50000]``."""
-    packing: Literal["none", "bits"] = "none"
-    """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted)."""
+    packing: Literal["none", "bits", "codes"] = "none"
+    """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted);
+    ``"codes"``: UINT8 of ``code_bits``-bit codes packed along the last axis, decoded through
+    ``code_values`` into a float datatype (see :mod:`service.codes_input`)."""
+    code_bits: Literal[1, 2, 4] | None = None
+    """``packing = "codes"``: bits per code (a byte holds 8, 4 or 2 codes)."""
+    code_values: list[float] | None = None
+    """``packing = "codes"``: the value of each code, ``2**code_bits`` of them; ``nan`` marks
+    the missing code(s), e.g. ``[2.0, nan, 1.0, 0.0]`` for PLINK's dosage of a .bed's first
+    allele."""
+    missing: float | str | None = None
+    """``packing = "codes"``: what a missing code becomes: a number, or the name of a tensor
+    of one value per feature (the logical last axis) in ``missing_file``; default NaN."""
+    missing_file: str | None = None
+    """safetensors file holding the ``missing`` tensor."""
+    ids_sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
+    """The SHA-256 of the features' ids in order (a genotype model: its variants, see
+    ``bitserve genotypes``), advertised in the metadata so that clients can check that
+    their data's features are the model's."""
     bitorder: Literal["big", "little"] = "big"
     """Bit order of the packed bytes (NumPy's ``bitorder``); a request's input
     ``parameters.bitorder`` overrides it for that request."""
@@ -169,8 +188,16 @@ class InputConfig(_Strict):
             raise ValueError(f"{shape} has more than 2**31 elements per item")
         return shape
 
+    @field_validator("missing_file")
+    @classmethod
+    def _missing_file(cls, value: str | None) -> str | None:
+        return None if value is None else _relative_file(value)
+
     @model_validator(mode="after")
     def _packing_needs_bool(self) -> InputConfig:
+        from service.codes_input import check_codes_fields
+
+        check_codes_fields(self)
         if self.packing == "bits" and self.datatype != "BOOL":
             raise ValueError(f'packing = "bits" needs datatype = "BOOL", not {self.datatype!r}')
         if self.dtype is not None and self.dtype not in self.handed_dtypes:
@@ -186,6 +213,8 @@ class InputConfig(_Strict):
         """The torch dtypes (by name) this input may be handed to a model in."""
         if self.packing == "bits":
             return UNPACK_DTYPE_NAMES
+        if self.packing == "codes":
+            return CODES_DTYPE_NAMES
         if self.datatype == "BOOL":
             return typing.get_args(HandedDtype)
         own = REGISTRY[self.datatype].torch
@@ -193,8 +222,10 @@ class InputConfig(_Strict):
 
     @property
     def packed_shape(self) -> list[int]:
-        """The wire shape of one packed item: the last axis becomes ``ceil(L / 8)`` bytes."""
-        return [*self.shape[:-1], (self.shape[-1] + 7) // 8]
+        """The wire shape of one packed item: the last axis becomes ``ceil(L / 8)`` bytes
+        (codes: ``ceil(L * code_bits / 8)``)."""
+        bits = self.code_bits if self.packing == "codes" and self.code_bits else 1
+        return [*self.shape[:-1], (self.shape[-1] * bits + 7) // 8]
 
 
 _WIDTHS = ("sigma", "gamma", "half_width", "tau")
@@ -355,6 +386,25 @@ class ResponseCacheConfig(_Strict):
     answered from the cache, without running the model."""
 
 
+class ScoreConfig(_Strict):
+    """A genotype score model (``bitserve genotypes score-model`` writes it): weighted sums of
+    allele dosages of the one ``packing = "codes"`` input, without a model program; outputs
+    ``ALLELE_CT``, ``NAMED_ALLELE_DOSAGE_SUM``, ``SCORE_AVG`` and ``SCORE_SUM`` as plink2's
+    ``--score`` prints them (see :mod:`service.score_model`)."""
+
+    file: str
+    """safetensors file with ``weights`` (L, S), ``flip`` (L,) uint8 (1: the weight is on
+    the allele the code values do not count, its dosage ``2 - value``) and ``scored`` (L,)
+    uint8 (the variants the score counts)."""
+    names: list[str] = Field(default_factory=list)
+    """The score columns' names, in order (documentation; default SCORE1, SCORE2, ...)."""
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, value: str) -> str:
+        return _relative_file(value)
+
+
 class ModelConfig(_Strict):
     """A model's ``config.toml``."""
 
@@ -388,6 +438,8 @@ class ModelConfig(_Strict):
     index: IndexConfig | None = None
     """A packed corpus searched by Hamming or Tanimoto top-k (instead of an operator and a
     model)."""
+    score: ScoreConfig | None = None
+    """A genotype score model instead of ``[operator]`` and ``[model]``."""
     outputs: list[OutputConfig] = Field(min_length=1)
     warmup_file: str | None = None
     """A safetensors file whose tensors (one per input, named as it, batch first, in a wire
@@ -415,15 +467,19 @@ class ModelConfig(_Strict):
         if self.index is not None:
             self._check_index(self.index)
             return self
-        if self.operator is None and self.model is None:
+        if self.score is not None:
+            from service.score_model import check_score_config
+
+            check_score_config(self)
+        elif self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model], both, or an [index]")
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"tensor names must be unique; repeated: {dup}")
-        if self.model is None and len(self.outputs) != 1:
+        if self.model is None and self.score is None and len(self.outputs) != 1:
             raise ValueError("without a [model] there is exactly one output (the operator's)")
-        if self.model is None and len(self.inputs) != 1:
+        if self.model is None and self.score is None and len(self.inputs) != 1:
             raise ValueError("without a [model] there is exactly one input (the operator's)")
         if self.operator is not None:
             i = self.operator_input

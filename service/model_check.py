@@ -8,7 +8,8 @@ One set of rules for every format (``service.backends``):
   reaches the model as the operator's output, in ``[operator] dtype``.
 - **The signature check** (:func:`check_signature`, on the host): the config's inputs
   against the file's, by position: their number, each dtype, each rank and every dim
-  (static sizes, the batch dimension's range against ``1..max_batch_size``).
+  (static sizes, the batch dimension's range against ``1..max_batch_size``), and an input
+  the program never reads (a torch.export graph's placeholder without users) is refused.
 - **The dry run** (:func:`dry_run`, on the device): a zero batch (or the ``warmup_file``
   sample) through the whole pipeline at batch 1 and at ``max_batch_size``, each output
   checked against ``[[outputs]]``. ``bitserve serve`` runs it before a version is READY and
@@ -80,7 +81,7 @@ def _given(cfg: ModelConfig, i: int, operator_shape: Sequence[int] | None) -> st
         dims = ", ".join([*batch, *map(str, operator_shape)])
         return f"the operator's output, {cfg.operator.dtype} [{dims}]"
     dims = ", ".join([*batch, *map(str, spec.shape)])
-    how = " (bit-packed)" if spec.packing == "bits" else ""
+    how = {"bits": " (bit-packed)", "codes": f" ({spec.code_bits}-bit codes)"}.get(spec.packing, "")
     dtype = f" as {spec.dtype}" if spec.dtype is not None else ""
     return f"{spec.datatype} [{dims}]{how}{dtype}"
 
@@ -134,6 +135,12 @@ def check_signature(
         wrong_key = inp.dtype is not None and getattr(torch, inp.dtype) != spec.dtype
         if why is None and spec.dtype is not None and not is_op and wrong_key:
             why = f"[[inputs]] dtype is {inp.dtype}"
+        if why is None and spec.used is False:
+            problems.append(
+                f"{where}: {file}: input '{safe_text(spec.name)}' (inputs[{i}] "
+                f"'{safe_text(inp.name)}') is never read by the program: its answers would "
+                "not depend on it (was one example tensor passed for two inputs at export?)"
+            )
         if why is not None:
             problems.append(
                 f"{where}: {file}: input '{safe_text(spec.name)}' (inputs[{i}] "
@@ -192,6 +199,8 @@ def read_warmup(src: VersionSource, cfg: ModelConfig) -> dict[str, np.ndarray[An
         forms = {spec.datatype: spec.shape}
         if spec.packing == "bits":
             forms = {"UINT8": spec.packed_shape, "BOOL": spec.shape}
+        elif spec.packing == "codes":
+            forms = {"UINT8": spec.packed_shape}
         fits = t is not None and t.ndim >= 1 and t.shape[0] >= 1 and any(
             t.dtype == DATATYPES[d] and list(t.shape[1:]) == s for d, s in forms.items()
         )  # fmt: skip
@@ -211,8 +220,8 @@ def _requests(pipe: Pipeline, m: int, sample: Mapping[str, np.ndarray[Any, Any]]
         if sample is not None:
             items = sample[spec.name]
             data = np.ascontiguousarray(np.resize(items, (m, *items.shape[1:])))
-            packed = spec.packing == "bits" and items.dtype == np.uint8
-        elif spec.packing == "bits":
+            packed = spec.packing in ("bits", "codes") and items.dtype == np.uint8
+        elif spec.packing in ("bits", "codes"):
             data, packed = np.zeros((m, *spec.packed_shape), np.uint8), True
         else:
             data, packed = np.zeros((m, *spec.shape), DATATYPES[spec.datatype]), False

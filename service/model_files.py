@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,13 @@ import numpy as np
 import torch
 
 from service.backends import ModelFile, load_model_file
+from service.codes_input import CodeTable, read_code_tables
 from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig, load_config
 from service.corpus import CorpusFile, read_corpus
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.layout import VersionSource
 from service.model_check import check_signature, handed_dtypes, read_warmup
+from service.score_model import read_score
 from service.text import safe_text
 
 # safetensors dtype name -> torch dtype, for the operator's tensors (the compute dtypes).
@@ -62,6 +64,7 @@ class Artifacts:
         folder: the model's folder and how messages show it (library messages name files
             relative to it).
         corpus: an index's corpus file, opened (its rows memory-mapped) and checked.
+        codes: see below; score: see below.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -69,6 +72,10 @@ class Artifacts:
     warmup: dict[str, np.ndarray[Any, Any]] | None = None
     folder: tuple[Path, str] | None = None
     corpus: CorpusFile | None = None
+    codes: dict[int, CodeTable] = field(default_factory=dict)
+    """Each ``packing = "codes"`` input's code table, by input index."""
+    score: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A ``[score]`` model's tensors (:func:`service.score_model.read_score`)."""
 
 
 def load_version(
@@ -126,6 +133,14 @@ def load_version(
             corpus = read_corpus(path, cfg.index, cfg.inputs[0], src.source, folder)
         except ConfigError as exc:
             errors.append(exc)
+    codes: dict[int, CodeTable] = {}
+    score: dict[str, torch.Tensor] = {}
+    try:
+        codes = read_code_tables(src, cfg)
+        if cfg.score is not None:
+            score = read_score(src, cfg)
+    except ConfigError as exc:
+        errors.append(exc)
     if errors:
         raise ConfigError.join(errors)
     if corpus is not None:
@@ -140,7 +155,7 @@ def load_version(
         check_signature(cfg, model, where, operator_shape)
         # The buffers again, now in the dtypes the model is handed its inputs in.
         check_buffers(cfg, src.source, max_batch_bytes, handed_dtypes(cfg, model))
-    return cfg, Artifacts(tensors, model, warmup, (src.folder, src.shown_folder))
+    return cfg, Artifacts(tensors, model, warmup, (src.folder, src.shown_folder), codes, score)
 
 
 def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) -> list[int]:
@@ -151,6 +166,9 @@ def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) 
     capacity = max(cfg.max_batch_size, 1)
     sizes = []
     for i, spec in enumerate(cfg.inputs):
+        if cfg.score is not None:  # a [score] model's codes stay packed
+            sizes.append(capacity * math.prod(spec.packed_shape))
+            continue
         if cfg.operator is not None and i == cfg.operator_input:
             itemsize = COMPUTE_DTYPES[cfg.operator.dtype].itemsize
         elif dtypes is not None:

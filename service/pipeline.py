@@ -82,6 +82,14 @@ def build_operator(
     return BandedResampler.from_response(x, c, op.response, op.support, **kw, **params)
 
 
+def _score_module(artifacts: Artifacts, device: torch.device) -> Any:
+    """A ``[score]`` model's module (:class:`service.score_model.ScoreModule`) on ``device``."""
+    from service.score_model import ScoreModule
+
+    t = artifacts.score
+    return ScoreModule(t["weights"], t["flip"], t["scored"], artifacts.codes[0], device)
+
+
 def _module_bytes(module: Any) -> int:
     if not isinstance(module, torch.nn.Module):
         return 0
@@ -154,6 +162,9 @@ class Pipeline:
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
             )
             self.model = None if artifacts.model is None else self._on_device(artifacts.model)
+            self._codes = {i: t.to(self.device) for i, t in artifacts.codes.items()}
+            if cfg.score is not None:  # a [score] model: the codes stay packed
+                self.model = _score_module(artifacts, self.device)
             # Each batch is unpacked into (a prefix of) these buffers: no allocation per batch.
             # A bit-packed operator input stays packed: its buffer holds bytes (the probe's
             # and warm-up's zeros; a batch's own bytes are read where they arrived).
@@ -173,6 +184,7 @@ class Pipeline:
         self.device_memory_bytes = (
             sum(b.numel() * b.element_size() for b in self._buffers)
             + _module_bytes(self.operator)
+            + (_module_bytes(self.model) if cfg.score is not None else 0)
             + model_bytes
         )
 
@@ -232,6 +244,8 @@ class Pipeline:
                 )
             else:
                 us[i] = self.operator(us[i])
+        elif self.cfg.score is not None and self._packed is not None:
+            us[0] = self._packed[:m]
         outs: Any = us[0] if self.model is None else self.model(*us)
         if isinstance(outs, torch.Tensor):
             outs = [outs]
@@ -317,7 +331,9 @@ class Pipeline:
                 nbytes = sum(w.data.nbytes for w in wires[k:j])
                 part = raw[offset : offset + nbytes]
                 dst = buffer[row : row + n]
-                if wires[k].packed:
+                if wires[k].packed and spec.packing == "codes":
+                    self._codes[i].decode_into(part.view(n, *spec.packed_shape), dst)
+                elif wires[k].packed:
                     packed = part.view(n, *spec.packed_shape)
                     unpack(packed, packed.dim() - 1, form[2] or spec.bitorder, dst)
                 elif form[1] == np.bool_:
@@ -337,7 +353,10 @@ class Pipeline:
         return m
 
     def _packs(self, i: int) -> bool:
-        """Whether input i reaches the operator packed (``forward_bits``)."""
+        """Whether input i reaches the operator packed (``forward_bits``), or a ``[score]``
+        model its codes."""
+        if self.cfg.score is not None:
+            return True
         return i == self.operator_input and self.inputs[i].packing == "bits"
 
     def _reversed_bits(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from service.codes_input import wire_parameters
 from service.config import IndexConfig, InputConfig, ModelConfig
 from service.errors import InvalidInput
 from service.protocol.request import RawInputSpec
@@ -105,6 +106,8 @@ class Signature:
         for spec in cfg.inputs:
             if spec.packing == "bits":
                 forms = {"UINT8": spec.packed_shape, "BOOL": list(spec.shape)}
+            elif spec.packing == "codes":
+                forms = {"UINT8": spec.packed_shape}
             else:
                 forms = {spec.datatype: list(spec.shape)}
             self._by_name[spec.name] = _InputForms(spec, forms)
@@ -188,7 +191,7 @@ class Signature:
                     f"'{self.inputs[0].name}' has {size}; every input needs the same"
                 )
             size = b
-            packed = t.datatype == "UINT8" and spec.packing == "bits"
+            packed = t.datatype == "UINT8" and spec.packing in ("bits", "codes")
             data = t.data if self.batched else t.data.reshape(1, *t.data.shape)
             order = self._bitorder(spec, t.parameters) if t.parameters else None
             wires.append(WireInput(np.ascontiguousarray(data), packed, order))
@@ -304,6 +307,8 @@ class Signature:
                 "logical_datatype": spec.datatype,
             }
             return "UINT8", spec.packed_shape, params
+        if spec.packing == "codes":
+            return "UINT8", spec.packed_shape, wire_parameters(spec)
         return spec.datatype, list(spec.shape), {}
 
     def _wire_inputs(self) -> list[tuple[str, str, list[int], dict[str, Any]]]:

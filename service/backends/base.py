@@ -76,11 +76,14 @@ class TensorSpec:
         dtype: its dtype, or None when the file does not say.
         dims: its dimensions (the batch dimension first, where the model has one); None
             when the file does not say.
+        used: whether the program reads it at all (False: the graph never does, as when
+            one example tensor was passed for two inputs at export); None: not known.
     """
 
     name: str
     dtype: torch.dtype | None
     dims: tuple[Dim, ...] | None
+    used: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ allocate the outputs on the device, and hands them back to torch through DLPack 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,11 @@ class OnnxFile(ModelFile):
         )
 
     def signature(self) -> FileSignature:
-        return FileSignature(
-            tuple(_spec(a) for a in self.session.get_inputs()),
-            tuple(_spec(a) for a in self.session.get_outputs()),
-        )
+        read = _read_names(self.path)
+        inputs = [_spec(a) for a in self.session.get_inputs()]
+        if read is not None:
+            inputs = [replace(t, used=t.name in read) for t in inputs]
+        return FileSignature(tuple(inputs), tuple(_spec(a) for a in self.session.get_outputs()))
 
     def to(self, device: torch.device) -> Callable[..., Any]:
         if device.type == "cpu":
@@ -132,6 +134,31 @@ def _options(ort: Any) -> Any:
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+def _read_names(path: Path) -> set[str] | None:
+    """Every value name the graph's nodes (subgraphs included) read or it outputs; None when
+    the ``onnx`` package is not installed (then whether an input is read is not known)."""
+    try:
+        import onnx
+    except ImportError:
+        return None
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # ONNX Runtime opened it; a parse problem here is not a refusal
+        return None
+    names: set[str] = set()
+
+    def visit(graph: Any) -> None:
+        names.update(o.name for o in graph.output)
+        for node in graph.node:
+            names.update(node.input)
+            for attr in node.attribute:
+                for sub in [attr.g, *attr.graphs] if attr.HasField("g") else attr.graphs:
+                    visit(sub)
+
+    visit(model.graph)
+    return names
 
 
 def _spec(arg: Any) -> TensorSpec:

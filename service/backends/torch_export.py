@@ -34,7 +34,8 @@ class ExportedProgramFile(ModelFile):
         for name in ep.graph_signature.user_inputs:
             val = nodes[name].meta.get("val") if name in nodes else None
             if isinstance(val, torch.Tensor):
-                inputs.append(TensorSpec(name, val.dtype, dims_of(val.shape, ranges)))
+                used = bool(nodes[name].users)  # a placeholder nothing reads
+                inputs.append(TensorSpec(name, val.dtype, dims_of(val.shape, ranges), used))
             else:  # a non-tensor user input: the pipeline passes tensors only
                 inputs.append(TensorSpec(name, None, None))
         outputs: list[TensorSpec] = []

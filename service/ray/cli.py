@@ -13,10 +13,14 @@ This module imports Ray only when the command runs (``bitserve --help`` stays fa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -118,8 +122,25 @@ def add_parser(sub: Any) -> None:
         metavar="JSON",
         help="custom Ray resources per actor, e.g. '{\"scorer\": 1}'",
     )
-    p.add_argument("input", metavar="INPUT", help="a Parquet file or folder (path or URI)")
+    p.add_argument("input", metavar="INPUT", help="a Parquet file or folder (path or URI), or "
+                   "a PLINK .bed (its .bim and .fam beside it; FID and IID are passed "
+                   "through) for a genotype model")  # fmt: skip
     p.add_argument("output", metavar="OUTPUT", help="the output folder (path or URI)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _bed_as_parquet(args: argparse.Namespace) -> Iterator[str]:
+    """The input to score: ``args.input`` itself, or for a PLINK ``.bed`` a Parquet file of
+    its samples in a temporary folder (:mod:`service.ray.bed_input`), removed afterwards."""
+    if not args.input.endswith(".bed"):
+        yield args.input
+        return
+    from service.ray.bed_input import bed_as_parquet
+    from service.ray.scorer import read_config
+
+    _, cfg = read_config(Path(args.model_repository).resolve(), args.model, args.version)
+    with tempfile.TemporaryDirectory(prefix="bitserve-bed-") as tmp:
+        yield str(bed_as_parquet(Path(args.input), Path(tmp), cfg))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,26 +177,27 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.address)
     preload.join()
     try:
-        report = score_files(
-            args.input,
-            args.output,
-            args.model_repository,
-            args.model,
-            version=args.version,
-            keep_inputs=args.keep_inputs,
-            bitorder=args.bitorder,
-            parameters={
-                key: value
-                for key, value in (("k", args.k), ("threshold", args.threshold))
-                if value is not None
-            },
-            device=args.device,
-            actors=args.actors,
-            num_gpus=args.num_gpus,
-            num_cpus=args.num_cpus,
-            threads=args.threads,
-            **extra,
-        )
+        with _bed_as_parquet(args) as source:
+            report = score_files(
+                source,
+                args.output,
+                args.model_repository,
+                args.model,
+                version=args.version,
+                keep_inputs=args.keep_inputs,
+                bitorder=args.bitorder,
+                parameters={
+                    key: value
+                    for key, value in (("k", args.k), ("threshold", args.threshold))
+                    if value is not None
+                },
+                device=args.device,
+                actors=args.actors,
+                num_gpus=args.num_gpus,
+                num_cpus=args.num_cpus,
+                threads=args.threads,
+                **extra,
+            )
     except (ScoringError, IncompleteOutput, ValueError) as e:
         print(f"bitserve score: {e}", file=sys.stderr)
         return 1

@@ -120,7 +120,7 @@ def check_schema(
                 f"({form.describe()} a row); the file's columns: {names}"
             )
         t = file.schema.field(col).type
-        if form.spec.packing == "bits":
+        if form.spec.packing in ("bits", "codes"):
             ok = pa.types.is_binary(t) or pa.types.is_large_binary(t)
             if pa.types.is_fixed_size_binary(t):
                 ok = t.byte_width == form.row_bytes

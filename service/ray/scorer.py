@@ -113,7 +113,7 @@ class ColumnForm:
 
     @classmethod
     def of(cls, spec: InputConfig) -> ColumnForm:
-        if spec.packing == "bits":
+        if spec.packing in ("bits", "codes"):
             return cls(spec, "UINT8", tuple(spec.packed_shape))
         return cls(spec, spec.datatype, tuple(spec.shape))
 
@@ -127,6 +127,8 @@ class ColumnForm:
 
     def describe(self) -> str:
         """What a row holds, for messages."""
+        if self.spec.packing == "codes":
+            return f"{self.row_bytes} bytes of {self.spec.code_bits}-bit codes"
         if self.spec.packing == "bits":
             return (
                 f"{self.row_bytes} packed bytes (bits of {self.spec.shape}, "

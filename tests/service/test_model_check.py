@@ -261,3 +261,70 @@ def test_the_config_names_every_format_and_unpack_dtype() -> None:
     assert set(typing.get_args(ModelFormat)) == set(FORMATS) - {"module"}
     assert set(MODEL_SUFFIXES) == set(SUFFIXES)
     assert {getattr(torch, n) for n in UNPACK_DTYPE_NAMES} == set(UNPACK_DTYPES)
+
+
+class _ReadsFirstTwice(torch.nn.Module):
+    """Reads ``a`` where it should read ``b`` (the issue's slip at export)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + a
+
+
+class _ReadsBoth(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+@pytest.mark.parametrize(
+    ("module", "same_example", "unused"),
+    [
+        (_ReadsFirstTwice(), False, "b"),
+        (_ReadsBoth(), True, "a"),  # one example tensor for both: export reads it once
+        (_ReadsBoth(), False, None),
+    ],
+)
+def test_an_input_the_program_never_reads_is_refused(
+    tmp_path: Path, module: torch.nn.Module, same_example: bool, unused: str | None
+) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    x = torch.zeros(2, 3)
+    y = x if same_example else torch.ones(2, 3)
+    batch = torch.export.Dim("batch", min=1, max=4)
+    ep = torch.export.export(module, (x, y), dynamic_shapes={"a": {0: batch}, "b": {0: batch}})
+    torch.export.save(ep, str(folder / "model.pt2"))
+    (folder / "config.toml").write_text(model_toml(
+        max_batch_size=4, device="cpu", inputs=[tensor("a", "FP32", [3]), tensor("b", "FP32", [3])],
+        model={"file": "model.pt2"}, outputs=[tensor("y", "FP32", [3])],
+    ))  # fmt: skip
+    problems = check_repository(tmp_path, max_operator_bytes=1 << 20)
+    if unused is None:
+        assert problems == []
+    else:
+        (line,) = problems
+        k = "ab".index(unused)
+        assert f"model.pt2: input '{unused}' (inputs[{k}] '{unused}') is never read" in line
+
+
+def test_an_onnx_input_the_graph_never_reads_is_refused(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    dims = ["batch", 3]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "a"], ["y"])], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(folder / "model.onnx"))
+    (folder / "config.toml").write_text(model_toml(
+        max_batch_size=4, device="cpu", inputs=[tensor("a", "FP32", [3]), tensor("b", "FP32", [3])],
+        model={"file": "model.onnx"}, outputs=[tensor("y", "FP32", [3])],
+    ))  # fmt: skip
+    (line,) = check_repository(tmp_path, max_operator_bytes=1 << 20)
+    assert "model.onnx: input 'b' (inputs[1] 'b') is never read by the program" in line

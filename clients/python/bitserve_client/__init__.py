@@ -37,8 +37,11 @@ Public API (``__all__``; everything else, modules included, is private):
 - ``Unauthorized``: 401 / 403, a missing or wrong token.
 - ``Unavailable``: 503, queue full or model not ready (retried by default).
 - ``__version__``: the distribution's version.
+- ``plink``: PLINK ``.bed``/``.bim``/``.fam`` for genotype models (``read_bed``,
+  ``score_bed``), NumPy only.
 """
 
+from . import plink
 from ._async_client import AsyncClient
 from ._client import Client
 from ._exceptions import (
@@ -82,4 +85,5 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "__version__",
+    "plink",
 ]

@@ -1,0 +1,157 @@
+"""Inputs of n-bit codes (``packing = "codes"``): their config checks, their code tables on
+the device, and how the metadata advertises them.
+
+A codes input travels as UINT8 ``[batch, ..., ceil(L * code_bits / 8)]`` (the codes packed
+along the last axis in the input's ``bitorder``) and reaches the model decoded through
+``code_values`` into its dtype (:func:`gpu_ops.decode_codes`), a missing code (``nan`` in the
+table) replaced by ``missing``: a number, or one value per feature from a safetensors file
+(mean imputation). A ``[score]`` model keeps the codes packed (:mod:`service.score_model`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from service.config import InputConfig, ModelConfig
+    from service.layout import VersionSource
+
+_FLOAT_DATATYPES = ("FP16", "BF16", "FP32", "FP64")
+
+
+def check_codes_fields(spec: InputConfig) -> None:
+    """The ``packing = "codes"`` keys of one input, together (pydantic's after-validator).
+
+    Raises:
+        ValueError: naming the key; pydantic prefixes the input's location.
+    """
+    codes_keys = ("code_bits", "code_values", "missing", "missing_file", "ids_sha256")
+    if spec.packing != "codes":
+        given = [k for k in codes_keys if getattr(spec, k) is not None]
+        if given:
+            raise ValueError(f'{", ".join(given)} only apply to packing = "codes"')
+        return
+    if spec.datatype not in _FLOAT_DATATYPES:
+        raise ValueError(
+            f'packing = "codes" needs a floating-point datatype ({", ".join(_FLOAT_DATATYPES)}), '
+            f"not {spec.datatype!r}"
+        )
+    if spec.code_bits is None:
+        raise ValueError('packing = "codes" needs code_bits (1, 2 or 4)')
+    n = 1 << spec.code_bits
+    if spec.code_values is None or len(spec.code_values) != n:
+        got = "none" if spec.code_values is None else f"{len(spec.code_values)}"
+        raise ValueError(
+            f"code_values needs {n} values for code_bits = {spec.code_bits} (one per code, "
+            f"nan for missing); got {got}"
+        )
+    if any(math.isinf(v) for v in spec.code_values):
+        raise ValueError("code_values must be finite or nan")
+    if isinstance(spec.missing, str) != (spec.missing_file is not None):
+        raise ValueError(
+            "missing names a tensor of missing_file: give both (or missing as a number)"
+        )
+    if isinstance(spec.missing, float) and not math.isfinite(spec.missing):
+        raise ValueError("missing must be a finite number")
+
+
+@dataclass(frozen=True)
+class CodeTable:
+    """What decoding one codes input needs, on the host until :meth:`to` a device.
+
+    Attributes:
+        code_bits: bits per code.
+        count: L, the codes along the last axis.
+        bitorder: ``"little"`` or ``"big"``.
+        table: (2**code_bits,) float64, NaN for a missing code.
+        missing: (1,) or (L,) float64: a missing code's value.
+    """
+
+    code_bits: int
+    count: int
+    bitorder: str
+    table: torch.Tensor
+    missing: torch.Tensor
+
+    def to(self, device: torch.device) -> CodeTable:
+        return CodeTable(self.code_bits, self.count, self.bitorder, self.table.to(device),
+                         self.missing.to(device))  # fmt: skip
+
+    def decode_into(self, packed: torch.Tensor, dst: torch.Tensor) -> None:
+        """packed (n, ..., nb) uint8 -> ``dst`` (n, ..., L) in dst's dtype."""
+        dst.copy_(
+            torch.ops.bitserve.decode_codes(
+                packed, self.code_bits, self.count, self.table, self.bitorder, self.missing,
+                dst.dtype,
+            )
+        )  # fmt: skip
+
+
+def read_code_tables(src: VersionSource, cfg: ModelConfig) -> dict[int, CodeTable]:
+    """Each codes input's :class:`CodeTable`, its ``missing`` tensor read and checked.
+
+    Raises:
+        ConfigError: naming ``inputs[i].missing_file`` and what is wrong with the tensor.
+    """
+    from safetensors import safe_open
+
+    from service.config import ConfigError
+    from service.text import safe_text
+
+    out: dict[int, CodeTable] = {}
+    problems: list[str] = []
+    for i, spec in enumerate(cfg.inputs):
+        if spec.packing != "codes":
+            continue
+        assert spec.code_bits is not None
+        assert spec.code_values is not None
+        L = spec.shape[-1]
+        table = torch.tensor(spec.code_values, dtype=torch.float64)
+        if spec.missing_file is not None and isinstance(spec.missing, str):
+            where = f"{src.source}: inputs[{i}].missing_file"
+            path = src.resolve(spec.missing_file, f"inputs[{i}].missing_file")
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as fh:
+                    names = list(fh.keys())
+                    if spec.missing not in names:
+                        problems.append(f"{where}: {safe_text(spec.missing_file)} has no tensor "
+                                        f"{safe_text(spec.missing)!r}")  # fmt: skip
+                        continue
+                    miss = fh.get_tensor(spec.missing)
+            except Exception as exc:  # safetensors raises several types for a corrupt file
+                raise src.error(where, "not a readable safetensors file", exc) from exc
+            if list(miss.shape) != [L] or not miss.dtype.is_floating_point:
+                problems.append(f"{where}: {safe_text(spec.missing)!r} must be a float tensor "
+                                f"of shape [{L}], is {miss.dtype} {list(miss.shape)}")  # fmt: skip
+                continue
+            miss = miss.to(torch.float64)
+            if not bool(torch.isfinite(miss).all()):
+                problems.append(f"{where}: {safe_text(spec.missing)!r} has non-finite values")
+                continue
+        elif isinstance(spec.missing, float):
+            miss = torch.tensor([spec.missing], dtype=torch.float64)
+        else:
+            miss = torch.tensor([math.nan], dtype=torch.float64)
+        out[i] = CodeTable(spec.code_bits, L, spec.bitorder, table, miss)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def wire_parameters(spec: InputConfig) -> dict[str, Any]:
+    """The metadata ``parameters`` of a codes input (JSON: ``nan`` is written as null)."""
+    params: dict[str, Any] = {
+        "packing": "codes",
+        "code_bits": spec.code_bits,
+        "bitorder": spec.bitorder,
+        "code_values": [None if math.isnan(v) else v for v in spec.code_values or []],
+        "logical_shape": list(spec.shape),
+        "logical_datatype": spec.datatype,
+    }
+    if spec.ids_sha256 is not None:
+        params["ids_sha256"] = spec.ids_sha256
+    return params
