@@ -1,5 +1,6 @@
 # The README's commands and CI's are these same targets.
-# `make serve` and `make test` each create .venv and install what they need on a fresh machine.
+# `make serve` and `make test` each create .venv and install what they need on a fresh machine:
+# `make serve` only the server and the client (its own stamp), `make test` everything.
 
 PYTHON ?= python3
 VENV := .venv
@@ -7,10 +8,11 @@ BIN := $(VENV)/bin
 # The dev/test set-up pins torch; on a CUDA host use the image's torch (and its Triton) instead.
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: system-deps standin-images venv serve test test-uvicorn-floor test-fast lint format typecheck grpc-proto bench bench-smoke client-isolated clean
+.PHONY: system-deps standin-images venv serve test test-unit test-in-process test-e2e test-fast test-uvicorn-floor lint format typecheck docs grpc-proto bench bench-smoke client-isolated clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +20,18 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,tracing,test,bench,lint]" -e clients/python "$(TORCH_PIN)"
-	touch $(STAMP)
+	$(BIN)/pip install -q -e ".[server,triton,data,onnx,ray,tracing,test,bench,lint,docs]" -e clients/python "$(TORCH_PIN)"
+	touch $(STAMP) $(SERVE_STAMP)
+
+# What the demo needs and no more: the server and the client (no Ray, ONNX, test or lint extras).
+$(SERVE_STAMP): $(BIN)/python pyproject.toml clients/python/pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[server]" -e clients/python "$(TORCH_PIN)"
+	touch $(SERVE_STAMP)
 
 venv: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/bitserve serve --host $(HOST) --port $(PORT)
 
 # System packages the end-to-end tests use: nginx (the load balancer in front of replicas),
@@ -45,8 +53,27 @@ system-deps:
 standin-images: $(STAMP) system-deps
 	$(BIN)/python -m tests.deploy._standin
 
+# Every test, in tiers: unit and in-process first (they fail fast and cheaply), then end to end
+# (real bitserve serve processes, nginx, Prometheus, Docker, Ray). Each tier prints its 25
+# slowest tests. A tier's tests are the markers' selection; together they are the whole suite.
+PYTEST := $(BIN)/python -m pytest -q --durations=25
+# The inner loop: neither end-to-end nor slow tests (measured in docs/development.md).
+UNIT_MARKERS ?= not e2e and not slow
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not e2e"
+	$(PYTEST) -m e2e
+
+test-unit: $(STAMP)
+	$(PYTEST) -m "$(UNIT_MARKERS)"
+
+# The two tiers of `make test` one at a time (CI runs other work beside the first).
+test-in-process: $(STAMP)
+	$(PYTEST) -m "not e2e"
+
+test-e2e: $(STAMP) system-deps
+	$(PYTEST) -m e2e
+
+test-fast: test-unit
 
 # The HTTP protocol at the oldest uvicorn of the range pyproject.toml pins (the venv holds the
 # newest): installed beside the venv, first on the path, for the HTTP tests and a real server.
@@ -60,9 +87,6 @@ test-uvicorn-floor: $(STAMP)
 		tests/service/test_http_protocol.py tests/service/test_http_limits.py \
 		tests/service/test_app_http.py tests/service/test_http_answers.py tests/e2e/test_server.py
 
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e and not slow"
-
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -74,6 +98,10 @@ format: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: any warning fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Regenerate service/grpc/proto/*_pb2.py(i) from the .proto files there.
 grpc-proto: $(STAMP)
@@ -96,4 +124,4 @@ client-isolated:
 	.venv-client/bin/python -m pytest -q -p no:cacheprovider tests/clients -m "not e2e"
 
 clean:
-	rm -rf $(VENV) .venv-client .uvicorn-floor .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-client .uvicorn-floor .pytest_cache .mypy_cache .ruff_cache .hypothesis site

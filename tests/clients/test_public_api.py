@@ -1,7 +1,7 @@
 """The public surface of bitserve_client is exactly the documented one.
 
 The package's names are listed in its docstring and in ``__all__``; the clients' and the
-results' public members are the lists below, which README's client section names too.
+results' public members are the lists below, which the client's page (docs/client.md) names too.
 Anything else (helpers of the clients, modules) has a leading underscore.
 """
 
@@ -21,9 +21,10 @@ from bitserve_client import (
     ServerError,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-ELSEWHERE = {"search": Path(__file__).resolve().parents[2] / "docs" / "search.md"}
-"""Methods documented on a page of their own instead of README's client section."""
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_PAGE = ROOT / "docs" / "client.md"
+ELSEWHERE = {"search": ROOT / "docs" / "search.md"}
+"""Methods documented on a page of their own instead of the client page."""
 
 CLIENT = [
     "close",
@@ -91,11 +92,10 @@ def test_class_surfaces(cls: type, expected: list[str]) -> None:
 
 
 def test_readme_names_every_client_method() -> None:
-    text = README.read_text()
-    section = text[text.index("\n## Python client\n") : text.index("\n## gpu_ops")]
+    section = CLIENT_PAGE.read_text()
     names = {*CLIENT, *ASYNC_CLIENT, *INFER_RESULT, *BULK_RESULT} - set(MAPPING)
     for name in sorted(names - set(ELSEWHERE)):
-        assert re.search(rf"\b{name}\b", section), f"README's client section lacks {name}"
+        assert re.search(rf"\b{name}\b", section), f"docs/client.md lacks {name}"
     for name, page in ELSEWHERE.items():
         assert f"Client.{name}(" in page.read_text(), f"{page.name} lacks Client.{name}"
 
@@ -113,6 +113,6 @@ def test_error_attributes() -> None:
 def test_version_is_the_distributions() -> None:
     import tomllib
 
-    pyproject = README.parent / "clients" / "python" / "pyproject.toml"
+    pyproject = ROOT / "clients" / "python" / "pyproject.toml"
     with pyproject.open("rb") as f:
         assert tomllib.load(f)["project"]["version"] == bitserve_client.__version__

@@ -1,10 +1,10 @@
-"""README's "Python client" section is true: every code block in it runs, unchanged except
-for the server's address, against a real ``bitserve serve`` of the built-in demo model.
+"""The client's page, docs/client.md, is true: it names every public name, and its CLI block
+prints what it says, against the session's ``bitserve serve`` of the demo model.
 
-Python blocks run in this process (a fresh namespace each, in a temporary folder, with
-``$BITSERVE_URL`` pointing at the server); shell blocks run under ``bash -eu`` with this
-environment's ``bitserve-client`` and ``python`` first on ``PATH``. Installation lines
-(``pip install``) are not run.
+The page's Python blocks run in tests/test_docs.py (with every other page's); the CLI block
+is marked ``<!-- run by tests/clients/test_readme.py -->`` there and runs here, under
+``bash -eu`` with this environment's ``bitserve-client`` and ``python`` first on ``PATH``,
+because its output is checked line by line.
 """
 
 from __future__ import annotations
@@ -13,86 +13,50 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from harness.server import BitserveServer, start_server
+from harness.server import BitserveServer
 
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 DEFAULT_URL = "http://127.0.0.1:8000"
 _FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
-def client_section() -> tuple[int, str]:
-    """(first line number, text) of README's "## Python client" up to the next "## "."""
-    text = README.read_text()
-    start = text.index("\n## Python client\n") + 1
-    end = text.index("\n## ", start)
-    return text.count("\n", 0, start) + 1, text[start:end]
+def cli_block() -> str:
+    """The page's one shell block run by this test (the CLI section's)."""
+    text = PAGE.read_text()
+    found = [
+        m.group(2)
+        for m in _FENCE.finditer(text)
+        if m.group(1) == "bash"
+        and text[: m.start()].rstrip("\n").endswith("<!-- run by tests/clients/test_readme.py -->")
+    ]
+    assert len(found) == 1, found
+    return found[0]
 
 
-def blocks(language: str) -> list[Any]:
-    first, section = client_section()
-    found = []
-    for match in _FENCE.finditer(section):
-        if match.group(1) != language or match.group(2).startswith("pip install"):
-            continue
-        line = first + section.count("\n", 0, match.start()) + 1
-        found.append(pytest.param(match.group(2), id=f"README.md:{line}"))
-    return found
-
-
-def test_the_section_is_found_and_has_code() -> None:
-    _, section = client_section()
-    assert section.startswith("## Python client\n")
-    assert len(blocks("python")) >= 6
-    assert len(blocks("bash")) == 1  # the CLI; the install block is not run
-
-
-def test_every_public_name_is_in_the_section() -> None:
+def test_every_public_name_is_on_the_page() -> None:
     import bitserve_client
 
-    _, section = client_section()
-    missing = [n for n in bitserve_client.__all__ if n != "__version__" and n not in section]
-    assert not missing, f"README's client section does not mention {missing}"
+    text = PAGE.read_text()
+    missing = [n for n in bitserve_client.__all__ if n != "__version__" and n not in text]
+    assert not missing, f"docs/client.md does not mention {missing}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]:
-    with start_server(log_dir=tmp_path_factory.mktemp("readme-server")) as s:
-        yield s
-
-
-@pytest.fixture
-def readme_env(
-    server: BitserveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> BitserveServer:
-    monkeypatch.setenv("BITSERVE_URL", server.url)
-    monkeypatch.delenv("BITSERVE_TOKEN", raising=False)
-    monkeypatch.chdir(tmp_path)
-    return server
-
-
-@pytest.mark.parametrize("code", blocks("python"))
-def test_python_block_runs(code: str, readme_env: BitserveServer) -> None:
-    code = code.replace(DEFAULT_URL, readme_env.url)
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
-
-
-@pytest.mark.parametrize("code", blocks("bash"))
-def test_shell_block_runs(code: str, readme_env: BitserveServer) -> None:
-    env = dict(os.environ)
+def test_cli_block_runs(demo_server: BitserveServer, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BITSERVE_TOKEN"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["BITSERVE_URL"] = demo_server.url
     result = subprocess.run(
-        ["bash", "-eu", "-c", code.replace(DEFAULT_URL, readme_env.url)],
+        ["bash", "-eu", "-c", cli_block().replace(DEFAULT_URL, demo_server.url)],
         capture_output=True,
         text=True,
         env=env,
+        cwd=tmp_path,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,7 +1,8 @@
 """End-to-end fixtures: real ``bitserve serve`` processes (``harness.server``, which any test
-package and the benchmarks import): ``demo_server`` (one demo server per test session) and
-``server_factory`` (start servers with any repository, flags and environment; all of them are
-stopped at the end of the test).
+package and the benchmarks import): ``server_factory`` (start servers with any repository,
+flags and environment; all of them are stopped at the end of the test). ``demo_server``, one
+demo server for the whole session, is in tests/conftest.py (the docs' and the client's tests
+share it).
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ from pathlib import Path
 import pytest
 
 from harness.server import BitserveServer, start_server
-
-
-@pytest.fixture(scope="session")
-def demo_server() -> Iterator[BitserveServer]:
-    """One ``bitserve serve`` of the built-in demo model, shared by the whole session."""
-    with start_server() as server:
-        yield server
 
 
 @pytest.fixture

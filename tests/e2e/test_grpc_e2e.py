@@ -417,7 +417,7 @@ def test_grpc_port_settings(server_factory: Any, tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_keepalive_settings_govern_client_pings(server_factory: Any) -> None:
+def test_keepalive_settings_govern_client_pings(server_factory: Any, demo_server: Any) -> None:
     """A client pinging every 100 ms on an idle connection: the default server (pings at
     most every 5 minutes, 2 strikes) sends it GOAWAY; a server told to allow such pings keeps
     the connection."""
@@ -427,7 +427,7 @@ def test_keepalive_settings_govern_client_pings(server_factory: Any) -> None:
             "--grpc-http2-min-recv-ping-interval-without-data-ms", "50",
         ]
     )  # fmt: skip
-    strict = server_factory()
+    strict = demo_server  # the default keepalive settings
 
     def transitions(target: str) -> list[grpc.ChannelConnectivity]:
         seen: list[grpc.ChannelConnectivity] = []

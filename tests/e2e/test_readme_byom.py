@@ -1,4 +1,5 @@
-"""README's "Bring your own model" section is true: its blocks run as written, in order.
+"""docs/models.md's "Bring your own model" section is true: its blocks run as written, in order
+(they are marked ``<!-- run by tests/e2e/test_readme_byom.py -->`` there).
 
 The Python blocks run in one namespace in a temporary folder (training is the untrained
 module), the TOML block is the model's ``config.toml``, ``bitserve check-repo`` runs on the
@@ -22,14 +23,15 @@ from harness.server import bitserve_command, start_server
 
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 _FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
 def section_blocks() -> list[tuple[str, str]]:
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index("\n## Bring your own model\n")
-    end = text.index("\n## ", start + 1)
+    end = text.find("\n## ", start + 1)
+    end = len(text) if end < 0 else end
     return [(m.group(1), m.group(2)) for m in _FENCE.finditer(text[start:end])]
 
 
@@ -41,11 +43,11 @@ def test_the_section_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert all(line.startswith("pip install") for line in install.splitlines())
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {}
-    exec(compile(train, "README: training", "exec"), namespace)
+    exec(compile(train, "docs/models.md: training", "exec"), namespace)
     Path("models/fp_mlp/config.toml").write_text(config)
     with warnings.catch_warnings():  # torch's own, from the modules inductor imports
         warnings.simplefilter("ignore", DeprecationWarning)
-        exec(compile(variants, "README: variants", "exec"), namespace)
+        exec(compile(variants, "docs/models.md: variants", "exec"), namespace)
     assert sorted(p.name for p in Path("models").iterdir()) == [
         "fp_mlp", "fp_mlp_aoti", "fp_mlp_onnx"
     ]  # fmt: skip
@@ -65,7 +67,7 @@ def test_the_section_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
                 '"fp_mlp"', f'"{name}"'
             )
             run: dict[str, object] = {}
-            exec(compile(code, "README: client", "exec"), run)
+            exec(compile(code, "docs/models.md: client", "exec"), run)
             packed = run["packed"]
             assert isinstance(packed, np.ndarray)
             bits = np.unpackbits(packed, axis=-1, bitorder="little").astype(np.float32)

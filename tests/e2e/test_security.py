@@ -128,10 +128,8 @@ def test_model_names_cannot_leave_the_repository(
     infer_ok(server.url, "demo", pool)
 
 
-def test_oversized_headers_are_refused(
-    server_factory: Callable[..., BitserveServer], pool: Pool
-) -> None:
-    server = server_factory()
+def test_oversized_headers_are_refused(demo_server: BitserveServer, pool: Pool) -> None:
+    server = demo_server  # the default limits: the session's demo server
     # One header four times max_header_bytes (64 KiB).
     big = request_bytes("/v2/health/live", method="GET", headers={"X-Big": "a" * (256 << 10)})
     assert http_status(raw_request(server.port, big)) in (400, 413, 431)
@@ -149,10 +147,8 @@ def test_header_bytes_limit_holds_for_many_headers(
     assert http_status(raw_request(server.port, big)) in (400, 413, 431)
 
 
-def test_too_many_headers_are_refused(
-    server_factory: Callable[..., BitserveServer], pool: Pool
-) -> None:
-    server = server_factory()
+def test_too_many_headers_are_refused(demo_server: BitserveServer, pool: Pool) -> None:
+    server = demo_server  # the default limits: the session's demo server
     many = {f"X-H{i}": "v" for i in range(5000)}
     flood = request_bytes("/v2/health/live", method="GET", headers=many)
     assert http_status(raw_request(server.port, flood)) in (400, 413, 431)

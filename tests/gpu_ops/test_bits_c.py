@@ -150,6 +150,7 @@ def test_disabled_kernels_use_the_torch_path(monkeypatch: pytest.MonkeyPatch) ->
         assert torch.equal(got, unpackbits_reference(x, 1, 99, "little", dtype))
 
 
+@pytest.mark.slow  # fresh processes and C builds: `make test` runs it, `make test-unit` not
 def test_without_a_compiler_unpack_falls_back_with_a_warning(tmp_path: Path) -> None:
     """A fresh process with no usable compiler: a warning, the torch path, right answers."""
     code = (

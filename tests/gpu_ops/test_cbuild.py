@@ -83,6 +83,7 @@ def test_broken_source_or_compiler_warns_and_returns_none(
     assert not list(cache.glob("bad_*.so"))
 
 
+@pytest.mark.slow  # fresh processes and C builds: `make test` runs it, `make test-unit` not
 def test_racing_processes_share_one_build(tmp_path: Path, cache: Path) -> None:
     """Several first uses at once: one file per cache key, complete when loaded."""
     source = _write(tmp_path, 5)

@@ -149,6 +149,7 @@ def _cases(device: str) -> Iterator[Case]:
                 yield "prefix_forward", (bits, x, c_sorted, bounds, coef, not big)
 
 
+@pytest.mark.slow  # fresh processes and C builds: `make test` runs it, `make test-unit` not
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_opcheck_every_op(device: str) -> None:
     """Schema, fake (meta) kernels, autograd registration and aot dispatch, per sample."""

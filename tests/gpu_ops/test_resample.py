@@ -179,6 +179,7 @@ def test_functional_form_detects_sorted_starts_on_cpu() -> None:
         _assert_close(f.grad, ref_f.grad, 1e-5)
 
 
+@pytest.mark.slow  # fresh processes and C builds: `make test` runs it, `make test-unit` not
 def test_torch_fallback_without_compiled_kernels(tmp_path: Path) -> None:
     """BITSERVE_CPU_KERNELS=0 and a missing compiler both give the torch path, not a crash."""
     code = (
@@ -209,6 +210,7 @@ def test_torch_fallback_without_compiled_kernels(tmp_path: Path) -> None:
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
+@pytest.mark.slow  # fresh processes and C builds: `make test` runs it, `make test-unit` not
 def test_kernel_cache_is_private_and_shared_by_racing_processes(tmp_path: Path) -> None:
     """Several first uses at once: one library per cache key, mode 0o700, no temp leftovers."""
     if _resample_c.kernels() is None:

@@ -48,6 +48,10 @@ def config(twice: str = "FP32") -> str:
     )
 
 
+# AOTInductor packages compiled, child processes: `make test` runs these, `make test-unit` not.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``good`` (a dict of two outputs), ``wrong_output`` (the same package, "twice" declared
