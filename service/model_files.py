@@ -155,7 +155,8 @@ def load_version(
         check_signature(cfg, model, where, operator_shape)
         # The buffers again, now in the dtypes the model is handed its inputs in.
         check_buffers(cfg, src.source, max_batch_bytes, handed_dtypes(cfg, model))
-    return cfg, Artifacts(tensors, model, warmup, (src.folder, src.shown_folder), codes, score)
+    folder = (src.folder, src.shown_folder)
+    return cfg, Artifacts(tensors, model, warmup, folder, codes=codes, score=score)
 
 
 def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) -> list[int]:
