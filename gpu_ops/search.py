@@ -19,10 +19,10 @@ the same one). The corpus is ``(N, W)``, queries ``(Q, W)``, on any device::
 - Ties go to the lower corpus row, on every device and at any thread count.
 
 :class:`PackedCorpus` prepares a corpus once for repeated searches (the server's index):
-rows reordered by popcount, so that the Tanimoto searches skip every row that cannot reach
-the threshold or the current k-th best score by the bound ``T <= min(a, b) / max(a, b)``;
-its results are row numbers of the original order. The free functions search a corpus as
-given (Tanimoto then skips rows within blocks only).
+rows reordered by popcount, so that the Tanimoto searches skip, without reading them, the
+runs of rows that cannot reach the threshold or the current k-th best score by the bound
+``T <= min(a, b) / max(a, b)``; its results are row numbers of the original order. The free
+functions search a corpus as given (the CPU kernels skip the same rows one by one).
 
 The functions check their arguments and call the torch operators of
 :mod:`gpu_ops._search_ops` (compiled C on the CPU, Triton on CUDA, plain torch elsewhere).
