@@ -91,6 +91,7 @@ class IndexPipeline(Pipeline):
         self.operator_input = None
         self.compute_dtype = torch.uint8
         self._dtypes = [torch.uint8]
+        self._codes = {}  # no packing = "codes" input: queries stay packed bits
         self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
         self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
         self._out_names = [o.name for o in cfg.outputs]
