@@ -3,6 +3,7 @@ program's own (each user input's dtype and dims, dynamic dims with their ranges)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,11 @@ import torch
 from torch.export.graph_signature import OutputKind
 
 from service.backends.base import FileSignature, ModelFile, TensorSpec, dims_of
+
+# torch.export.load keeps its deserializer in a module global (torch._export.serde's
+# _CURRENT_DESERIALIZER) and fails with "already set" when two threads load at once: the
+# repository builds versions in parallel (loads at start, loads on demand), so loads take turns.
+_LOAD_LOCK = threading.Lock()
 
 
 class ExportedProgramFile(ModelFile):
@@ -24,7 +30,8 @@ class ExportedProgramFile(ModelFile):
         super().__init__(path)
         import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*, which programs may call
 
-        self.program: torch.export.ExportedProgram = torch.export.load(str(path))
+        with _LOAD_LOCK:
+            self.program: torch.export.ExportedProgram = torch.export.load(str(path))
 
     def signature(self) -> FileSignature:
         ep = self.program

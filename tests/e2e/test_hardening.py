@@ -97,7 +97,12 @@ def test_tricklers_are_cut_and_a_keep_alive_client_is_served(
         f"{np.percentile(lat, 50) * 1e3:.0f} ms, p99 {np.percentile(lat, 99) * 1e3:.0f} ms; "
         f"server open files at most {files.peak}"
     )
-    assert side.statuses == Counter({"200": len(lat)}), side.statuses  # none lost, all right
+    # None lost, all right: while tricklers hold every slot with a head under way, the cap
+    # evicts none of them (issue 35: a connection holding unread bytes is never closed without
+    # an answer), so a newcomer is told 503 (with Retry-After) until the head timeout cuts them.
+    assert set(side.statuses) <= {"200", "503"}, side.statuses
+    assert side.statuses["200"] >= 1, side.statuses
+    assert sum(side.statuses.values()) == len(lat)
     assert len(lat) >= 5
     assert lat.max() < 10.0  # a hang guard, far above the target (p99 < 1 s)
     # Open files: the cap, the listening socket, the process's own files and threads.
