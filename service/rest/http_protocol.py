@@ -76,6 +76,9 @@ _SINGLE = {b"host": "Host", b"authorization": "Authorization"}
 on every route instead of the first on some and the last on others)."""
 _LINGER_S = 2.0
 """The longest a connection closed after an answer reads what its client still sends."""
+_REFUSALS_LINGERING = 16
+"""Connections refused at the cap that may linger at once (beyond the cap); more are
+answered and closed at once."""
 _FRESH_GRACE_S = 1.0
 """A connection accepted this recently, with nothing received yet, is not evicted: its
 request may be on the way."""
@@ -175,9 +178,16 @@ class HttpProtocol(asyncio.Protocol):
             idle = self.idle.evictable(opened_before=now - _FRESH_GRACE_S)
             if idle is None:
                 self.idle.refused(cap)
-                self._close(
-                    Overloaded(f"too many connections (max_connections {cap}); retry later")
-                )
+                error = Overloaded(f"too many connections (max_connections {cap}); retry later")
+                if len(self.state.connections) > cap + _REFUSALS_LINGERING:
+                    # Refusals linger too (their 503 must not be lost to a reset), but only
+                    # this many at once: past them the 503 is written and the socket closed
+                    # at once, so that a flood of connections cannot hold more sockets than
+                    # the cap and this allowance.
+                    self.transport.write(error_bytes(error))
+                    self.transport.close()
+                    return
+                self._close(error)
                 return
             self.idle.evicted(cap)
             # Nothing received, but a request may be on its way: it reads this 503 as its
