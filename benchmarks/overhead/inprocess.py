@@ -97,7 +97,9 @@ async def _bitserve(tmp: Path) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
     repo = tiny.write_repository(tmp / "tiny")
     settings = Settings(model_repository=repo, grpc_port=0)
     app = create_app(settings)
-    cls = protocol_class(head_timeout_s=10.0, max_header_bytes=65536, max_connections=0)
+    cls = protocol_class(
+        head_timeout_s=10.0, max_header_bytes=65536, max_connections=0, lane=app.express
+    )
     config, state = host_config(app, cls)
     async with app.router.lifespan_context(app):
         yield lambda: cls(config, state, {})

@@ -6,7 +6,7 @@ the HTTP server has let in-flight requests finish.
 
 Every HTTP request enters through :class:`service.rest.gateway.Gateway` (request id, header
 limits, access log); inference goes from there straight to
-:class:`service.rest.fastpath.InferRoute`, everything else to FastAPI's routes
+:class:`service.rest.infer_route.InferRoute`, everything else to FastAPI's routes
 (``service.rest.endpoints``). Both call the same :class:`service.dataplane.DataPlane`.
 """
 
@@ -35,9 +35,9 @@ from service.observability import printable_path
 from service.rest.auth import make_auth_check
 from service.rest.endpoints import Endpoints, json_response
 from service.rest.errors import error_response
-from service.rest.express import ExpressLanes
-from service.rest.fastpath import InferRoute
+from service.rest.express_lane import ExpressLane
 from service.rest.gateway import Gateway
+from service.rest.infer_route import InferRoute
 from service.rest.inference import RestInference
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
@@ -81,9 +81,9 @@ class BitserveApp(FastAPI):
     """FastAPI with :class:`Gateway` in front: every HTTP request passes the gateway once."""
 
     gateway: Gateway | None = None
-    express: ExpressLanes | None = None
-    """The infer route's express lane, which bitserve's HTTP connection takes plain infer
-    requests to (``service.rest.express``)."""
+    express: ExpressLane | None = None
+    """The infer route's express lane, which bitserve's HTTP connection is given
+    (``service.rest.server.uvicorn_config``) to take plain infer requests to."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.gateway is not None and scope["type"] == "http":
@@ -266,5 +266,5 @@ def create_app(
         access_log=settings.access_log,
         limit_concurrency=settings.limit_concurrency,
     )
-    app.express = ExpressLanes(infer, app.gateway)
+    app.express = ExpressLane(infer, app.gateway)
     return app

@@ -1,5 +1,5 @@
 """Reading a request body from ASGI ``receive``, bounded in size and in time: one reader for
-the infer route (``service.rest.fastpath``) and the control routes
+the infer route (``service.rest.infer_route``) and the control routes
 (``service.rest.endpoints``)."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ class Budget(Protocol):
 
     def grow(self, nbytes: int) -> None:
         """Hold ``nbytes`` in all; raises to refuse."""
+
+
+def body_timed_out(timeout_s: float | None) -> RequestTimeout:
+    """The error of a body that did not arrive within ``timeout_s`` (both REST ways)."""
+    return RequestTimeout(f"the request body did not arrive within {timeout_s:g} s (body timeout)")
 
 
 async def read_body(
@@ -61,9 +66,7 @@ async def read_body(
             if message.get("more_body", False):
                 body = await _gather(receive, body, declared, limit, held)
     except TimeoutError:
-        raise RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g} s (body timeout)"
-        ) from None
+        raise body_timed_out(timeout_s) from None
     if message["type"] == "http.disconnect":
         raise InvalidInput("client disconnected while sending the body")
     if declared is not None and len(body) != declared:

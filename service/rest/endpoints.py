@@ -3,7 +3,7 @@
 
 Each handler takes the HTTP request apart, makes one call of either plane, and writes the
 answer.
-Inference itself is answered by the fast path (``service.rest.fastpath``) before FastAPI sees it;
+Inference itself is answered by the fast path (``service.rest.infer_route``) before FastAPI sees it;
 its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
 to the same handler.
 """
@@ -26,7 +26,7 @@ from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, Request
 from service.metrics import Metrics
 from service.protocol.response import dumps_plain
 from service.rest.bodies import CONTROL_BODY_BYTES
-from service.rest.fastpath import InferRoute
+from service.rest.infer_route import InferRoute
 from service.text import safe_text
 
 

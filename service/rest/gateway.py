@@ -1,5 +1,5 @@
 """The outermost ASGI layer: request ids, paths, access log, the concurrency limit, the
-last-resort 500, and the dispatch of inference to the fast path (``service.rest.fastpath``)
+last-resort 500, and the dispatch of inference to the fast path (``service.rest.infer_route``)
 ahead of FastAPI.
 
 The request head's limits (its bytes, its number of headers, its time) belong to the HTTP
@@ -28,7 +28,7 @@ from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.observability import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
 from service.rest.errors import send_error
-from service.rest.fastpath import InferRoute, Scope, Send, match_infer
+from service.rest.infer_route import InferRoute, Scope, Send, match_infer
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per request

@@ -1,4 +1,10 @@
-"""One HTTP/1.1 request's ASGI exchange on a bitserve connection (``service.rest.http_protocol``).
+"""One HTTP/1.1 request on a bitserve connection (``service.rest.http_protocol``), and the
+contract between the connection and the ways a request is answered.
+
+The contract: a :class:`Connection` (what the HTTP protocol offers a request) and a
+:class:`Request` (what it asks of one), and a :class:`Lane` the protocol is given to take
+some requests aside as their heads are parsed (``service.rest.express_lane``). Everything
+else is an :class:`Exchange`.
 
 :class:`Exchange` is the request's ``receive`` and ``send``: it hands the body to the
 application as it arrives, writes ``100 Continue`` when the body is first asked for, and
@@ -18,16 +24,13 @@ import logging
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httptools
 
 from service.errors import ServiceError
 from service.rest.disconnect import client_gone
 from service.rest.errors import error_bytes
-
-if TYPE_CHECKING:
-    from service.rest.http_protocol import HttpProtocol
 
 log = logging.getLogger("service.rest.http_protocol")
 
@@ -54,13 +57,27 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+Head = tuple[bytes, str, bytes, list[tuple[bytes, bytes]]]
+"""A request's head as parsed: method, HTTP version, target and headers (names lowercased)."""
+
+
+def header_lines(headers: Any) -> bytes:
+    """``name: value`` lines (CRLF each) of ``(name, value)`` byte pairs."""
+    return b"".join([b"%b: %b\r\n" % (k, v) for k, v in headers])
+
+
+def frame_head(status: int, defaults: bytes, lines: bytes) -> bytes:
+    """A response head: the status line, the server's header lines (``defaults``), the
+    response's own ``lines`` and the blank line. Every answer of the connection is framed
+    here (an :class:`Exchange`'s, the express lane's)."""
+    return b"".join((STATUS_LINES.get(status) or _status_line(status), defaults, lines, b"\r\n"))
 
 
 _METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
 def request_scope(
-    conn: HttpProtocol,
+    conn: Connection,
     method: bytes,
     version: str,
     url: bytes,
@@ -94,8 +111,8 @@ def request_scope(
 
 
 class Request(Protocol):
-    """A request on a connection, as the connection sees it: an :class:`Exchange`, or an
-    express request (``service.rest.express``)."""
+    """A request on a connection, as the connection sees it: an :class:`Exchange`, or a
+    lane's request (``service.rest.express_lane``)."""
 
     complete: bool
     """Its response has been written whole (or nothing more will be)."""
@@ -117,6 +134,66 @@ class Request(Protocol):
 
     def lost(self) -> None:
         """The client went away."""
+
+
+class Cancellable(Protocol):
+    """Work the server waits for on a graceful shutdown, then cancels (uvicorn's tasks)."""
+
+    def cancel(self, msg: Any = None) -> bool: ...
+
+
+class Connection(Protocol):
+    """What an HTTP connection (``service.rest.http_protocol.HttpProtocol``) offers the
+    requests on it."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    state: Any
+    """uvicorn's server state (its tasks, connections, default headers, request count)."""
+    app: App
+    app_state: dict[str, Any]
+    asgi: dict[str, str]
+    server: tuple[str, int] | None
+    client: tuple[str, int] | None
+    scheme: str
+    root_path: str
+    reading: bool
+    """Inside a read: the parser is at work (a request started now has its head's read)."""
+    write_paused: bool
+
+    def default_headers(self) -> bytes:
+        """The header lines every response carries."""
+
+    def respond(self, request: Request, data: bytes) -> None:
+        """Write ``request``'s whole answer (head and body) and end its turn."""
+
+    def response_done(self, request: Request) -> None:
+        """``request``'s response is complete: the next one's turn."""
+
+    def take_over(self, request: Request, head: Head, chunks: list[bytes]) -> None:
+        """Hand ``request`` to the general way: an :class:`Exchange` with its ``head`` and
+        its body so far (``chunks``) takes its place (and starts if its turn has come)."""
+
+    def track(self, work: Cancellable) -> None:
+        """Have the server's graceful shutdown wait for ``work`` (then cancel it); a task
+        is let go when it is done, other work by :meth:`untrack`."""
+
+    def untrack(self, work: Cancellable) -> None:
+        """``work`` is over."""
+
+    def body_taken(self, request: Request) -> None:
+        """``request``'s application took its body bytes: reading may resume."""
+
+    async def drain(self) -> None:
+        """Wait until the transport takes writes again."""
+
+
+class Lane(Protocol):
+    """A way to answer some requests without an ASGI exchange, given to the HTTP protocol
+    (``protocol_class(lane=...)``): it looks at each parsed head first."""
+
+    def begin(self, conn: Connection, head: Head, keep_alive: bool) -> Request | None:
+        """The lane's request for this head, or None: an :class:`Exchange` answers it."""
 
 
 class Exchange:
@@ -148,7 +225,7 @@ class Exchange:
     )
 
     def __init__(
-        self, conn: HttpProtocol, scope: Message, *, keep_alive: bool, expect_continue: bool
+        self, conn: Connection, scope: Message, *, keep_alive: bool, expect_continue: bool
     ) -> None:
         self.conn = conn
         self.scope = scope
@@ -205,9 +282,7 @@ class Exchange:
         """Run the application on this request in a task of its own."""
         conn = self.conn
         task = conn.loop.create_task(self.run(conn.app))
-        tasks = conn.state.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        conn.track(task)
 
     async def run(self, app: App) -> None:
         """Run the application on this request; a failure it leaves unanswered is a JSON 500."""
@@ -308,12 +383,11 @@ class Exchange:
             conn.response_done(self)
 
     def _head(self, status: int, headers: Any) -> bytes:
-        parts = [STATUS_LINES.get(status) or _status_line(status), self.conn.default_headers()]
+        defaults = self.conn.default_headers()
         length: int | None = None
         close = False
-        count = len(self.conn.state.default_headers)  # header lines, for the check below
+        own = []
         for name, value in headers:
-            count += 1
             name = name.lower()
             if name == b"content-length":
                 if length is None:
@@ -325,18 +399,20 @@ class Exchange:
             elif name == b"connection" and b"close" in value.lower():
                 self.keep_alive = False
                 close = True
-            parts += (name, b": ", value, b"\r\n")
+            own.append((name, value))
+        lines = header_lines(own)
+        count = len(self.conn.state.default_headers) + len(own)  # for the check below
         if not self.keep_alive and not close:
-            parts.append(b"connection: close\r\n")
+            lines += b"connection: close\r\n"
             count += 1
         if length is not None:
             self.remaining = length
             self.chunked = False
         elif not self.chunked and not self.head_only and status not in (204, 304):
             self.chunked = True
-            parts.append(b"transfer-encoding: chunked\r\n")
+            lines += b"transfer-encoding: chunked\r\n"
             count += 1
-        lines = b"".join(parts[1:])
-        if lines.count(b"\r\n") != count or _HEADER_LINES.fullmatch(lines) is None:
+        block = defaults + lines
+        if block.count(b"\r\n") != count or _HEADER_LINES.fullmatch(block) is None:
             raise RuntimeError("invalid response header name or value")
-        return parts[0] + lines + b"\r\n"
+        return frame_head(status, defaults, lines)

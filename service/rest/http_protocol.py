@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 
@@ -60,12 +60,17 @@ from service.errors import (
 )
 from service.rest.chunks import ChunkWatch
 from service.rest.errors import error_bytes
-from service.rest.http_cycle import App, Exchange, Request, request_scope
+from service.rest.http_cycle import (
+    App,
+    Cancellable,
+    Exchange,
+    Head,
+    Lane,
+    Request,
+    request_scope,
+)
 from service.rest.sockets import IdleConnections, unread_bytes
 from service.text import safe_text
-
-if TYPE_CHECKING:
-    from service.rest.express import ExpressLanes, ExpressRequest
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +104,7 @@ class HttpProtocol(asyncio.Protocol):
     max_connections: int = 0  # 0: no cap
     max_body_bytes: int = 0  # 0: chunk sizes are not checked
     idle: IdleConnections[HttpProtocol] = IdleConnections(log)  # protocol_class makes one
+    given_lane: Lane | None = None  # protocol_class's
 
     def __init__(
         self,
@@ -110,11 +116,9 @@ class HttpProtocol(asyncio.Protocol):
         if not config.loaded:
             config.load()
         self.app: App = config.loaded_app
-        self.express: ExpressLanes | None = None
-        """The infer route's express lane (``service.rest.express``), when the application
-        has one and no ``root_path`` moves its paths."""
-        if not config.root_path:
-            self.express = getattr(self.app, "express", None)
+        self.lane: Lane | None = None if config.root_path else self.given_lane
+        """The lane that looks at each head first (``service.rest.express_lane``), unless a
+        ``root_path`` moves the paths it knows."""
         self.loop = _loop or asyncio.get_event_loop()
         self.state = server_state
         self.app_state = app_state
@@ -314,8 +318,8 @@ class HttpProtocol(asyncio.Protocol):
         keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
         request: Request | None = None
         url, headers = self._url, self._headers
-        if self.express is not None and not self._expect:
-            request = self.express.begin(self, method, version, url, headers, keep_alive)
+        if self.lane is not None and not self._expect:
+            request = self.lane.begin(self, (method, version, url, headers), keep_alive)
         if request is None:
             scope = request_scope(self, method, version, url, headers)
             request = Exchange(self, scope, keep_alive=keep_alive, expect_continue=self._expect)
@@ -328,22 +332,33 @@ class HttpProtocol(asyncio.Protocol):
             self.queued.append(request)  # answered in order
             self._pause_reading()
 
-    def take_over(self, express: ExpressRequest) -> Exchange:
-        """An express request handed to the general way: an exchange with its head, its body
-        so far and its place on the connection (started if it was)."""
-        method, version, url, headers = express.head
+    def take_over(self, request: Request, head: Head, chunks: list[bytes]) -> None:
+        """A lane's request handed to the general way (``http_cycle.Connection``)."""
+        method, version, url, headers = head
         scope = request_scope(self, method, version, url, headers)
-        exchange = Exchange(self, scope, keep_alive=express.keep_alive, expect_continue=False)
-        exchange.chunks = express.chunks
-        exchange.more_body = express.more_body
-        if self.parsing is express:
+        exchange = Exchange(self, scope, keep_alive=request.keep_alive, expect_continue=False)
+        exchange.chunks = chunks
+        exchange.more_body = request.more_body
+        if self.parsing is request:
             self.parsing = exchange
-        if self.active is express:
+        if self.active is request:
             self.active = exchange
             exchange.start()
         else:
-            self.queued = deque(exchange if r is express else r for r in self.queued)
-        return exchange
+            self.queued = deque(exchange if r is request else r for r in self.queued)
+
+    def respond(self, request: Request, data: bytes) -> None:
+        """Write a lane's whole answer and end its turn (``http_cycle.Connection``)."""
+        self.transport.write(data)
+        self.response_done(request)
+
+    def track(self, work: Cancellable) -> None:
+        self.state.tasks.add(work)
+        if isinstance(work, asyncio.Future):
+            work.add_done_callback(self.state.tasks.discard)
+
+    def untrack(self, work: Cancellable) -> None:
+        self.state.tasks.discard(work)
 
     def on_body(self, body: bytes) -> None:
         if self._chunks is not None:
@@ -557,8 +572,10 @@ def protocol_class(
     max_connections: int,
     max_headers: int = 100,
     max_body_bytes: int = 0,
+    lane: Lane | None = None,
 ) -> type[HttpProtocol]:
-    """A protocol class for one server, with its limits (uvicorn's ``Config(http=...)``)."""
+    """A protocol class for one server, with its limits (uvicorn's ``Config(http=...)``) and
+    the lane that looks at each request head first (``service.rest.express_lane``)."""
     return type(
         "HttpProtocol",
         (HttpProtocol,),
@@ -569,5 +586,6 @@ def protocol_class(
             "max_connections": max_connections,
             "max_body_bytes": max_body_bytes,
             "idle": IdleConnections(log),
+            "given_lane": lane,
         },
     )

@@ -10,6 +10,7 @@ plane's (:meth:`service.dataplane.DataPlane.infer_with`), as for gRPC.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -186,6 +187,40 @@ class RestInference:
         if mode == "auto" and enc.binary_from:
             self._verdicts[key] = ("Content-Encoding" in out.headers, _VERDICT_REUSE)
         return out
+
+
+def answer_headers(enc: EncodedResponse, request_id: str) -> list[tuple[bytes, bytes]]:
+    """The headers of an inference's 200 answer, for both REST ways (the infer route's ASGI
+    answer and the express lane's bytes: the same headers, framed by
+    ``service.rest.http_cycle.frame_head``)."""
+    headers = [
+        (b"content-type", enc.media_type.encode()),
+        (b"content-length", b"%d" % len(enc.body)),
+        (b"x-request-id", request_id.encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in enc.headers.items()]
+    return headers
+
+
+def frame(
+    request: InferRequest,
+    response: InferResponse,
+    then: Callable[[EncodedResponse | BaseException], None],
+) -> asyncio.Task[None] | None:
+    """Frame ``response`` (uncompressed) for a caller without coroutines: ``then`` gets it
+    now, or from a worker thread's task (returned) when :func:`encodes_in_thread`; a
+    cancelled task gives ``then`` its CancelledError."""
+    if not encodes_in_thread(request, response):
+        then(encode_infer_response(response, request))
+        return None
+
+    async def framed() -> None:
+        try:
+            then(await off_loop(lambda: encode_infer_response(response, request)))
+        except (Exception, asyncio.CancelledError) as e:
+            then(e)
+
+    return asyncio.get_running_loop().create_task(framed())
 
 
 def encodes_in_thread(request: InferRequest, response: InferResponse) -> bool:

@@ -47,7 +47,9 @@ class Server(uvicorn.Server):
 def uvicorn_config(
     settings: Settings, app: Any, log_config: dict[str, Any], **extra: Any
 ) -> uvicorn.Config:
-    """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``)."""
+    """The uvicorn configuration of a server process (``extra``: more ``uvicorn.Config``);
+    the HTTP protocol is given the application's express lane."""
+    from service.rest.app import BitserveApp
     from service.rest.http_protocol import protocol_class
     from service.rest.sockets import max_connections
 
@@ -57,6 +59,7 @@ def uvicorn_config(
         max_headers=settings.max_headers,
         max_connections=max_connections(settings.max_connections),
         max_body_bytes=settings.max_body_bytes,
+        lane=app.express if isinstance(app, BitserveApp) else None,
     )
     return uvicorn.Config(
         app,

@@ -24,7 +24,7 @@ import service.rest.inference as inference
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
 from service.rest.app import create_app
 from service.rest.bodies import Receive, read_body
-from service.rest.fastpath import parse_content_length
+from service.rest.infer_route import parse_content_length
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository

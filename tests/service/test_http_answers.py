@@ -90,10 +90,11 @@ async def run_pipeline(app: Any, reads: list[bytes], expected: int, closes: bool
         max_header_bytes=MAX_HEAD,
         max_connections=0,
         max_body_bytes=MAX_BODY,
+        lane=app.express,
     )
     config, state = host_config(app, cls)
     conn: HttpProtocol = cls(config, state, {})
-    assert conn.express is not None
+    assert conn.lane is not None
     client = FakeClient().attach(conn)
     for data in reads:
         client.send(data)

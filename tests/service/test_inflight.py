@@ -23,7 +23,7 @@ from service.errors import Overloaded
 from service.handle import Result
 from service.protocol import decompress
 from service.rest.app import BitserveApp, create_app
-from service.rest.fastpath import InferRoute
+from service.rest.infer_route import InferRoute
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository

@@ -30,12 +30,14 @@ access log shows 499 (nginx's "client closed request"), and nothing is answered.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from service.auth import check_bearer
+from service.dataplane import THREAD_BYTES
 from service.errors import (
     InvalidInput,
     Overloaded,
@@ -50,13 +52,16 @@ from service.protocol import choose_encoding
 from service.rest.bodies import Message, Receive, read_body
 from service.rest.disconnect import is_gone, on_disconnect
 from service.rest.errors import send_error
-from service.rest.inference import RestInference
+from service.rest.http_cycle import Head
+from service.rest.inference import RestInference, answer_headers
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
+_GENERAL = frozenset((b"expect", b"content-encoding", b"transfer-encoding"))
+"""Request headers that make a request not plain (:meth:`InferRoute.plain`)."""
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 _JSON = b"application/json"
@@ -80,6 +85,18 @@ def match_infer(method: str, path: str) -> tuple[str, str | None] | None:
     if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
         return parts[0], parts[2]
     return None
+
+
+class Plain(NamedTuple):
+    """A plain infer request, as its head says (:meth:`InferRoute.plain`)."""
+
+    model: str
+    version: str | None
+    path: str
+    """The path as logged."""
+    size: int
+    header_length: str | None
+    sent_id: bytes | None
 
 
 def parse_content_length(value: bytes) -> int:
@@ -127,6 +144,9 @@ class InferRoute:
         """Guards ``inflight_bytes`` (inflated bodies are counted in worker threads)."""
         self.shed = Tally(log, log_level(Overloaded("")), "POST %s -> 503 (shed): %s")
         """Counts (and now and then logs) a request shed: by the thousand under overload."""
+        self.largest = min(max_body_bytes, THREAD_BYTES)
+        """The largest body of a plain request (:meth:`plain`)."""
+        self._targets: dict[bytes, tuple[str, str | None, str] | None] = {}
 
     async def __call__(
         self,
@@ -179,11 +199,7 @@ class InferRoute:
         except ServiceError as e:
             # The unread rest of a body refused early is skipped by the HTTP server, so the
             # connection stays usable; a timed-out upload is closed (RequestTimeout says so).
-            path = printable_path(scope["path"])
-            if isinstance(e, Overloaded):
-                self.shed(path, shown_message(e))  # by the thousand: counted, not each logged
-            else:
-                report(log, f"POST {path}", e)
+            self.refused(printable_path(scope["path"]), e)
             await send_error(send, e, request_id)
             return e.status_code
         except asyncio.CancelledError:
@@ -194,15 +210,64 @@ class InferRoute:
             return CLIENT_GONE
         finally:
             held.release()
-        headers = [
-            (b"content-type", enc.media_type.encode()),
-            (b"content-length", str(len(enc.body)).encode()),
-            (b"x-request-id", request_id.encode()),
-        ]
-        headers += [(k.lower().encode(), v.encode()) for k, v in enc.headers.items()]
+        headers = answer_headers(enc, request_id)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": enc.body})
         return 200
+
+    def plain(self, head: Head) -> Plain | None:
+        """The express lane's question: is this request plain? A ``POST`` of exactly this
+        route's path with a ``Content-Length`` body of at most 64 KiB (larger ones decode
+        off the loop), no ``Expect``, ``Content-Encoding`` or chunked body, no answer the
+        client would have compressed, and the right token (else the general way answers)."""
+        method, _, url, headers = head
+        target = self._target(url) if method == b"POST" else None
+        if target is None:
+            return None
+        size = header_length = sent_id = token = accept = None
+        for k, v in headers:
+            if k == b"content-length":
+                size = v
+            elif k == b"inference-header-content-length":
+                header_length = v.decode("latin-1")
+            elif k == b"x-request-id":
+                sent_id = v
+            elif k == b"authorization" and token is None:
+                token = v  # the first, as every route reads it
+            elif k == b"accept-encoding":
+                accept = v
+            elif k in _GENERAL:
+                return None
+        if size is None or not (size.isdigit() and size.isascii()) or int(size) > self.largest:
+            return None
+        expected = self.token
+        if expected is not None and not hmac.compare_digest(token or b"", b"Bearer " + expected):
+            return None  # the general way answers it (or takes another spelling of it)
+        compresses = self.rest.response_compression != "never"
+        if accept is not None and compresses and choose_encoding(accept.decode("latin-1")):
+            return None
+        return Plain(*target, int(size), header_length, sent_id)
+
+    def _target(self, url: bytes) -> tuple[str, str | None, str] | None:
+        """``(model, version, path as logged)`` when ``url`` is exactly this route."""
+        if url in self._targets:
+            return self._targets[url]
+        found = None
+        if b"%" not in url and b"?" not in url and b"#" not in url and url.isascii():
+            route = match_infer("POST", url.decode("ascii"))
+            if route is not None:
+                found = (route[0], route[1], printable_path(url.decode("ascii")))
+        if len(self._targets) < 1024:  # clients send a handful of targets
+            self._targets[url] = found
+        return found
+
+    def refused(self, path: str, error: ServiceError) -> None:
+        """Log a refused request (both REST ways): a shed one is counted (by the thousand
+        under overload, not each logged), any other reported at its error's level."""
+        if isinstance(error, Overloaded):
+            self.shed(path, shown_message(error))
+        else:
+            report(log, f"POST {path}", error)
 
     def _headers(
         self, raw: list[tuple[bytes, bytes]]
