@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from service.response_cache import ResponseCache, cache_key
 from service.signature import Bound
 
 if TYPE_CHECKING:
-    from service.dataplane import DataPlane
+    from service.metrics import Metrics
     from service.tracing import RequestTrace
 
 THREAD_BYTES = 64 << 10
@@ -48,6 +48,26 @@ binary part can cost as much (BYTES elements are split in Python, BOOL bytes are
 Done = Callable[[InferResponse | BaseException], None]
 """What a transport is told when a submitted request is answered: its response, or the
 error (a ServiceError: a timeout, an unload, a failed batch)."""
+
+
+class Versions(Protocol):
+    """What a ticket asks of the model repository (``service.repository``)."""
+
+    def get(self, name: str, version: str | None = None) -> ModelHandle: ...
+    def use(self, handle: ModelHandle) -> bool: ...
+    async def resident(
+        self, handle: ModelHandle, timeout_s: float | None = None
+    ) -> ModelHandle: ...
+
+
+class Plane(Protocol):
+    """What a ticket asks of its data plane (``service.dataplane.DataPlane``)."""
+
+    @property
+    def repository(self) -> Versions: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    def finished(self, t0: int, label: str, outcome: str, handle: ModelHandle | None) -> None: ...
 
 
 class Ticket:
@@ -82,7 +102,7 @@ class Ticket:
 
     def __init__(
         self,
-        plane: DataPlane | None,
+        plane: Plane | None,
         handle: ModelHandle,
         version: str | None,
         t0: int,

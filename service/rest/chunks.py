@@ -11,6 +11,8 @@ it, so its size line ends ``bytes of the chunk so far`` before the end of the re
 
 from __future__ import annotations
 
+from service.errors import PayloadTooLarge
+
 _TAIL = 64
 """Bytes of the previous read kept for a size line split between reads (a size past any
 body limit has at most 16 hex digits; chunk extensions longer than this are not read)."""
@@ -78,3 +80,14 @@ class ChunkWatch:
         self.fresh_header = False
         self.tail = (self.tail + data[-_TAIL:])[-_TAIL:]
         return size
+
+    def too_large(self, data: bytes, limit: int) -> PayloadTooLarge | None:
+        """After ``data`` was parsed (:meth:`after_read`): the 413 of a chunk whose declared
+        size would take the body past ``limit`` bytes, else None."""
+        size = self.after_read(data)
+        if size is not None and self.received - self.in_chunk + size > limit:
+            return PayloadTooLarge(
+                f"a chunk of {size} bytes would pass the request body limit of {limit} bytes "
+                "(max_body_bytes)"
+            )
+        return None

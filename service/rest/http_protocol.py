@@ -51,11 +51,8 @@ from typing import Any
 import httptools
 
 from service.errors import (
-    HeaderLimit,
     InvalidInput,
     Overloaded,
-    PayloadTooLarge,
-    RequestTimeout,
     ServiceError,
 )
 from service.rest.chunks import ChunkWatch
@@ -69,16 +66,14 @@ from service.rest.http_cycle import (
     Request,
     request_scope,
 )
-from service.rest.sockets import IdleConnections, unread_bytes
+from service.rest.http_head import HeadReader
+from service.rest.sockets import IdleConnections
 from service.text import safe_text
 
 log = logging.getLogger(__name__)
 
 _HIGH_WATER = 64 << 10
 """Body bytes held for an application that has not taken them, above which reading pauses."""
-_SINGLE = {b"host": "Host", b"authorization": "Authorization"}
-"""Request headers a request may have once (RFC 9112 for Host; for Authorization, one rule
-on every route instead of the first on some and the last on others)."""
 _LINGER_S = 2.0
 """The longest a connection closed after an answer reads what its client still sends."""
 _REFUSALS_LINGERING = 16
@@ -89,7 +84,7 @@ _FRESH_GRACE_S = 1.0
 request may be on the way."""
 
 
-class HttpProtocol(asyncio.Protocol):
+class HttpProtocol(HeadReader):
     """One HTTP/1.1 connection (see the module docstring); uvicorn makes one per connection.
 
     Args:
@@ -98,9 +93,6 @@ class HttpProtocol(asyncio.Protocol):
         app_state: the lifespan's state, copied into each request's scope.
     """
 
-    head_timeout_s: float = 10.0
-    max_head_bytes: int = 64 << 10
-    max_headers: int = 100
     max_connections: int = 0  # 0: no cap
     max_body_bytes: int = 0  # 0: chunk sizes are not checked
     idle: IdleConnections[HttpProtocol] = IdleConnections(log)  # protocol_class makes one
@@ -152,19 +144,8 @@ class HttpProtocol(asyncio.Protocol):
         self._reading_paused = False
         self._default_src: object = None
         self._default_block = b""
-        # The head being parsed.
-        self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._expect = False
-        self._chunked = False
         self._chunks: ChunkWatch | None = None
-        self._head_bytes = 0
-        self._partial_bytes = 0
-        self._began_in_this_read = False
-        self._head_begun = False
-        self._waiting_for_head = False
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._init_head()
         self._linger_timer: asyncio.TimerHandle | None = None
 
     # --- the transport's callbacks --------------------------------------------------------
@@ -238,29 +219,16 @@ class HttpProtocol(asyncio.Protocol):
             return
         finally:
             self.reading = False
-        chunks = self._chunks
-        if chunks is not None:
-            size = chunks.after_read(data)
-            limit = self.max_body_bytes
-            if size is not None and chunks.received - chunks.in_chunk + size > limit:
-                self._fail(
-                    PayloadTooLarge(
-                        f"a chunk of {size} bytes would pass the request body limit of "
-                        f"{limit} bytes (max_body_bytes)"
-                    )
-                )
-                return
+        refusal = (
+            None if self._chunks is None else self._chunks.too_large(data, self.max_body_bytes)
+        )
+        if refusal is not None:
+            self._fail(refusal)
+            return
         parsing = self.parsing
         if parsing is not None and parsing.more_body:
             parsing.body_incomplete()
-        if self._head_begun:
-            # The parser keeps an unfinished header line to itself: its bytes are counted as
-            # they come (from the read after the head began: the part of that read which
-            # belonged to the previous request is not known).
-            if not self._began_in_this_read:
-                self._partial_bytes += len(data)
-            if self._partial_bytes > self.max_head_bytes:
-                self._fail(HeaderLimit(self._too_large()))
+        self._count_partial(len(data))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -277,38 +245,7 @@ class HttpProtocol(asyncio.Protocol):
             self._drained = self.loop.create_future()
         await asyncio.shield(self._drained)
 
-    # --- the parser's callbacks -----------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        self._url = b""
-        self._headers = []
-        self._expect = self._chunked = False
-        self._head_begun = True
-        self.idle.remove(self)
-        self._began_in_this_read = True
-        self._head_bytes = self._partial_bytes = 0
-        if self._waiting_for_head:
-            self._start_clock()
-        else:
-            self._wait_for_head(clock=True)  # a pipelined head: its clock starts now
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4)  # as sent: "name: value\r\n"
-        headers = self._headers
-        if len(headers) >= self.max_headers:
-            raise HeaderLimit(f"too many request headers (limit {self.max_headers})")
-        name = name.lower()
-        if name in _SINGLE and any(k == name for k, _ in headers):
-            raise InvalidInput(f"malformed HTTP request: more than one {_SINGLE[name]} header")
-        if name == b"expect" and value.lower() == b"100-continue":
-            self._expect = True
-        elif name == b"transfer-encoding":
-            self._chunked = True  # the parser refuses any coding but a final "chunked"
-        headers.append((name, value))
+    # --- the parser's callbacks (the head's: ``HeadReader``) ------------------------------
 
     def on_headers_complete(self) -> None:
         self._stop_waiting()
@@ -447,31 +384,7 @@ class HttpProtocol(asyncio.Protocol):
             self._default_block = b"".join(b"%b: %b\r\n" % (k, v) for k, v in src)
         return self._default_block
 
-    # --- limits ---------------------------------------------------------------------------
-
-    def _wait_for_head(self, *, clock: bool) -> None:
-        """Wait for a head; ``clock``: start the head's clock now (else it starts at the
-        head's first byte)."""
-        self._waiting_for_head = True
-        if clock:
-            self._start_clock()
-
-    def _start_clock(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _stop_waiting(self) -> None:
-        self._waiting_for_head = False
-        self._head_begun = False
-        self.idle.remove(self)
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _cancel_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+    # --- closing --------------------------------------------------------------------------
 
     def _close(self, error: ServiceError | None = None) -> None:
         """Close the connection: silently, or after answering ``error`` (then lingering)."""
@@ -523,35 +436,6 @@ class HttpProtocol(asyncio.Protocol):
             self._reading_paused = False
             transport.resume_reading()
         self._linger_timer = self.loop.call_later(_LINGER_S, transport.close)
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._waiting_for_head:
-            return
-        if self._head_begun:
-            timeout = self.head_timeout_s
-            self._fail(RequestTimeout(f"the request head did not arrive within {timeout:g} s"))
-        else:
-            self._close()
-
-    def _idle_timed_out(self) -> None:
-        self._idle_timer = None
-        if self.active is not None or self._head_begun or self.lingering:
-            return
-        if unread_bytes(self.transport):
-            # A request arrived as the timer fired (the loop runs due timers before it reads
-            # the sockets): closing now would reset it. Its bytes are read next.
-            self._idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timed_out)
-            return
-        self._close()
-
-    def _count_head(self, nbytes: int) -> None:
-        self._head_bytes += nbytes
-        if self._head_bytes > self.max_head_bytes:
-            raise HeaderLimit(self._too_large())
-
-    def _too_large(self) -> str:
-        return f"request head of more than {self.max_head_bytes} bytes (max_header_bytes)"
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and not self.transport.is_closing():
