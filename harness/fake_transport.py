@@ -5,7 +5,7 @@ bitserve's HTTP protocol (``service.rest.http_protocol``), or uvicorn's, runs on
 ``protocol.data_received``, what the server writes is kept and split into responses by
 httptools' response parser. No socket, no system call: the profiling driver
 (``benchmarks/overhead/inprocess.py``) and the express lane's comparison tests
-(``tests/service/test_express.py``) use it.
+(``tests/service/test_express_lane.py``) use it.
 """
 
 from __future__ import annotations

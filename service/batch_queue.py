@@ -39,7 +39,7 @@ class BatchInfo:
 
 class Answer(Protocol[R_contra]):
     """Where a queued request's result goes: an ``asyncio.Future``, or any object with the
-    three methods the batcher calls (``service.rest.express``)."""
+    three methods the batcher calls (``service.ticket``)."""
 
     def done(self) -> bool: ...
     def set_result(self, result: tuple[R_contra, BatchInfo], /) -> None: ...

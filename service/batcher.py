@@ -251,7 +251,7 @@ class Batcher(Generic[P, R]):
     ) -> Pending[P, R]:
         """:meth:`submit` without the wait: ``answer`` gets the result or the error (an
         ``asyncio.Future``, or an object with its three methods that calls back:
-        ``service.rest.express``); ``request_id`` names the request in the log (default: the
+        ``service.ticket``); ``request_id`` names the request in the log (default: the
         request being handled). Returns the queued request, for :meth:`cancel`.
 
         Raises:

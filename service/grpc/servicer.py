@@ -4,8 +4,8 @@ plane and the control plane.
 Each handler takes its message apart, makes one :class:`service.dataplane.DataPlane` or
 :class:`service.controlplane.ControlPlane` call and builds the answer (``service.grpc.codec``);
 lookups, checks, capacity, state changes, readiness, metrics and messages are the planes', as
-for REST. Inference goes through :meth:`DataPlane.infer_with` with gRPC's decoder and
-encoder.
+for REST. Inference goes through :meth:`DataPlane.infer_with` (the data plane's core,
+``service.ticket``, for a coroutine caller) with gRPC's decoder and encoder.
 
 ModelStreamInfer computes the requests of a stream concurrently (so they batch with each
 other and with everyone else's) and answers them in the order they came; an error is

@@ -16,6 +16,10 @@ or from the command line (``key=value`` arguments of :func:`app`)::
 
     serve run service.ray.serving:app repository=models/ num_gpus=1
 
+Inference goes REST's general route (Serve's proxy speaks ASGI, not to bitserve's HTTP
+connection, so the express lane is not in the way), over the same data plane core
+(``service.ticket``) as every transport.
+
 Serve's options (``num_replicas``, ``autoscaling_config``, ``ray_actor_options``,
 ``max_ongoing_requests``, ...) pass through unchanged, from here or from a Serve config
 file. gRPC is not served through Serve (its proxy speaks Serve's own gRPC protocol).

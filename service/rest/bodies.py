@@ -19,7 +19,7 @@ settings, shared-memory registrations): small JSON objects."""
 
 
 class Budget(Protocol):
-    """A share of a memory budget that grows as a body arrives (see ``fastpath._Held``)."""
+    """A share of a memory budget that grows as a body arrives (see ``infer_route.Held``)."""
 
     def grow(self, nbytes: int) -> None:
         """Hold ``nbytes`` in all; raises to refuse."""

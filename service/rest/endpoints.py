@@ -3,8 +3,8 @@
 
 Each handler takes the HTTP request apart, makes one call of either plane, and writes the
 answer.
-Inference itself is answered by the fast path (``service.rest.infer_route``) before FastAPI sees it;
-its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
+Inference itself is answered by the infer route (``service.rest.infer_route``) before FastAPI
+sees it; its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
 to the same handler.
 """
 
@@ -98,7 +98,7 @@ class Endpoints:
         dataplane: the server's data plane.
         control: the server's control plane.
         metrics: the metrics ``/metrics`` renders.
-        infer_route: the fast path's infer route (``POST .../infer`` is handed to it).
+        infer_route: the infer route (``POST .../infer`` is handed to it).
         body_timeout_s: the most seconds a control body may take to arrive.
     """
 

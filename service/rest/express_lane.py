@@ -21,7 +21,7 @@ from service.rest.bodies import body_timed_out
 from service.rest.errors import error_parts
 from service.rest.gateway import Gateway, access_lines
 from service.rest.gateway import log as gateway_log
-from service.rest.http_cycle import Connection, Head, frame_head, header_lines
+from service.rest.http_cycle import Connection, Head, frame_answer
 from service.rest.infer_route import CLIENT_GONE, Held, InferRoute, Plain
 from service.rest.inference import answer_headers, frame
 from service.ticket import Ticket
@@ -37,8 +37,7 @@ class ExpressLane:
         self.route, self.gateway, self.dataplane = route, gateway, route.rest.dataplane
 
     def begin(self, conn: Connection, head: Head, keep_alive: bool) -> ExpressRequest | None:
-        """The express request for a parsed head, or None: the general way (tracing on: a
-        request may be traced, with the general way's spans)."""
+        """Its request for a parsed head, or None: the general way (which traces)."""
         plain = self.route.plain(head) if self.dataplane.tracing is None else None
         if plain is None:
             return None
@@ -47,8 +46,7 @@ class ExpressLane:
 
 
 class ExpressRequest:
-    """One request on the express lane: to its connection an ``http_cycle.Request`` (and,
-    while its body is awaited, work the server's shutdown waits for)."""
+    """To its connection an ``http_cycle.Request`` (and ``Cancellable`` while waiting)."""
 
     __slots__ = ("chunks", "complete", "conn", "head", "held", "keep_alive", "lane",
                  "more_body", "open", "plain", "request_id", "t0", "task", "ticket", "timer",
@@ -122,8 +120,6 @@ class ExpressRequest:
             self._end(CLIENT_GONE)
         self.complete = True
 
-    # --- the request, through the data plane's core ---------------------------------------
-
     def _submit(self) -> None:
         ticket, rest, length = self.ticket, self.lane.route.rest, self.plain.header_length
         assert ticket is not None
@@ -138,8 +134,7 @@ class ExpressRequest:
             self.conn.track(self.task)
 
     def _done(self, outcome: InferResponse | EncodedResponse | BaseException) -> None:
-        """Its answer: the response (framed next, off the loop in a task for large JSON),
-        its framed bytes, or an error."""
+        """Its response (framed next: in a task for large JSON), its bytes, or its error."""
         if isinstance(outcome, BaseException):
             self._failed(outcome)
         elif isinstance(outcome, EncodedResponse):
@@ -180,12 +175,9 @@ class ExpressRequest:
         self._end(status)
         if not self.complete:
             self.complete = True
-            closes = any(k == b"connection" and b"close" in v.lower() for k, v in headers)
-            self.keep_alive = self.keep_alive and not closes
-            lines = header_lines(headers)
-            lines += b"" if self.keep_alive or closes else b"connection: close\r\n"
-            head = frame_head(status, self.conn.default_headers(), lines)
-            self.conn.respond(self, b"".join((head, body)))
+            defaults = self.conn.default_headers()
+            data, self.keep_alive = frame_answer(defaults, status, headers, body, self.keep_alive)
+            self.conn.respond(self, data)
 
     def _end(self, status: int) -> None:
         """Once: give back the budget and the concurrency slot, write the access line."""

@@ -1,6 +1,6 @@
 """The outermost ASGI layer: request ids, paths, access log, the concurrency limit, the
-last-resort 500, and the dispatch of inference to the fast path (``service.rest.infer_route``)
-ahead of FastAPI.
+last-resort 500, and the dispatch of inference to the infer route
+(``service.rest.infer_route``) ahead of FastAPI.
 
 The request head's limits (its bytes, its number of headers, its time) belong to the HTTP
 connection (``service.rest.http_protocol``), which counts them as the head arrives.

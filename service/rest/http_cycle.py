@@ -76,6 +76,17 @@ def frame_head(status: int, defaults: bytes, lines: bytes) -> bytes:
 _METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
+def frame_answer(
+    defaults: bytes, status: int, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool
+) -> tuple[bytes, bool]:
+    """A whole answer with its ``Content-Length`` as bytes, framed as an :class:`Exchange`
+    frames it; and whether the connection stays open after it (not when ``keep_alive`` is
+    False, which adds ``Connection: close``, nor when ``headers`` close it)."""
+    closes = any(k == b"connection" and b"close" in v.lower() for k, v in headers)
+    lines = header_lines(headers) + (b"" if keep_alive or closes else b"connection: close\r\n")
+    return b"".join((frame_head(status, defaults, lines), body)), keep_alive and not closes
+
+
 def request_scope(
     conn: Connection,
     method: bytes,

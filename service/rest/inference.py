@@ -5,7 +5,9 @@ thread when it is more than a few KiB), its JSON part bounded by ``max_json_byte
 decoded with Triton's binary tensor extension (``Inference-Header-Content-Length``); the
 response is framed the same way and compressed when the client accepts it and the policy
 says so (``response_compression``). What is decided about the request itself is the data
-plane's (:meth:`service.dataplane.DataPlane.infer_with`), as for gRPC.
+plane's (:meth:`service.dataplane.DataPlane.infer_with`, over its core ``service.ticket``), as
+for gRPC; the answer's builders (:func:`answer_headers`, :func:`frame`) serve the express lane
+too.
 """
 
 from __future__ import annotations

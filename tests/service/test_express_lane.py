@@ -423,3 +423,41 @@ async def test_cache_hits_and_evicted_models_alike_on_both_lanes() -> None:
 
 
 _GET_STATS = b"GET /v2/models/tiny/stats HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+async def test_the_answer_builder_frames_as_an_exchange_does() -> None:
+    """``frame_answer`` (the express lane's bytes) against what an ASGI exchange writes for
+    the same status, headers and body (the general way's bytes), on random answers."""
+    from service.rest.http_cycle import frame_answer
+
+    rng = np.random.default_rng()
+    for k in range(60):
+        status = int(rng.choice([200, 400, 404, 408, 413, 500, 503]))
+        body = rng.integers(0, 256, int(rng.integers(0, 300)), dtype=np.uint8).tobytes()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += [(b"x-%d" % i, b"v%d" % rng.integers(1000)) for i in range(rng.integers(0, 4))]
+        if k % 5 == 0:
+            headers.append((b"connection", b"close"))
+        keep_alive = bool(k % 3)
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": status, "headers": headers})  # noqa: B023
+            await send({"type": "http.response.body", "body": body})  # noqa: B023
+
+        cls = protocol_class(head_timeout_s=10.0, max_header_bytes=65536, max_connections=0)
+        config, state = host_config(app, cls)
+        conn: HttpProtocol = cls(config, state, {})
+        client = FakeClient().attach(conn)
+        client.send(
+            b"GET / HTTP/1.1\r\nHost: t\r\n"
+            + (b"" if keep_alive else b"Connection: close\r\n")
+            + b"\r\n"
+        )
+        for _ in range(100):
+            if client.responses:
+                break
+            await asyncio.sleep(0)
+        [response] = client.responses
+        built, stays = frame_answer(conn.default_headers(), status, headers, body, keep_alive)
+        assert bytes(response.raw) == built
+        assert stays == (keep_alive and k % 5 != 0)
