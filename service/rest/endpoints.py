@@ -4,8 +4,8 @@
 Each handler takes the HTTP request apart, makes one call of either plane, and writes the
 answer.
 Inference itself is answered by the infer route (``service.rest.infer_route``) before FastAPI
-sees it; its route is registered here too, so ``/openapi.json`` documents it, and it hands the request
-to the same handler.
+sees it; its route is registered here too, so ``/openapi.json`` documents it, and it hands the
+request to the same handler.
 """
 
 from __future__ import annotations
