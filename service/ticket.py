@@ -83,6 +83,7 @@ class Ticket:
 
     __slots__ = (
         "_answered",
+        "_decoded_for",
         "_finished",
         "_pending",
         "_plane",
@@ -111,6 +112,7 @@ class Ticket:
     ) -> None:
         self._plane = plane
         self.handle = handle
+        self._decoded_for = handle
         self.version = version
         self.label = handle.name
         self.resident = True
@@ -132,15 +134,16 @@ class Ticket:
         loop retires the version found first, and the request belongs to the one serving now.
 
         Returns:
-            The version to decode the request again for (the reload changed what the model
+            The version to decode the request again for (a reload changed what the model
             accepts), or None: the request as decoded is right. ``resident`` False: the
-            version is evicted, and :meth:`loaded` waits for it.
+            version is evicted, and :meth:`loaded` waits for it (and then says whether to
+            decode again).
         """
         assert self._plane is not None
         repository = self._plane.repository
-        current = repository.get(self.handle.name, self.version)
-        self.resident = repository.use(current)
-        return self._move(current)
+        self.handle = repository.get(self.handle.name, self.version)
+        self.resident = repository.use(self.handle)
+        return self._again() if self.resident else None
 
     async def loaded(self, request: InferRequest) -> ModelHandle | None:
         """Wait for an evicted version's load (one load for every waiting request), within
@@ -153,19 +156,21 @@ class Ticket:
         """
         assert self._plane is not None
         repository = self._plane.repository
-        current = self.handle
-        wait_s = load_wait_s(current, request)
+        wait_s = load_wait_s(self.handle, request)
         for _ in range(3):
-            current = await repository.resident(current, wait_s)
-            if repository.use(current):
+            self.handle = await repository.resident(self.handle, wait_s)
+            if repository.use(self.handle):
                 self.resident = True
-                return self._move(current)
-        raise ModelNotReady(f"model '{current.name}' was evicted again as soon as it loaded")
+                return self._again()
+        raise ModelNotReady(f"model '{self.handle.name}' was evicted again as soon as it loaded")
 
-    def _move(self, current: ModelHandle) -> ModelHandle | None:
-        before, self.handle = self.handle, current
-        if current is before or current.signature.same_as(before.signature):
+    def _again(self) -> ModelHandle | None:
+        """The version to decode the request again for, or None (see :meth:`settle`); the
+        caller decodes it again when it is not None."""
+        decoded, current = self._decoded_for, self.handle
+        if current is decoded or current.signature.same_as(decoded.signature):
             return None
+        self._decoded_for = current
         return current
 
     def proceed(

@@ -461,3 +461,32 @@ async def test_the_answer_builder_frames_as_an_exchange_does() -> None:
         built, stays = frame_answer(conn.default_headers(), status, headers, body, keep_alive)
         assert bytes(response.raw) == built
         assert stays == (keep_alive and k % 5 != 0)
+
+
+async def test_a_reload_while_the_body_arrives_is_the_planes_rule_on_the_lane(
+    fake_app: Any,
+) -> None:
+    """The data plane's reload re-lookup holds on the express lane too (it once had to be
+    copied there): the request goes to the version serving when its body is complete."""
+    from tests.service.app_fakes import FakeHandle
+
+    rows = np.random.default_rng().integers(0, 256, (2, 4), dtype=np.uint8)
+    raw = request("echo", *echo(rows), extra="X-Request-ID: r\r\n")
+    async with serving(fake_app) as server:
+        repo = fake_app.state.repository
+        old = repo.models["echo"]
+        conn, client = server.connect(express=True)
+        client.send(raw[:-5])
+        await asyncio.sleep(0)
+        assert isinstance(conn.active, ExpressRequest)
+        repo.models["echo"] = new = FakeHandle("echo")
+        client.send(raw[-5:])
+        for _ in range(500):
+            if client.responses:
+                break
+            await asyncio.sleep(0.001)
+        [response] = client.responses
+        assert bytes(response.raw).startswith(b"HTTP/1.1 200 OK\r\n")
+        assert len(new.requests) == 1
+        assert all(r.id != "r-1" for r in old.requests)
+        assert server.handed_over == 0
