@@ -9,6 +9,10 @@ outputs into shared memory, and counts requests in the metrics and statistics. M
 belongs to the repository alone (``service.repository``); what changes it is the control
 plane's (``service.controlplane``).
 
+What happens to one inference request is the core's (:mod:`service.ticket`: admit, settle,
+submit, finish, without coroutines); :meth:`DataPlane.infer_with` is its wrapper for
+coroutine callers.
+
 The model layout is after MLServer's ``handlers/dataplane.py`` ("used by both the gRPC and
 REST servers").
 """

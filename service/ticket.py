@@ -8,14 +8,17 @@ request through the same steps, each decided here once::
     request = decode(ticket.handle)           # the transport's own framing
     again = ticket.settle()                   # looked up again: a reload during the decode
     if not ticket.resident:                   # evicted (the device memory budget):
-        again = await ticket.loaded()         #   waits for its load (async callers only)
+        again = await ticket.loaded(request)  #   waits for its load
     if again is not None:                     # the reload changed what the model accepts:
         request = decode(again)               #   decoded again for the version serving now
     ticket.submit(request, on_done)           # checked, cached or queued for its batch
-    # on_done(response or error), from the batcher's callback
+    # on_done(response or error), from the batcher's callback (shared memory written)
     ticket.finish()                           # outcome and latency counted (or fail/cancel)
 
-:meth:`service.dataplane.DataPlane.infer_with` is the same sequence for coroutine callers.
+:meth:`Ticket.proceed` runs the middle steps for a caller without coroutines (the express
+lane: the rare wait for a load runs in a task it is given), and
+:meth:`service.dataplane.DataPlane.infer_with` runs them all for coroutine callers (REST's
+general route, gRPC).
 """
 
 from __future__ import annotations
