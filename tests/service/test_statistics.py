@@ -24,7 +24,7 @@ from service.gpu_metrics import GpuGauges
 from service.metrics import Metrics
 from service.model_files import Artifacts
 from service.pipeline import Pipeline
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from service.signature import Bound, WireInput
 from service.statistics import ModelStats, Snapshot, Statistics, merge, triton_metrics
@@ -333,7 +333,7 @@ def test_gpu_gauges_on_a_gpu() -> None:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     metrics = Metrics(nvml=None)
     repo = FakeRepository(metrics.statistics)
-    app = create_app(Settings(access_log=False), repo, metrics=metrics)
+    app = in_process_app(Settings(access_log=False), repo, metrics=metrics)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
