@@ -20,7 +20,7 @@ from service.builder import build_version, check_repository
 from service.config import ConfigError, parse_config
 from service.errors import InvalidInput
 from service.layout import model_versions
-from service.model_check import handed_dtypes
+from service.signature import handed_dtypes
 from service.protocol.types import InferRequest, RequestInput
 from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
 from service.signature import Signature
