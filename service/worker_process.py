@@ -36,6 +36,8 @@ class WorkerSpec:
     index: int
     workers: int
     device: str
+    devices: tuple[str, ...]
+    """Every worker's default device, by index (which workers share a device's budget)."""
     torch_threads: int | None
     interop_threads: int
     run_dir: str
@@ -75,10 +77,7 @@ def run_worker(spec: WorkerSpec) -> None:
 def _budget_sharers(spec: WorkerSpec) -> Callable[[str], int]:
     """The workers that share a device's memory budget: every worker for the host's memory
     (``cpu``), and on a GPU the workers whose default device it is."""
-    from service.workers import gpu_count, worker_device
-
-    gpus = gpu_count(spec.settings.device)
-    on = [worker_device(spec.settings.device, j, gpus) for j in range(spec.workers)]
+    on = list(spec.devices)
 
     def sharers(device: str) -> int:
         if not device.startswith("cuda"):
