@@ -4,9 +4,11 @@ parts with no FastAPI application (none built, none imported), and a real
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import numpy as np
@@ -51,6 +53,7 @@ async def test_grpc_runs_without_fastapi() -> None:
     assert repo.stopped
 
 
+@pytest.mark.e2e
 def test_grpc_imports_no_fastapi() -> None:
     """In a fresh interpreter, serving gRPC (and answering an infer) imports neither FastAPI,
     Starlette nor uvicorn: the transports are equals, neither built by the other."""
@@ -105,3 +108,51 @@ async def test_in_process_app_starts_and_stops_the_server() -> None:
     async with app.router.lifespan_context(app):
         assert not repo.stopped
     assert repo.stopped
+
+
+_RUN = """
+import sys
+from service.server import BitServer
+from service.settings import Settings
+from tests.service.app_fakes import FakeRepository
+
+repo = FakeRepository()
+settings = Settings(host="127.0.0.1", port={port}, grpc_port={grpc}, log_level="warning")
+code = BitServer(settings, repo).run(None)
+print("exit", code, "stopped", repo.stopped, flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_run_owns_the_signals(sig: signal.Signals, code: int) -> None:
+    """``BitServer.run`` (what ``bitserve serve`` runs): both transports serve; SIGTERM drains
+    them and exits 0, SIGINT exits 130 (the shell's convention), the repository stopped
+    either way."""
+    port, grpc_port = free_port(), free_port()
+    script = textwrap.dedent(_RUN).format(port=port, grpc=grpc_port)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the server did not become ready"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        y = _infer(grpc_port)  # gRPC serves beside HTTP
+        np.testing.assert_array_equal(y, 2 * X.astype(np.float32))
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, err
+    assert out.strip() == f"exit {code} stopped True", err
