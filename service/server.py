@@ -25,13 +25,14 @@ where it is built.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from service import heap
@@ -115,8 +116,8 @@ class BitServer:
         self._app: BitserveApp | None = None
 
     def rest_app(
-        self, lifespan: Callable[[Any], Any] | None = None
-    ) -> BitserveApp:  # the lifespan's type is FastAPI's
+        self, lifespan: Callable[[Any], AbstractAsyncContextManager[None]] | None = None
+    ) -> BitserveApp:
         """The REST transport's ASGI application over this server's planes (made once).
 
         Args:
@@ -201,7 +202,13 @@ class BitServer:
         extra: dict[str, Any] = {} if headers is None else {"headers": headers}
         config = uvicorn_config(self.settings, self.rest_app(), log_config, **extra)
         self.http = HttpServer(config)
-        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        get_loop_factory = getattr(config, "get_loop_factory", None)  # uvicorn >= 0.36
+        if get_loop_factory is None:  # older uvicorn chooses its loop through the policy
+            config.setup_event_loop()
+            loop_factory = None
+        else:
+            loop_factory = get_loop_factory()
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(self._serve(self.http, sockets))
 
     async def _serve(self, http: HttpServer, sockets: list[socket.socket] | None) -> int:
@@ -222,7 +229,13 @@ class BitServer:
             for sig in SIGNALS:
                 loop.add_signal_handler(sig, drain, sig)
         try:
-            await self.start()
+            try:
+                await self.start()
+            except Exception:  # a peer unreachable, gRPC's port taken: never served
+                log.exception("start-up failed")
+                with contextlib.suppress(Exception):
+                    await self.stop()
+                return 1
             started = True
             self.control.models_changed = heap.settle
             heap.settle()  # the models are loaded: their objects are long-lived
