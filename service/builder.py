@@ -1,27 +1,52 @@
-"""Building a model version: the one path ``serve`` and ``check-repo`` share.
+"""Building a model version: its load stages, in order, in one function.
 
-:func:`build_version` reads and checks the version's files (:func:`service.model_files.
-load_version`: everything before a device is touched), then builds the pipeline of its kind
-on its device (an ``[index]``: :class:`service.index_pipeline.IndexPipeline`), whose dry run
-(:func:`service.model_check.dry_run`) runs a batch of 1 and one of ``max_batch_size``
-through it and checks the outputs. ``bitserve serve`` builds every version
-through it; ``bitserve check-repo`` (:func:`check_repository`) calls the same function (on the
-CPU unless told otherwise) and drops the result, so the two cannot disagree about a model.
+:func:`build_version` is the one path ``bitserve serve`` and ``bitserve check-repo`` share
+(the repository builds every version through it; ``check-repo``, :func:`check_repository`,
+calls it on the CPU unless told otherwise and drops the result, so the two cannot disagree
+about a model). Its stages, each a function of its own:
+
+1. **files** (:func:`read_files`): the config, the operator's tensors, the corpus, the code
+   tables, the ``warmup_file`` sample and the model file, read and checked one by one on the
+   host (never with pickle; ``service.model_files``);
+2. **host checks** (:func:`check_on_host`): the files against each other: the model's
+   signature against the config (``service.model_check``), each input buffer's size in the
+   dtype it is handed in (the dtype rule: ``service.signature``); a model whose failing call
+   can abort the process is then built and dry-run once in a child process first
+   (:func:`dry_run_isolated`, ``service.dry_run_child``: a crash there is a refusal);
+3. **device** (:func:`to_device`): the pipeline of its kind built on its device
+   (``service.pipeline``; an ``[index]``: ``service.index_pipeline``);
+4. **dry run** (:func:`dry_run`): a batch of 1 and one of ``max_batch_size`` through it, the
+   outputs checked (``service.model_check``); an index then brings its whole corpus to the
+   device.
+
+Every stage raises :class:`service.config.ConfigError` naming the file and the key. The
+dry-run child's entry point (:func:`child_main`, ``python -m service.builder``) is here, beside
+:func:`build_version`, which it calls.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from service import model_check
 from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig
 from service.dry_run_child import dry_run_in_child
+from service.index_pipeline import IndexPipeline
 from service.layout import VersionSource, model_names, model_versions
-from service.model_files import load_version
+from service.model_files import Artifacts, check_buffers, load_version
 from service.pipeline import Pipeline, resolve_device
+from service.signature import handed_dtypes
+
+log = logging.getLogger(__name__)
 
 
 def build_version(
@@ -35,49 +60,148 @@ def build_version(
     warmup: bool = True,
     isolate: bool = True,
 ) -> tuple[ModelConfig, Pipeline]:
-    """:func:`load_version`, then the pipeline on its device with its dry run.
-
-    A model whose failing call can abort the process (``ModelFile.dry_run_in_child``: an
-    AOTInductor package) is first built and dry-run in a child process
-    (:mod:`service.dry_run_child`): a crash there is a refusal, not this process's end.
+    """Build one version through its stages (module docstring): files -> host checks ->
+    device -> dry run.
 
     Args:
         name: the model's name.
         src: where the version lives.
         default_device: the device of a config that says ``device = "auto"``.
-        max_operator_bytes: see :func:`load_version`.
-        max_batch_bytes: see :func:`load_version`.
-        patch: see :func:`load_version`.
+        max_operator_bytes: the most bytes its response operator may take once built.
+        max_batch_bytes: the most bytes each of its input buffers may take.
+        patch: ``config.toml`` keys a load's config override replaces.
         warmup: also run the full batch a second time (``--warmup``).
-        isolate: make the dry run of such a model in a child process first (the child
-            itself builds with False).
+        isolate: make the dry run of a model that can abort the process in a child process
+            first (the child itself builds with False).
+
+    Returns:
+        The version's config and its pipeline, dry-run.
 
     Raises:
         ConfigError: every problem, each naming the file and the key.
     """
-    cfg, artifacts = load_version(
+    cfg, artifacts = read_files(src, max_operator_bytes, max_batch_bytes, patch)
+    check_on_host(cfg, artifacts, src.source, max_batch_bytes)
+    device = resolve_device(cfg.device, default_device, source=src.source)
+    if isolate:
+        dry_run_isolated(name, src, artifacts, default_device, max_operator_bytes,
+                         max_batch_bytes, patch)  # fmt: skip
+    pipe = to_device(name, cfg, artifacts, device, src.source)
+    dry_run(pipe, artifacts, again=warmup)
+    return cfg, pipe
+
+
+def build_pipeline(
+    name: str,
+    cfg: ModelConfig,
+    artifacts: Artifacts,
+    device: str,
+    *,
+    warmup: bool = True,
+    source: str = "config.toml",
+) -> Pipeline:
+    """The device and dry-run stages for files already in memory (the built-in demo, tests).
+
+    Raises:
+        ConfigError: as :func:`to_device` and :func:`dry_run`.
+    """
+    pipe = to_device(name, cfg, artifacts, device, source)
+    dry_run(pipe, artifacts, again=warmup)
+    return pipe
+
+
+# --- the stages, in order ---------------------------------------------------------------------
+
+
+def read_files(
+    src: VersionSource,
+    max_operator_bytes: int,
+    max_batch_bytes: int,
+    patch: Mapping[str, Any] | None,
+) -> tuple[ModelConfig, Artifacts]:
+    """Stage 1, files: :func:`service.model_files.load_version` (nothing touches a device)."""
+    return load_version(
         src, max_operator_bytes=max_operator_bytes, max_batch_bytes=max_batch_bytes, patch=patch
     )
-    device = resolve_device(cfg.device, default_device, source=src.source)
-    model = artifacts.model
-    if isolate and model is not None and model.dry_run_in_child:
-        dry_run_in_child(
-            name,
-            src,
-            model.path.name,
-            default_device=default_device,
-            threads=torch.get_num_threads(),
-            max_operator_bytes=max_operator_bytes,
-            max_batch_bytes=max_batch_bytes,
-            patch=patch,
-        )
-    kind = Pipeline
-    if cfg.index is not None:
-        from service.index_pipeline import IndexPipeline
 
-        kind = IndexPipeline
-    pipe = kind(name, cfg, artifacts, device, warmup=warmup, source=src.source)
-    return cfg, pipe
+
+def check_on_host(cfg: ModelConfig, artifacts: Artifacts, source: str, limit: int) -> None:
+    """Stage 2, host checks: the model file's signature against the config, then each input
+    buffer's size (``limit``: ``max_batch_bytes``) in the dtype the model is handed it in.
+
+    Raises:
+        ConfigError: one problem per input that does not fit.
+    """
+    model = artifacts.model
+    if model is None:
+        return
+    operator_shape = None
+    if cfg.operator is not None:  # the operator's output: (N, A)
+        n = cfg.inputs[cfg.operator_input or 0].shape[0]
+        operator_shape = [n, artifacts.tensors["c"].shape[1]]
+    model_check.check_signature(cfg, model, f"{source}: model.file", operator_shape)
+    check_buffers(cfg, source, limit, handed_dtypes(cfg, model))
+
+
+def dry_run_isolated(
+    name: str,
+    src: VersionSource,
+    artifacts: Artifacts,
+    default_device: str,
+    max_operator_bytes: int,
+    max_batch_bytes: int,
+    patch: Mapping[str, Any] | None,
+) -> None:
+    """Stage 2, last: a model whose failing call can abort the process
+    (``ModelFile.dry_run_in_child``: an AOTInductor package) is built and dry-run in a child
+    process first (:func:`service.dry_run_child.dry_run_in_child`); others: nothing.
+
+    Raises:
+        ConfigError: the child refused the version, or crashed.
+    """
+    model = artifacts.model
+    if model is None or not model.dry_run_in_child:
+        return
+    dry_run_in_child(
+        name,
+        src,
+        model.path.name,
+        default_device=default_device,
+        threads=torch.get_num_threads(),
+        max_operator_bytes=max_operator_bytes,
+        max_batch_bytes=max_batch_bytes,
+        patch=patch,
+    )
+
+
+def to_device(
+    name: str, cfg: ModelConfig, artifacts: Artifacts, device: str, source: str
+) -> Pipeline:
+    """Stage 3, device: the pipeline of the version's kind, built on ``device``.
+
+    Raises:
+        ConfigError: the model or the corpus cannot be prepared on the device.
+    """
+    kind = IndexPipeline if cfg.index is not None else Pipeline
+    return kind(name, cfg, artifacts, device, source=source)
+
+
+def dry_run(pipe: Pipeline, artifacts: Artifacts, *, again: bool) -> None:
+    """Stage 4, dry run: :func:`service.model_check.dry_run` (``again``: the full batch a
+    second time, ``--warmup``), its outputs' item shapes kept on the pipeline; then the
+    pipeline's own last step (an index's whole corpus to the device).
+
+    Raises:
+        ConfigError: the model raised (its message), or an output does not match.
+    """
+    file = artifacts.model.path.name if artifacts.model is not None else "the operator"
+    pipe.output_shapes = model_check.dry_run(
+        pipe, artifacts.warmup, file, artifacts.folder, again=again
+    )
+    pipe.after_dry_run()
+
+
+# --- check-repo -------------------------------------------------------------------------------
 
 
 def check_model(
@@ -139,3 +263,57 @@ def check_repository(
         return [f"{root}: no model folders"]
     limits = {"max_operator_bytes": max_operator_bytes, "max_batch_bytes": max_batch_bytes}
     return [p for n in names for p in check_model(root, n, device=device, **limits)]
+
+
+# --- the dry-run child (``python -m service.builder``, see service.dry_run_child) -------------
+
+
+def _exit_when_orphaned(stdin: IO[bytes]) -> None:
+    """The lifeline: the parent holds the child's stdin open until it has the answer."""
+    stdin.read()
+    os._exit(3)
+
+
+def child_main() -> None:
+    """The dry-run child: read the request (one JSON line on stdin, written by
+    :func:`service.dry_run_child.dry_run_in_child`), build through :func:`build_version`
+    exactly as the parent would, write the answer (one JSON object on stdout), exit at once."""
+    request = json.loads(sys.stdin.buffer.readline())
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever a library prints goes to stderr, not into the answer
+    threading.Thread(target=_exit_when_orphaned, args=(sys.stdin.buffer,), daemon=True).start()
+    torch.set_num_threads(int(request["threads"]))
+    src = VersionSource(
+        request["name"],
+        request["version"],
+        Path(request["folder"]),
+        Path(request["model_folder"]),
+        request["source"],
+    )
+    problems: list[str] | None = []
+    try:
+        build_version(
+            request["name"],
+            src,
+            default_device=request["default_device"],
+            max_operator_bytes=request["max_operator_bytes"],
+            max_batch_bytes=request["max_batch_bytes"],
+            patch=request["patch"],
+            warmup=False,
+            isolate=False,
+        )
+    except ConfigError as exc:
+        problems = exc.problems
+        if exc.__cause__ is not None:
+            logging.basicConfig()
+            log.error("%s", "; ".join(problems), exc_info=exc.__cause__)
+    except Exception:  # an error of ours: the caller meets it in its own build and logs it
+        problems = None
+    answer.write(json.dumps({"problems": problems}))
+    answer.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: the answer is out, nothing else is needed
+
+
+if __name__ == "__main__":
+    child_main()

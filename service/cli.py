@@ -161,12 +161,10 @@ def serve(settings: Settings) -> int:
     from service.devices import set_torch_threads
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
-    from service.rest.app import create_app
-    from service.rest.server import Server, run_server, uvicorn_config
+    from service.server import BitServer
     from service.tracing import Tracing
 
-    app = create_app(settings, grpc=True, tracing=Tracing.from_environ(os.environ))
-    return run_server(Server(uvicorn_config(settings, app, log_config)))
+    return BitServer(settings, tracing=Tracing.from_environ(os.environ)).run(log_config)
 
 
 def _limit(name: str, flag: str | None) -> int:

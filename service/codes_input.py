@@ -12,51 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from service.config import InputConfig, ModelConfig
-    from service.layout import VersionSource
-
-_FLOAT_DATATYPES = ("FP16", "BF16", "FP32", "FP64")
-
-
-def check_codes_fields(spec: InputConfig) -> None:
-    """The ``packing = "codes"`` keys of one input, together (pydantic's after-validator).
-
-    Raises:
-        ValueError: naming the key; pydantic prefixes the input's location.
-    """
-    codes_keys = ("code_bits", "code_values", "missing", "missing_file", "ids_sha256")
-    if spec.packing != "codes":
-        given = [k for k in codes_keys if getattr(spec, k) is not None]
-        if given:
-            raise ValueError(f'{", ".join(given)} only apply to packing = "codes"')
-        return
-    if spec.datatype not in _FLOAT_DATATYPES:
-        raise ValueError(
-            f'packing = "codes" needs a floating-point datatype ({", ".join(_FLOAT_DATATYPES)}), '
-            f"not {spec.datatype!r}"
-        )
-    if spec.code_bits is None:
-        raise ValueError('packing = "codes" needs code_bits (1, 2 or 4)')
-    n = 1 << spec.code_bits
-    if spec.code_values is None or len(spec.code_values) != n:
-        got = "none" if spec.code_values is None else f"{len(spec.code_values)}"
-        raise ValueError(
-            f"code_values needs {n} values for code_bits = {spec.code_bits} (one per code, "
-            f"nan for missing); got {got}"
-        )
-    if any(math.isinf(v) for v in spec.code_values):
-        raise ValueError("code_values must be finite or nan")
-    if isinstance(spec.missing, str) != (spec.missing_file is not None):
-        raise ValueError(
-            "missing names a tensor of missing_file: give both (or missing as a number)"
-        )
-    if isinstance(spec.missing, float) and not math.isfinite(spec.missing):
-        raise ValueError("missing must be a finite number")
+from service.config import ConfigError, InputConfig, ModelConfig
+from service.layout import VersionSource
+from service.text import safe_text
 
 
 @dataclass(frozen=True)
@@ -98,9 +60,6 @@ def read_code_tables(src: VersionSource, cfg: ModelConfig) -> dict[int, CodeTabl
         ConfigError: naming ``inputs[i].missing_file`` and what is wrong with the tensor.
     """
     from safetensors import safe_open
-
-    from service.config import ConfigError
-    from service.text import safe_text
 
     out: dict[int, CodeTable] = {}
     problems: list[str] = []

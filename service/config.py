@@ -1,6 +1,8 @@
 """A model version's ``config.toml``: its keys as pydantic models, read and validated.
 
-Where the files are (the repository's layout, a version's folder) is :mod:`service.layout`;
+Its ``[[inputs]]`` and ``[[outputs]]`` sections are :mod:`service.config_tensors`; its error
+type is :mod:`service.config_errors` (both re-exported here). Where the files are (the
+repository's layout, a version's folder) is :mod:`service.layout`;
 reading and checking the files a config names (the operator's tensors, the model program) is
 :mod:`service.model_files`.
 
@@ -10,17 +12,12 @@ Every problem is reported as ``<file>: <key>: <message>``, e.g.
 
 from __future__ import annotations
 
-import math
 import tomllib
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -28,288 +25,62 @@ from pydantic import (
     model_validator,
 )
 
+from service.config_errors import CONFIG_FILE, ConfigError, library_error
+from service.config_operator import COMPUTE_DTYPES, OperatorConfig, named_responses
+from service.config_tensors import (
+    CODES_DTYPE_NAMES,
+    UNPACK_DTYPE_NAMES,
+    HandedDtype,
+    InputConfig,
+    OutputConfig,
+    Strict,
+    relative_file,
+)
 from service.devices import parse_device
 from service.priority import MAX_PRIORITY_LEVELS, LevelPolicy, check_levels
-from service.protocol.types import MODEL_INPUT_DATATYPES, MODEL_OUTPUT_DATATYPES, REGISTRY
-from service.text import clean_reason, safe_text
+from service.text import safe_text
+
+__all__ = [
+    "CODES_DTYPE_NAMES",
+    "COMPUTE_DTYPES",
+    "CONFIG_FILE",
+    "DEFAULT_MAX_BATCH_BYTES",
+    "DEFAULT_MAX_OPERATOR_BYTES",
+    "MAX_CONFIG_BYTES",
+    "MAX_K",
+    "SCORE_OUTPUTS",
+    "UNPACK_DTYPE_NAMES",
+    "ConfigError",
+    "HandedDtype",
+    "IndexConfig",
+    "InputConfig",
+    "ModelConfig",
+    "ModelFileConfig",
+    "OperatorConfig",
+    "OutputConfig",
+    "ResponseCacheConfig",
+    "ScoreConfig",
+    "library_error",
+    "load_config",
+    "named_responses",
+    "parse_config",
+    "patched",
+]
 
 
-def library_error(
-    where: str, what: str, exc: BaseException, folder: Path | None = None, shown: str = ""
-) -> ConfigError:
-    """A load problem a library raised, with the library's own message, cleaned for a client.
-
-    The message (``where: what: ExceptionClass: text``) is the same for ``/load``, the
-    repository index and ``bitserve check-repo``: the exception's first paragraph, without
-    its traceback, each line's whitespace folded, cut to 300 characters; the model folder's
-    absolute path is shown as ``shown`` (the folder as the repository names it) and any
-    other absolute path as ``<server path>``. Raise it ``from exc`` so the server log keeps
-    the traceback.
-    """
-    return ConfigError([f"{where}: {what}: {clean_reason(exc, folder, shown)}"])
-
-
-CONFIG_FILE = "config.toml"
 DEFAULT_MAX_OPERATOR_BYTES = 1 << 30
 """Default of the ``max_operator_bytes`` setting (and ``check-repo --max-operator-bytes``)."""
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
 """Default of the ``max_batch_bytes`` setting (and ``check-repo --max-batch-bytes``)."""
 
 
-def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str]:
-    """A check that a value is one of ``allowed`` (a view of the datatype registry)."""
-
-    def check(value: str) -> str:
-        if value not in allowed:
-            raise ValueError(f"Input should be one of {', '.join(allowed)}")
-        return value
-
-    return check
-
-
-InputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_INPUT_DATATYPES))]
-OutputDatatype = Annotated[str, AfterValidator(_one_of(MODEL_OUTPUT_DATATYPES))]
-COMPUTE_DTYPES = ("float32", "float16", "bfloat16", "float64")
-"""The operator's compute dtypes (``[operator] dtype``), by torch's names: the one list
-(``service.pipeline`` makes them torch dtypes)."""
-ComputeDtype = Annotated[str, AfterValidator(_one_of(COMPUTE_DTYPES))]
-
-
-def named_responses() -> dict[str, tuple[str, bool, bool]]:
-    """The named responses ``gpu_ops.responses.NAMED`` defines (the one list): each one's
-    width parameter, whether it takes a ``support`` (in units of the width given) and whether
-    it also takes ``sigma`` (its standard deviation).
-
-    gpu_ops is imported here, not with this module: the ``--workers`` supervisor reads
-    settings without torch, and only code that reads a model's config gets here.
-    """
-    from gpu_ops.responses import NAMED
-
-    return {
-        name: (r.param, r.default_support is not None, r.sigma_ratio is not None)
-        for name, r in NAMED.items()
-    }
-
-
-def _response(value: str) -> str:
-    allowed = [*named_responses(), "tabulated"]
-    if value not in allowed:
-        raise ValueError(f"Input should be one of {', '.join(allowed)}")
-    return value
-
-
-Response = Annotated[str, AfterValidator(_response)]
-"""A named response of ``gpu_ops.responses`` or ``"tabulated"``."""
 MODEL_SUFFIXES = (".pt2", ".pt", ".ts", ".onnx")
 """The model file suffixes a format is known by (``service.backends.SUFFIXES``)."""
 ModelFormat = Literal["torch_export", "aoti", "torchscript", "onnx"]
 """The model formats (``service.backends.FORMATS``), as ``[model] format`` names them."""
-# The dtypes bits unpack straight into (gpu_ops.UNPACK_DTYPES), by name.
-UNPACK_DTYPE_NAMES = ("uint8", "bool", "float16", "bfloat16", "float32", "float64")
-# The dtypes codes decode straight into (gpu_ops.codes.DECODE_DTYPES), by name.
-CODES_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-HandedDtype = Literal[
-    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
-]
 
 
-class ConfigError(Exception):
-    """A model configuration is invalid; ``problems`` holds one line per problem, each
-    naming the file and key, as clients and ``bitserve check-repo`` see it."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-    @classmethod
-    def join(cls, errors: Sequence[ConfigError]) -> ConfigError:
-        """One error with every problem of ``errors`` (the first cause kept for the log)."""
-        out = cls([p for e in errors for p in e.problems])
-        out.__cause__ = next((e.__cause__ for e in errors if e.__cause__ is not None), None)
-        return out
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _relative_file(value: str) -> str:
-    p = Path(value)
-    if not value or p.is_absolute() or ".." in p.parts or "\\" in value or "\x00" in value:
-        raise ValueError("must be a file name relative to the config's folder, without '..'")
-    return value
-
-
-class InputConfig(_Strict):
-    """One input tensor, described by its logical shape (without the batch dimension)."""
-
-    name: str = Field(min_length=1, max_length=128)
-    """Tensor name clients use."""
-    datatype: InputDatatype
-    """Logical V2 datatype; ``"BOOL"`` with ``packing = "bits"`` for bit-packed features."""
-    shape: list[int] = Field(min_length=1, max_length=8)
-    """Logical shape of one item, without the batch dimension, e.g. ``[20, 50000]``."""
-    packing: Literal["none", "bits", "codes"] = "none"
-    """``"bits"``: on the wire UINT8 packed along the last axis (BOOL logical also accepted);
-    ``"codes"``: UINT8 of ``code_bits``-bit codes packed along the last axis, decoded through
-    ``code_values`` into a float datatype (see :mod:`service.codes_input`)."""
-    code_bits: Literal[1, 2, 4] | None = None
-    """``packing = "codes"``: bits per code (a byte holds 8, 4 or 2 codes)."""
-    code_values: list[float] | None = None
-    """``packing = "codes"``: the value of each code, ``2**code_bits`` of them; ``nan`` marks
-    the missing code(s), e.g. ``[2.0, nan, 1.0, 0.0]`` for PLINK's dosage of a .bed's first
-    allele."""
-    missing: float | str | None = None
-    """``packing = "codes"``: what a missing code becomes: a number, or the name of a tensor
-    of one value per feature (the logical last axis) in ``missing_file``; default NaN."""
-    missing_file: str | None = None
-    """safetensors file holding the ``missing`` tensor."""
-    ids_sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
-    """The SHA-256 of the features' ids in order (a genotype model: its variants, see
-    ``bitserve genotypes``), advertised in the metadata so that clients can check that
-    their data's features are the model's."""
-    bitorder: Literal["big", "little"] = "big"
-    """Bit order of the packed bytes (NumPy's ``bitorder``); a request's input
-    ``parameters.bitorder`` overrides it for that request."""
-    dtype: HandedDtype | None = None
-    """The torch dtype the model is handed this input in, for formats whose file does not
-    say (TorchScript); where it does (torch.export, AOTInductor, ONNX) it must agree. Default:
-    the file's, else the datatype's own (``bool`` for BOOL). A BOOL input may be handed in any
-    numeric dtype (bit-packed: uint8, bool, float16, bfloat16, float32, float64, unpacked
-    straight into it); another input only in its own datatype's."""
-
-    @field_validator("shape")
-    @classmethod
-    def _positive(cls, shape: list[int]) -> list[int]:
-        for i, d in enumerate(shape):
-            if d < 1:
-                raise ValueError(f"dimension {i} is {d}; every dimension must be >= 1")
-        if math.prod(shape) > 2**31:
-            raise ValueError(f"{shape} has more than 2**31 elements per item")
-        return shape
-
-    @field_validator("missing_file")
-    @classmethod
-    def _missing_file(cls, value: str | None) -> str | None:
-        return None if value is None else _relative_file(value)
-
-    @model_validator(mode="after")
-    def _packing_needs_bool(self) -> InputConfig:
-        from service.codes_input import check_codes_fields
-
-        check_codes_fields(self)
-        if self.packing == "bits" and self.datatype != "BOOL":
-            raise ValueError(f'packing = "bits" needs datatype = "BOOL", not {self.datatype!r}')
-        if self.dtype is not None and self.dtype not in self.handed_dtypes:
-            raise ValueError(
-                f"dtype {self.dtype!r} is not one {self.datatype}"
-                f"{' bits' if self.packing == 'bits' else ''} can be handed in "
-                f"(one of {', '.join(self.handed_dtypes)})"
-            )
-        return self
-
-    @property
-    def handed_dtypes(self) -> tuple[str, ...]:
-        """The torch dtypes (by name) this input may be handed to a model in."""
-        if self.packing == "bits":
-            return UNPACK_DTYPE_NAMES
-        if self.packing == "codes":
-            return CODES_DTYPE_NAMES
-        if self.datatype == "BOOL":
-            return typing.get_args(HandedDtype)
-        own = REGISTRY[self.datatype].torch
-        return (own,) if own is not None else ()
-
-    @property
-    def packed_shape(self) -> list[int]:
-        """The wire shape of one packed item: the last axis becomes ``ceil(L / 8)`` bytes
-        (codes: ``ceil(L * code_bits / 8)``)."""
-        bits = self.code_bits if self.packing == "codes" and self.code_bits else 1
-        return [*self.shape[:-1], (self.shape[-1] * bits + 7) // 8]
-
-
-_WIDTHS = ("sigma", "gamma", "half_width", "tau")
-"""The width fields of ``[operator]`` (every named response's parameter has one)."""
-
-
-class OperatorConfig(_Strict):
-    """The banded response operator applied to one (unpacked) input."""
-
-    input: str | None = None
-    """The input it applies to (default: the first); the other inputs reach the model as
-    they are."""
-    file: str
-    """safetensors file with ``x`` (B,), ``c`` (N, A) and, if tabulated, ``response_x``/``_y``."""
-    response: Response
-    """A named shape (its width parameter below) or ``"tabulated"`` (``response_x``/``_y``)."""
-    sigma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """The response's standard deviation (every response but the lorentzian), in x's units."""
-    gamma: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Lorentzian ``1/(1 + (d/gamma)²)`` half-width, in the units of ``x``."""
-    half_width: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Boxcar / triangle / epanechnikov half-width, in the units of ``x``."""
-    tau: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Laplacian / exponential / alpha time constant, in the units of ``x``."""
-    support: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Cut-off in units of the width given (gaussian 4, lorentzian 10, others 5 sigma)."""
-    normalize: bool = False
-    """Unit area in x's units (x in seconds: rates in Hz); default unit peak."""
-    center: Literal["median", "peak", "none"] | None = None
-    """Where a causal response (exponential, alpha) or a table is centred: on its median
-    (Elephant's default), its peak, or not at all (strictly causal; a table as given).
-    Default: a named response on its median, a table as given."""
-    border: Literal["none", "correct"] = "none"
-    """``"correct"``: divide by the response's mass inside the recording (Elephant's
-    border_correction)."""
-    scale: float = Field(default=1.0, allow_inf_nan=False)
-    """A constant factor on the output."""
-    on_the_fly: bool = False
-    """Evaluate the response (named or tabulated) inside the kernels instead of storing the
-    band: O(N A) memory whatever the width (wide kernels), at some compute per call."""
-    dtype: ComputeDtype = "float32"
-    """Compute dtype: bits are unpacked straight into it and the operator runs in it."""
-
-    @field_validator("file")
-    @classmethod
-    def _file(cls, value: str) -> str:
-        return _relative_file(value)
-
-    @model_validator(mode="after")
-    def _parameters(self) -> OperatorConfig:
-        given = {k for k in (*_WIDTHS, "support") if getattr(self, k)}
-        if self.scale == 0:
-            raise ValueError("scale must be non-zero")
-        if self.response == "tabulated":
-            allowed: set[str] = set()
-        else:
-            param, has_support, has_sigma = named_responses()[self.response]
-            widths = {param, "sigma"} if has_sigma else {param}
-            allowed = widths | {"support"} if has_support else widths
-        extra = sorted(given - allowed)
-        if extra:
-            raise ValueError(f"response = {self.response!r} takes no {', '.join(extra)}")
-        if self.response != "tabulated" and len(given & widths) != 1:
-            names = " or ".join(sorted(widths))
-            raise ValueError(f"response = {self.response!r} needs exactly one of {names}")
-        return self
-
-    @property
-    def parameters(self) -> dict[str, float]:
-        """The named response's width parameter as given, e.g. ``{"sigma": 125.0}``."""
-        if self.response == "tabulated":
-            return {}
-        return {k: float(getattr(self, k)) for k in _WIDTHS if getattr(self, k) is not None}
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The keywords of ``from_response`` for the shape options (normalize, center, ...)."""
-        return {
-            "normalize": self.normalize, "center": self.center, "border": self.border,
-            "scale": self.scale,
-        }  # fmt: skip
-
-
-class ModelFileConfig(_Strict):
+class ModelFileConfig(Strict):
     """An optional model, given the inputs (the operator's one as its (batch, N, A) output)."""
 
     format: ModelFormat | None = None
@@ -322,7 +93,7 @@ class ModelFileConfig(_Strict):
     @field_validator("file")
     @classmethod
     def _suffix(cls, value: str, info: ValidationInfo) -> str:
-        _relative_file(value)
+        relative_file(value)
         if info.data.get("format") is None and Path(value).suffix not in MODEL_SUFFIXES:
             raise ValueError(
                 f"must end in one of {', '.join(MODEL_SUFFIXES)}, or [model] format must say "
@@ -337,7 +108,7 @@ MAX_K = 1 << 20
 """The largest ``max_k`` a config may declare (the answer is ``[batch, k]`` per output)."""
 
 
-class IndexConfig(_Strict):
+class IndexConfig(Strict):
     """A packed corpus searched by popcount (``[index]``): the model's one bit-packed input
     is the query, its two outputs the ids and scores of the nearest rows."""
 
@@ -355,7 +126,7 @@ class IndexConfig(_Strict):
     @field_validator("file")
     @classmethod
     def _file(cls, value: str) -> str:
-        _relative_file(value)
+        relative_file(value)
         if Path(value).suffix not in INDEX_SUFFIXES:
             raise ValueError(f"must end in one of {', '.join(INDEX_SUFFIXES)}")
         return value
@@ -367,16 +138,7 @@ class IndexConfig(_Strict):
         return self
 
 
-class OutputConfig(_Strict):
-    """One output tensor; its shape is found at load time when not given."""
-
-    name: str = Field(min_length=1, max_length=128)
-    datatype: OutputDatatype
-    shape: list[int] | None = None
-    """Shape of one item without the batch dimension; checked by the dry run at load."""
-
-
-class ResponseCacheConfig(_Strict):
+class ResponseCacheConfig(Strict):
     """``[response_cache]``: whether this model's answers are kept in the server's response
     cache (``--cache-config``), as Triton's ``response_cache { enable: true }``."""
 
@@ -386,7 +148,7 @@ class ResponseCacheConfig(_Strict):
     answered from the cache, without running the model."""
 
 
-class ScoreConfig(_Strict):
+class ScoreConfig(Strict):
     """A genotype score model (``bitserve genotypes score-model`` writes it): weighted sums of
     allele dosages of the one ``packing = "codes"`` input, without a model program; outputs
     ``ALLELE_CT``, ``NAMED_ALLELE_DOSAGE_SUM``, ``SCORE_AVG`` and ``SCORE_SUM`` as plink2's
@@ -402,10 +164,31 @@ class ScoreConfig(_Strict):
     @field_validator("file")
     @classmethod
     def _file(cls, value: str) -> str:
-        return _relative_file(value)
+        return relative_file(value)
 
 
-class ModelConfig(_Strict):
+SCORE_OUTPUTS = ("ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM", "SCORE_AVG", "SCORE_SUM")
+"""The outputs of a ``[score]`` model, in this order, each FP64 (:mod:`service.score_model`)."""
+
+
+def _check_score_config(cfg: ModelConfig) -> None:
+    """A ``[score]`` config's shape: one codes input, no operator or model, the four outputs.
+
+    Raises:
+        ValueError: what does not fit (pydantic names the config).
+    """
+    if cfg.operator is not None or cfg.model is not None:
+        raise ValueError("[score] takes no [operator] or [model]")
+    if len(cfg.inputs) != 1 or cfg.inputs[0].packing != "codes" or len(cfg.inputs[0].shape) != 1:
+        raise ValueError('[score] needs exactly one input, packing = "codes", shape [L]')
+    got = [(o.name, o.datatype) for o in cfg.outputs]
+    want = [(n, "FP64") for n in SCORE_OUTPUTS]
+    if got != want:
+        shown = ", ".join(f"{n} FP64" for n in SCORE_OUTPUTS)
+        raise ValueError(f"[score] has the outputs {shown}, in this order")
+
+
+class ModelConfig(Strict):
     """A model's ``config.toml``."""
 
     max_batch_size: int = Field(default=0, ge=0, le=65536)
@@ -453,7 +236,7 @@ class ModelConfig(_Strict):
     @field_validator("warmup_file")
     @classmethod
     def _warmup_file(cls, value: str | None) -> str | None:
-        return None if value is None else _relative_file(value)
+        return None if value is None else relative_file(value)
 
     @field_validator("device")
     @classmethod
@@ -468,9 +251,7 @@ class ModelConfig(_Strict):
             self._check_index(self.index)
             return self
         if self.score is not None:
-            from service.score_model import check_score_config
-
-            check_score_config(self)
+            _check_score_config(self)
         elif self.operator is None and self.model is None:
             raise ValueError("needs an [operator], a [model], both, or an [index]")
         names = [t.name for t in self.inputs] + [t.name for t in self.outputs]

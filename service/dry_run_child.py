@@ -6,8 +6,10 @@ cannot leave the region: the runtime calls ``std::terminate`` and the whole proc
 the server with every model it serves, or ``bitserve check-repo`` before it prints a line.
 A format whose calls can do that says so (:attr:`service.backends.ModelFile.
 dry_run_in_child`), and :func:`service.builder.build_version` then builds the version and
-dry-runs it once in a fresh child process (``python -m service.dry_run_child``) before it
-builds it in its own. A crash there is a refusal like any other::
+dry-runs it once in a fresh child process (``python -m service.builder``: the child's entry
+point, :func:`service.builder.child_main`, sits beside ``build_version``) before it builds it
+in its own. This module is the parent's side: it starts the child and reads its answer. A
+crash there is a refusal like any other::
 
     repo/m/config.toml: model.file: model.pt2: the compiled model crashed during the dry run
     (SIGABRT; it threw c10::Error: index out of bounds: 0 <= tmp14 < 10L)
@@ -35,10 +37,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from service.config import ConfigError
 from service.layout import VersionSource
@@ -123,7 +124,7 @@ def _run_child(request: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.dry_run_child"],
+            [sys.executable, "-m", "service.builder"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -153,59 +154,3 @@ def _run_child(request: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str
     except ValueError:
         answer = None
     return code, answer if isinstance(answer, dict) else None, stderr
-
-
-# --- the child --------------------------------------------------------------------------------
-
-
-def _exit_when_orphaned(stdin: IO[bytes]) -> None:
-    """The lifeline: the parent holds the child's stdin open until it has the answer."""
-    stdin.read()
-    os._exit(3)
-
-
-def main() -> None:
-    """The child: read the request, build and dry-run, write the answer, exit at once."""
-    request = json.loads(sys.stdin.buffer.readline())
-    answer = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # whatever a library prints goes to stderr, not into the answer
-    threading.Thread(target=_exit_when_orphaned, args=(sys.stdin.buffer,), daemon=True).start()
-    import torch
-
-    from service.builder import build_version
-
-    torch.set_num_threads(int(request["threads"]))
-    src = VersionSource(
-        request["name"],
-        request["version"],
-        Path(request["folder"]),
-        Path(request["model_folder"]),
-        request["source"],
-    )
-    problems: list[str] | None = []
-    try:
-        build_version(
-            request["name"],
-            src,
-            default_device=request["default_device"],
-            max_operator_bytes=request["max_operator_bytes"],
-            max_batch_bytes=request["max_batch_bytes"],
-            patch=request["patch"],
-            warmup=False,
-            isolate=False,
-        )
-    except ConfigError as exc:
-        problems = exc.problems
-        if exc.__cause__ is not None:
-            logging.basicConfig()
-            log.error("%s", "; ".join(problems), exc_info=exc.__cause__)
-    except Exception:  # an error of ours: the caller meets it in its own build and logs it
-        problems = None
-    answer.write(json.dumps({"problems": problems}))
-    answer.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown: the answer is out, nothing else is needed
-
-
-if __name__ == "__main__":
-    main()

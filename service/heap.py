@@ -13,7 +13,7 @@ included) are freed, not kept frozen. That collection costs the same pause, once
 where a model load already takes seconds; requests then see young-generation collections
 only (well under a millisecond).
 
-The server process does this (``service.rest.server.Server``: after its start-up, and after
+The server process does this (``service.server.BitServer.run``: after its start-up, and after
 each load or unload through ``ControlPlane.models_changed``); an application built in a test
 or a tool leaves its host process's collector as it is.
 """

@@ -26,8 +26,6 @@ import torch
 
 from service.config import IndexConfig, ModelConfig
 from service.corpus import STORE, CorpusFile, ResidentCorpus, load_error, padding_mask
-from service.dtypes import torch_dtype
-from service.model_check import dry_run
 from service.model_files import Artifacts
 from service.pipeline import Pipeline
 from service.signature import Bound
@@ -56,11 +54,10 @@ class IndexPipeline(Pipeline):
         cfg: its configuration (``cfg.index`` set).
         artifacts: its files (``artifacts.corpus``: the opened corpus file).
         device: ``"cpu"`` or ``"cuda:N"``.
-        warmup: run the full batch a second time at load.
         source: the config's path for messages.
 
     Raises:
-        ConfigError: the corpus cannot be prepared on the device, or the dry run failed.
+        ConfigError: the corpus cannot be prepared on the device.
     """
 
     def __init__(
@@ -70,33 +67,16 @@ class IndexPipeline(Pipeline):
         artifacts: Artifacts,
         device: str,
         *,
-        warmup: bool = True,
         source: str = "config.toml",
     ) -> None:
-        from gpu_ops.transfer import StagingPool
-
         assert cfg.index is not None
         assert artifacts.corpus is not None
+        self._init_state(name, cfg, device, source)
         self.index: IndexConfig = cfg.index
-        self.name = name
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.stats = None
-        self.last_phases_ns = None
-        self._events = []
-        self.source = source
-        self.inputs = list(cfg.inputs)
-        self.capacity = max(cfg.max_batch_size, 1)
-        self.batched = cfg.max_batch_size > 0
         self.operator_input = None
         self.compute_dtype = torch.uint8
         self._dtypes = [torch.uint8]
         self._codes = {}  # no packing = "codes" input: queries stay packed bits
-        self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
-        self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
-        self._out_names = [o.name for o in cfg.outputs]
-        self._packed = None
-        self._bit_reversal = None
         self.operator = None
         self.model = None
         self._ids_at, self._scores_at = cfg.index_outputs
@@ -124,14 +104,21 @@ class IndexPipeline(Pipeline):
                 )
         except Exception as exc:  # the device's own error (out of memory, no such device)
             raise load_error(source, exc, folder) from exc
-        self.output_shapes = dry_run(self, artifacts, again=warmup)
+        self._file = file
+        self._folder = folder
+        self.device_memory_bytes = self._buffers[0].numel()
+        """The query buffer's bytes; the corpus's are added once it is resident."""
+
+    def after_dry_run(self) -> None:
+        """The dry run (on a few rows) has passed: the whole corpus goes to the device."""
+        file = self._file
         try:
             with torch.inference_mode(), self._device_context():
                 self._search = STORE.get(
                     file, self.device, lambda: ResidentCorpus(file, self.device)
                 )
         except Exception as exc:
-            raise load_error(source, exc, folder) from exc
+            raise load_error(self.source, exc, self._folder) from exc
         self.resident: ResidentCorpus = self._search
         self.device_memory_bytes = self._buffers[0].numel() + self.resident.nbytes
 

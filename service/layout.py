@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.config import CONFIG_FILE, ConfigError, library_error
+from service.config_errors import CONFIG_FILE, ConfigError, library_error
 from service.text import safe_text
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.builder import build_version
+from service.builder import build_pipeline, build_version
 from service.config import ConfigError, ModelConfig, load_config
 from service.config_override import ConfigOverride
 from service.layout import VersionSource
@@ -67,8 +67,8 @@ class VersionBuilder:
             check_buffers(cfg, source, self.max_batch_bytes)
             check_operator(cfg, tensors, source, max_operator_bytes=self.max_operator_bytes)
             device = resolve_device(cfg.device, self.default_device, source="<built-in demo>")
-            pipe = Pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
-                            source=source)  # fmt: skip
+            pipe = build_pipeline(name, cfg, Artifacts(tensors), device, warmup=self.warmup,
+                                  source=source)  # fmt: skip
             check_override_io(override, source, name, cfg, pipe)
             return {"1": (cfg, pipe)}
         out: Built = {}

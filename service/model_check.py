@@ -1,11 +1,9 @@
-"""What a model is handed, checked against what its file says, and the dry run at load.
+"""A model's file checked against its config on the host, and the dry run on its device: two
+stages of :func:`service.builder.build_version`.
 
-One set of rules for every format (``service.backends``):
+One set of rules for every format (``service.backends``), after the dtype rule
+(:func:`service.signature.handed_dtypes`):
 
-- **The dtype rule.** Each input reaches the model in the dtype its file's signature asks
-  for (torch.export, AOTInductor, ONNX), else in ``[[inputs]] dtype``, else in its own
-  datatype's (``bool`` for BOOL). Bits unpack straight into it. The operator's input
-  reaches the model as the operator's output, in ``[operator] dtype``.
 - **The signature check** (:func:`check_signature`, on the host): the config's inputs
   against the file's, by position: their number, each dtype, each rank and every dim
   (static sizes, the batch dimension's range against ``1..max_batch_size``), and an input
@@ -23,53 +21,35 @@ BOOL [batch <= 16, 1024] (bit-packed)``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from service.backends import Dim, ModelFile, TensorSpec
-from service.config import ConfigError, ModelConfig, library_error
-from service.dtypes import COMPUTE_DTYPES, torch_dtype
-from service.layout import VersionSource
+from service.config import ConfigError, InputConfig, ModelConfig, library_error
 from service.protocol.types import DATATYPES
-from service.signature import Bound, WireInput
+from service.signature import Bound, WireInput, allowed_dtypes, handed_dtypes
 from service.text import safe_text
 
-if TYPE_CHECKING:
-    from service.model_files import Artifacts
-    from service.pipeline import Pipeline
+
+class Runnable(Protocol):
+    """What the dry run needs of a pipeline (``service.pipeline.Pipeline`` and its kinds)."""
+
+    cfg: ModelConfig
+    inputs: list[InputConfig]
+    capacity: int
+    batched: bool
+    source: str
+
+    def run(
+        self, requests: Sequence[Bound], *, check: bool = False
+    ) -> list[list[np.ndarray[Any, Any]]]: ...
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _file_inputs(model: ModelFile | None) -> tuple[TensorSpec, ...] | None:
-    return None if model is None else model.signature().inputs
-
-
-def handed_dtypes(cfg: ModelConfig, model: ModelFile | None) -> list[torch.dtype]:
-    """The dtype each input is handed to the model in (the dtype rule, module docstring);
-    the operator's input: the operator's dtype."""
-    specs = _file_inputs(model)
-    out = []
-    for i, spec in enumerate(cfg.inputs):
-        if cfg.operator is not None and i == cfg.operator_input:
-            out.append(COMPUTE_DTYPES[cfg.operator.dtype])
-            continue
-        file_dtype = specs[i].dtype if specs is not None and i < len(specs) else None
-        if file_dtype is not None and file_dtype in _allowed(spec.handed_dtypes):
-            out.append(file_dtype)
-        elif spec.dtype is not None:
-            out.append(getattr(torch, spec.dtype))
-        else:
-            out.append(torch_dtype(spec.datatype))
-    return out
-
-
-def _allowed(names: Sequence[str]) -> set[torch.dtype]:
-    return {getattr(torch, n) for n in names}
 
 
 def _given(cfg: ModelConfig, i: int, operator_shape: Sequence[int] | None) -> str:
@@ -128,7 +108,7 @@ def check_signature(
         if why == "" and spec.dtype is not None and spec.dtype != dtype:
             if is_op:
                 why = f'set [operator] dtype = "{_name(spec.dtype)}"'
-            elif spec.dtype not in _allowed(inp.handed_dtypes):
+            elif spec.dtype not in allowed_dtypes(inp.handed_dtypes):
                 why = f"{_given(cfg, i, None).split(' [')[0]} is handed in " + ", ".join(
                     inp.handed_dtypes
                 )
@@ -177,43 +157,7 @@ def _misfit(spec: TensorSpec, dtype: torch.dtype, dims: Sequence[int], mbs: int)
 # --- the dry run ------------------------------------------------------------------------------
 
 
-def read_warmup(src: VersionSource, cfg: ModelConfig) -> dict[str, np.ndarray[Any, Any]] | None:
-    """The ``warmup_file`` sample, checked against the inputs (names, wire forms, items).
-
-    Raises:
-        ConfigError: naming ``warmup_file`` and what does not fit.
-    """
-    if cfg.warmup_file is None:
-        return None
-    from safetensors.numpy import load_file
-
-    where = f"{src.source}: warmup_file"
-    path = src.resolve(cfg.warmup_file, "warmup_file")
-    try:
-        sample = load_file(str(path))
-    except Exception as exc:  # safetensors raises several types for a corrupt file
-        raise library_error(where, "not a readable safetensors file", exc, src.folder) from exc
-    problems = []
-    for spec in cfg.inputs:
-        t = sample.get(spec.name)
-        forms = {spec.datatype: spec.shape}
-        if spec.packing == "bits":
-            forms = {"UINT8": spec.packed_shape, "BOOL": spec.shape}
-        elif spec.packing == "codes":
-            forms = {"UINT8": spec.packed_shape}
-        fits = t is not None and t.ndim >= 1 and t.shape[0] >= 1 and any(
-            t.dtype == DATATYPES[d] and list(t.shape[1:]) == s for d, s in forms.items()
-        )  # fmt: skip
-        if not fits:
-            got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
-            want = " or ".join(f"{d} [items, {', '.join(map(str, s))}]" for d, s in forms.items())
-            problems.append(f"{where}: input '{safe_text(spec.name)}' needs {want}; has {got}")
-    if problems:
-        raise ConfigError(problems)
-    return {spec.name: sample[spec.name] for spec in cfg.inputs}
-
-
-def _requests(pipe: Pipeline, m: int, sample: Mapping[str, np.ndarray[Any, Any]] | None) -> Bound:
+def _requests(pipe: Runnable, m: int, sample: Mapping[str, np.ndarray[Any, Any]] | None) -> Bound:
     """One request of ``m`` items: the sample's items cycled, or zeros in the packed form."""
     wires = []
     for spec in pipe.inputs:
@@ -229,12 +173,21 @@ def _requests(pipe: Pipeline, m: int, sample: Mapping[str, np.ndarray[Any, Any]]
     return Bound(tuple(wires), tuple(range(len(pipe.cfg.outputs))), m)
 
 
-def dry_run(pipe: Pipeline, artifacts: Artifacts, *, again: bool = False) -> list[list[int]]:
+def dry_run(
+    pipe: Runnable,
+    sample: Mapping[str, np.ndarray[Any, Any]] | None,
+    file: str,
+    folder: tuple[Path, str] | None,
+    *,
+    again: bool = False,
+) -> list[list[int]]:
     """Run a batch of 1 and one of ``max_batch_size`` through ``pipe`` and check its outputs.
 
     Args:
         pipe: the pipeline, built on its device.
-        artifacts: its files (the model's, for messages; the sample).
+        sample: the ``warmup_file`` sample (``Artifacts.warmup``); None: zeros.
+        file: the model file's name (or "the operator"), for messages.
+        folder: the model's folder and how messages show it (``Artifacts.folder``).
         again: run the full batch a second time (``--warmup``: kernels compiled, pools
             grown before the first request).
 
@@ -249,17 +202,16 @@ def dry_run(pipe: Pipeline, artifacts: Artifacts, *, again: bool = False) -> lis
     shapes: list[list[int]] | None = None
     for m in sizes if pipe.capacity > 1 else sizes[:1]:
         try:
-            out = pipe.run([_requests(pipe, m, artifacts.warmup)], check=True)[0]
+            out = pipe.run([_requests(pipe, m, sample)], check=True)[0]
         except ConfigError:
             raise
         except Exception as exc:  # the model's own error, for the client and check-repo
-            file = artifacts.model.path.name if artifacts.model is not None else "the operator"
-            folder, shown = artifacts.folder or (None, "")
+            where, shown = folder or (None, "")
             raise library_error(
                 f"{pipe.source}: model.file",
                 f"{safe_text(file)}: the dry run at batch {m} failed",
                 exc,
-                folder,
+                where,
                 shown,
             ) from exc
         got = [list(a.shape[1:]) if pipe.batched else list(a.shape) for a in out]

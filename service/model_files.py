@@ -4,12 +4,13 @@
 ``config.toml`` (refused when it is a symlink out of the model's folder), the files it names
 (inside the model), the operator's tensors (names, shapes, floating-point dtypes, finite
 values, a strictly increasing fine grid) and the size of the operator they would build
-(checked against ``max_operator_bytes`` without building it), the model file in its format
-(``service.backends``) and the config's inputs against its signature
-(:func:`service.model_check.check_signature`), then each input buffer's size in the dtype
-it is handed in. :func:`service.builder.build_version` adds the device (the pipeline and its
-dry run): ``bitserve serve`` and ``bitserve check-repo`` both build every version through it,
-so the two cannot disagree about a model. Nothing here touches a device.
+(checked against ``max_operator_bytes`` without building it), the ``warmup_file`` sample and
+the model file in its format (``service.backends``): the first stage of
+:func:`service.builder.build_version`, which then checks the files against each other on the
+host (the signature, each input buffer's size in the dtype it is handed in), builds the
+pipeline on its device and dry-runs it. ``bitserve serve`` and ``bitserve check-repo`` both
+build every version through it, so the two cannot disagree about a model. Nothing here
+touches a device.
 
 Every problem is reported as ``<file>: <key>: <problem>``; nothing here lets another
 exception out for a bad file, and nothing here prints.
@@ -28,11 +29,17 @@ import torch
 
 from service.backends import ModelFile, load_model_file
 from service.codes_input import CodeTable, read_code_tables
-from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig, load_config
+from service.config import (
+    DEFAULT_MAX_BATCH_BYTES,
+    ConfigError,
+    ModelConfig,
+    library_error,
+    load_config,
+)
 from service.corpus import CorpusFile, read_corpus
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.layout import VersionSource
-from service.model_check import check_signature, handed_dtypes, read_warmup
+from service.protocol.types import DATATYPES
 from service.score_model import read_score
 from service.text import safe_text
 
@@ -97,7 +104,8 @@ def load_version(
 
     Returns:
         Its configuration and its files: the operator's tensors (only those the config
-        uses, as stored) and the model program.
+        uses, as stored) and the model program (not yet checked against the config: the
+        builder's next stage).
 
     Raises:
         ConfigError: every problem found, each naming the file and the key.
@@ -149,14 +157,44 @@ def load_version(
     if cfg.model is not None and model_path is not None:
         where = f"{src.source}: model.file"
         model = _load_model(model_path, cfg, where, src)
-        operator_shape = None
-        if cfg.operator is not None:  # the operator's output: (N, A)
-            operator_shape = [cfg.inputs[cfg.operator_input or 0].shape[0], tensors["c"].shape[1]]
-        check_signature(cfg, model, where, operator_shape)
-        # The buffers again, now in the dtypes the model is handed its inputs in.
-        check_buffers(cfg, src.source, max_batch_bytes, handed_dtypes(cfg, model))
     folder = (src.folder, src.shown_folder)
     return cfg, Artifacts(tensors, model, warmup, folder, codes=codes, score=score)
+
+
+def read_warmup(src: VersionSource, cfg: ModelConfig) -> dict[str, np.ndarray[Any, Any]] | None:
+    """The ``warmup_file`` sample, checked against the inputs (names, wire forms, items).
+
+    Raises:
+        ConfigError: naming ``warmup_file`` and what does not fit.
+    """
+    if cfg.warmup_file is None:
+        return None
+    from safetensors.numpy import load_file
+
+    where = f"{src.source}: warmup_file"
+    path = src.resolve(cfg.warmup_file, "warmup_file")
+    try:
+        sample = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for a corrupt file
+        raise library_error(where, "not a readable safetensors file", exc, src.folder) from exc
+    problems = []
+    for spec in cfg.inputs:
+        t = sample.get(spec.name)
+        forms = {spec.datatype: spec.shape}
+        if spec.packing == "bits":
+            forms = {"UINT8": spec.packed_shape, "BOOL": spec.shape}
+        elif spec.packing == "codes":
+            forms = {"UINT8": spec.packed_shape}
+        fits = t is not None and t.ndim >= 1 and t.shape[0] >= 1 and any(
+            t.dtype == DATATYPES[d] and list(t.shape[1:]) == s for d, s in forms.items()
+        )  # fmt: skip
+        if not fits:
+            got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
+            want = " or ".join(f"{d} [items, {', '.join(map(str, s))}]" for d, s in forms.items())
+            problems.append(f"{where}: input '{safe_text(spec.name)}' needs {want}; has {got}")
+    if problems:
+        raise ConfigError(problems)
+    return {spec.name: sample[spec.name] for spec in cfg.inputs}
 
 
 def buffer_bytes(cfg: ModelConfig, dtypes: Sequence[torch.dtype] | None = None) -> list[int]:

@@ -39,10 +39,9 @@ from service.config import (
     OperatorConfig,
 )
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
-from service.model_check import dry_run, handed_dtypes
 from service.model_files import Artifacts
 from service.protocol.types import DATATYPES
-from service.signature import Bound
+from service.signature import Bound, handed_dtypes
 from service.statistics import ModelStats
 from service.text import safe_text
 
@@ -98,25 +97,23 @@ def _module_bytes(module: Any) -> int:
 
 
 class Pipeline:
-    """A model version resident on its device, dry-run before it is handed out.
+    """A model version resident on its device (the builder's device stage).
 
-    The dry run (:func:`service.model_check.dry_run`, as Triton's ModelWarmup) sends a zero
-    batch (or the ``warmup_file`` sample) through :meth:`run` at batch 1 and at
-    ``max_batch_size`` and checks every output against ``[[outputs]]``.
+    The builder dry-runs it next (:func:`service.model_check.dry_run`, as Triton's
+    ModelWarmup: a zero batch, or the ``warmup_file`` sample, through :meth:`run` at batch 1
+    and at ``max_batch_size``, every output checked against ``[[outputs]]``) before it is
+    handed out; build one with :func:`service.builder.build_version` (from files) or
+    :func:`service.builder.build_pipeline` (files already in memory).
 
     Args:
         name: the model name (messages).
         cfg: its configuration.
         artifacts: its loaded files (moved to the device once, here).
         device: ``"cpu"`` or ``"cuda:N"``.
-        warmup: also run a second full-size batch at load (the first runs compile kernels
-            and grow allocator pools; without it the first request pays for that).
         source: the config's path for messages.
 
     Raises:
-        ConfigError: the model cannot run on the device, the dry run failed (the model
-            raised, with its message), or the outputs do not match ``[[outputs]]`` (count,
-            datatype, a declared shape).
+        ConfigError: the model cannot run on the device.
     """
 
     def __init__(
@@ -126,37 +123,15 @@ class Pipeline:
         artifacts: Artifacts,
         device: str,
         *,
-        warmup: bool = True,
         source: str = "config.toml",
     ) -> None:
-        from gpu_ops.transfer import StagingPool
-
-        self.name = name
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.stats: ModelStats | None = None
-        """Where each batch's phase durations go (set by the repository once built: the
-        warm-up runs are not counted)."""
-        self.last_phases_ns: tuple[int, int, int] | None = None
-        """The last batch's ``compute_input``, ``compute_infer`` and ``compute_output`` ns
-        (the device's own times on CUDA): the phases of a traced batch."""
-        self._events: list[Any] = []
-        self.source = source
-        self.inputs: list[InputConfig] = list(cfg.inputs)
-        self.capacity = max(cfg.max_batch_size, 1)
-        self.batched = cfg.max_batch_size > 0
+        self._init_state(name, cfg, device, source)
         op = cfg.operator
         self.operator_input = cfg.operator_input
         self.compute_dtype = COMPUTE_DTYPES[op.dtype] if op is not None else torch.float32
         # What each input is on the device: the operator's in its compute dtype, the others
         # in the dtype the model is handed them in (bits unpacked straight into it).
         self._dtypes = handed_dtypes(cfg, artifacts.model)
-        self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
-        self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
-        self._out_names = [o.name for o in cfg.outputs]
-        # The operator input's packed bytes of the batch being run (forward_bits).
-        self._packed: torch.Tensor | None = None
-        self._bit_reversal: torch.Tensor | None = None
         with torch.inference_mode(), self._device_context():
             self.operator = (
                 None if op is None else build_operator(op, artifacts.tensors, self.device)
@@ -176,8 +151,6 @@ class Pipeline:
                 else torch.zeros((self.capacity, *spec.shape), dtype=dtype, device=self.device)
                 for i, (spec, dtype) in enumerate(zip(self.inputs, self._dtypes, strict=True))
             ]
-        self.output_shapes: list[list[int]] = dry_run(self, artifacts, again=warmup)
-        """Each output's shape of one item, as the dry run found it."""
         model_bytes = 0
         if artifacts.model is not None and self.model is not None:
             model_bytes = artifacts.model.device_bytes(self.model)
@@ -187,6 +160,39 @@ class Pipeline:
             + (_module_bytes(self.model) if cfg.score is not None else 0)
             + model_bytes
         )
+
+    def _init_state(self, name: str, cfg: ModelConfig, device: str, source: str) -> None:
+        """The state every pipeline kind shares (this class and
+        :class:`service.index_pipeline.IndexPipeline` both start with it)."""
+        from gpu_ops.transfer import StagingPool
+
+        self.name = name
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.source = source
+        self.stats: ModelStats | None = None
+        """Where each batch's phase durations go (set by the repository once built: the
+        warm-up runs are not counted)."""
+        self.last_phases_ns: tuple[int, int, int] | None = None
+        """The last batch's ``compute_input``, ``compute_infer`` and ``compute_output`` ns
+        (the device's own times on CUDA): the phases of a traced batch."""
+        self._events: list[Any] = []
+        self.inputs: list[InputConfig] = list(cfg.inputs)
+        self.capacity = max(cfg.max_batch_size, 1)
+        self.batched = cfg.max_batch_size > 0
+        self._pool = StagingPool(self.device) if self.device.type == "cuda" else None
+        self._out_dtypes = [torch_dtype(o.datatype) for o in cfg.outputs]
+        self._out_names = [o.name for o in cfg.outputs]
+        # The operator input's packed bytes of the batch being run (forward_bits).
+        self._packed: torch.Tensor | None = None
+        self._bit_reversal: torch.Tensor | None = None
+        self.output_shapes: list[list[int]] = []
+        """Each output's shape of one item, as the dry run found it (set by the builder's
+        dry-run stage, ``service.builder``)."""
+
+    def after_dry_run(self) -> None:
+        """What a kind does once its dry run has passed (the builder's last stage): nothing
+        here; an index brings its whole corpus to the device."""
 
     # --- loading checks -------------------------------------------------------------------
 

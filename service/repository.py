@@ -45,6 +45,7 @@ from service.loading import VersionBuilder
 from service.metrics import Metrics
 from service.pipeline import Pipeline
 from service.priority import level_limits
+from service.readiness import readiness_reason, shown_name, unknown_model
 from service.residency import (
     Accounting,
 )
@@ -335,7 +336,7 @@ class ModelRepository(ResidentVersions):
         if self._closing:
             raise ModelNotReady("the server is shutting down")
         if not valid_model_name(name):
-            raise ModelNotFound(f"unknown model '{_shown(name)}'")
+            raise ModelNotFound(f"unknown model '{shown_name(name)}'")
         if self.root is None:
             if name != "demo":
                 raise ModelNotFound(f"unknown model '{name}' (no repository: only 'demo')")
@@ -461,45 +462,3 @@ class ModelRepository(ResidentVersions):
         devices |= set(per_device)
         for dev in devices:  # devices it has left are set to 0, not left stale
             self.metrics.set_device_memory(name, dev, per_device.get(dev, 0))
-
-
-def readiness_reason(
-    states: list[tuple[str, str, str, str]], *, started: bool, closing: bool, strict: bool
-) -> str | None:
-    """The readiness rule, for any transport: why a server is not ready, or None.
-
-    Args:
-        states: ``(model, version, state, reason)`` of every version of every model not
-            explicitly unloaded.
-        started: whether the initial loads are done.
-        closing: whether the server is stopping.
-        strict: whether a version that failed to load (UNAVAILABLE) keeps it not ready.
-    """
-    if closing:
-        return "server is not ready: shutting down"
-    busy = sorted({m for m, _, state, _ in states if state in (LOADING, UNLOADING)})
-    if not started or busy:
-        names = ", ".join(f"'{m}'" for m in busy)
-        return f"server is not ready: loading models{f' ({names})' if names else ''}"
-    failed = [(m, v, why) for m, v, state, why in states if state == UNAVAILABLE]
-    if not strict or not failed:
-        return None
-    m, v, why = failed[0]
-    more = f" (and {len(failed) - 1} more failed versions)" if len(failed) > 1 else ""
-    return (
-        f"server is not ready: model '{m}' version {v} failed to load{more}; serve with "
-        f"--no-strict-readiness to be ready without it: {why or 'no reason given'}"
-    )
-
-
-def _shown(name: str) -> str:
-    """A name safe to echo in a message (bounded, control characters escaped)."""
-    return ascii(name[:128])[1:-1]
-
-
-def unknown_model(name: str, version: str | None = None) -> str:
-    """Triton's wording for a model (version) that is not in the repository: its clients and
-    examples match on the start, ``Request for unknown model``."""
-    if version is None:
-        return f"Request for unknown model: '{_shown(name)}' is not found"
-    return f"Request for unknown model: '{_shown(name)}' version {_shown(version)} is not found"

@@ -28,14 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from service.batch_queue import BatchInfo
+from service.config import ModelConfig
 
 if TYPE_CHECKING:
-    from service.handle import ModelHandle
     from service.protocol.types import InferRequest
     from service.signature import Bound
 
@@ -73,7 +73,20 @@ _HEADS: dict[tuple[str, int, tuple[int, ...], bool, str], bytes] = {}
 """Each input form's bytes in the key: name, datatype, shape, packing, bit order."""
 
 
-def cache_key(handle: ModelHandle, request: InferRequest, bound: Bound) -> bytes:
+class CachedVersion(Protocol):
+    """What a key needs of a model version (``service.handle.ModelHandle`` has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+
+
+def cache_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> bytes:
     """The 16-byte key of ``request`` (checked and laid out as ``bound``) for ``handle``'s
     model version: see the module docstring for what it covers."""
     h = hashlib.blake2b(f"{handle.name}\0{handle.version}".encode(), digest_size=16)

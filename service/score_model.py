@@ -25,36 +25,14 @@ load (:func:`gpu_ops.score_table`): 256 x (S + 2) float64 values per byte of cod
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 import gpu_ops
-
-if TYPE_CHECKING:
-    from service.codes_input import CodeTable
-    from service.config import ModelConfig
-    from service.layout import VersionSource
-
-SCORE_OUTPUTS = ("ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM", "SCORE_AVG", "SCORE_SUM")
-"""The outputs of a ``[score]`` model, in this order, each FP64."""
-
-
-def check_score_config(cfg: ModelConfig) -> None:
-    """A ``[score]`` config's shape: one codes input, no operator or model, the four outputs.
-
-    Raises:
-        ValueError: what does not fit (pydantic names the config).
-    """
-    if cfg.operator is not None or cfg.model is not None:
-        raise ValueError("[score] takes no [operator] or [model]")
-    if len(cfg.inputs) != 1 or cfg.inputs[0].packing != "codes" or len(cfg.inputs[0].shape) != 1:
-        raise ValueError('[score] needs exactly one input, packing = "codes", shape [L]')
-    got = [(o.name, o.datatype) for o in cfg.outputs]
-    want = [(n, "FP64") for n in SCORE_OUTPUTS]
-    if got != want:
-        shown = ", ".join(f"{n} FP64" for n in SCORE_OUTPUTS)
-        raise ValueError(f"[score] has the outputs {shown}, in this order")
+from service.codes_input import CodeTable
+from service.config import ConfigError, ModelConfig
+from service.layout import VersionSource
+from service.text import safe_text
 
 
 def read_score(src: VersionSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -64,9 +42,6 @@ def read_score(src: VersionSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         ConfigError: naming ``score.file`` and what is wrong.
     """
     from safetensors import safe_open
-
-    from service.config import ConfigError
-    from service.text import safe_text
 
     assert cfg.score is not None
     where = f"{src.source}: score.file"

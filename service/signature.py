@@ -12,6 +12,13 @@ packed shape (``ceil(L / 8)`` bytes on the last axis) and ``BOOL`` of the logica
 An index (``[index]``) also reads the request's ``parameters.k`` (hits per query, 1 ..
 ``max_k``) and ``parameters.threshold`` (the least Tanimoto similarity, 0 .. 1); its outputs
 have ``k`` entries per query, so their metadata says ``-1`` for that axis.
+
+**The dtype rule** (:func:`handed_dtypes`): each input reaches the model in the dtype its
+file's signature asks for (torch.export, AOTInductor, ONNX), else in ``[[inputs]] dtype``,
+else in its own datatype's (``bool`` for BOOL). Bits unpack straight into it. The operator's
+input reaches the model as the operator's output, in ``[operator] dtype``. The host checks
+(``service.model_check``), the input buffers' sizes (``service.model_files``) and the
+pipeline's buffers (``service.pipeline``) all read it here.
 """
 
 from __future__ import annotations
@@ -22,12 +29,47 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from service.backends.base import ModelFile
 from service.codes_input import wire_parameters
 from service.config import IndexConfig, InputConfig, ModelConfig
+from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.errors import InvalidInput
 from service.protocol.request import RawInputSpec
 from service.protocol.types import DATATYPES, InferRequest, SharedOutput
+
+
+def handed_dtypes(cfg: ModelConfig, model: ModelFile | None) -> list[torch.dtype]:
+    """The dtype each input is handed to the model in (the dtype rule, module docstring).
+
+    Args:
+        cfg: the version's config.
+        model: its model file (its signature's input dtypes), or None.
+
+    Returns:
+        One dtype per ``[[inputs]]`` entry, in config order; the operator's input: the
+        operator's dtype.
+    """
+    specs = None if model is None else model.signature().inputs
+    out = []
+    for i, spec in enumerate(cfg.inputs):
+        if cfg.operator is not None and i == cfg.operator_input:
+            out.append(COMPUTE_DTYPES[cfg.operator.dtype])
+            continue
+        file_dtype = specs[i].dtype if specs is not None and i < len(specs) else None
+        if file_dtype is not None and file_dtype in allowed_dtypes(spec.handed_dtypes):
+            out.append(file_dtype)
+        elif spec.dtype is not None:
+            out.append(getattr(torch, spec.dtype))
+        else:
+            out.append(torch_dtype(spec.datatype))
+    return out
+
+
+def allowed_dtypes(names: Sequence[str]) -> set[torch.dtype]:
+    """The torch dtypes of ``names`` (an input's ``handed_dtypes``: what it may be handed in)."""
+    return {getattr(torch, n) for n in names}
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """One worker process of ``bitserve serve --workers N`` (started by :mod:`service.workers`).
 
 A fresh interpreter (``spawn``): it sizes torch's threads, builds its own repository (its own
-copy of every model, on its device), application and :class:`~service.cluster.Cluster`, and
-runs uvicorn on the server's port, shared with the other workers through ``SO_REUSEPORT``
-(its control plane listens for its peers' changes on a private unix socket). Its gRPC
-server (unless ``grpc_port`` is 0) shares the gRPC port with the other workers the same way.
+copy of every model, on its device) and :class:`~service.cluster.Cluster`, and runs its
+:class:`~service.server.BitServer`: HTTP on the server's port, shared with the other workers
+through ``SO_REUSEPORT`` (its control plane listens for its peers' changes on a private unix
+socket); gRPC (unless ``grpc_port`` is 0) shares the gRPC port with the other workers the
+same way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 
 from service.cluster import WORKER_HEADER, Cluster
 from service.devices import set_torch_threads
-from service.rest.server import Server, run_server, uvicorn_config
 from service.settings import Settings
 
 __all__ = ["WorkerSpec", "bind_port", "run_worker"]
@@ -36,6 +36,8 @@ class WorkerSpec:
     index: int
     workers: int
     device: str
+    devices: tuple[str, ...]
+    """Every worker's default device, by index (which workers share a device's budget)."""
     torch_threads: int | None
     interop_threads: int
     run_dir: str
@@ -75,10 +77,7 @@ def run_worker(spec: WorkerSpec) -> None:
 def _budget_sharers(spec: WorkerSpec) -> Callable[[str], int]:
     """The workers that share a device's memory budget: every worker for the host's memory
     (``cpu``), and on a GPU the workers whose default device it is."""
-    from service.workers import gpu_count, worker_device
-
-    gpus = gpu_count(spec.settings.device)
-    on = [worker_device(spec.settings.device, j, gpus) for j in range(spec.workers)]
+    on = list(spec.devices)
 
     def sharers(device: str) -> int:
         if not device.startswith("cuda"):
@@ -92,7 +91,7 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
     # Imported here: the supervisor imports this module too, and stays without torch.
     from service.metrics import Metrics
     from service.repository import ModelRepository
-    from service.rest.app import create_app
+    from service.server import BitServer
     from service.tracing import Tracing
 
     settings = spec.settings
@@ -114,16 +113,18 @@ def _serve_worker(spec: WorkerSpec, log_config: dict[str, Any]) -> int:
         tracing=tracing,
         sharers=_budget_sharers(spec),
     )
-    app = create_app(
+    server = BitServer(
         settings,
         repository,
         metrics=metrics,
-        grpc=True,
-        grpc_shared_port=True,
-        cluster=cluster,
         tracing=tracing,
+        cluster=cluster,
+        grpc_shared_port=True,
     )
-    config = uvicorn_config(settings, app, log_config, headers=[(WORKER_HEADER, str(spec.index))])
-    # uvicorn listens once the models are loaded and the worker has caught up with its peers
-    # (the lifespan): until then the kernel sends this worker no connections.
-    return run_server(Server(config), [bind_port(settings.host, spec.port)])
+    # HTTP listens once the models are loaded and the worker has caught up with its peers
+    # (BitServer.start): until then the kernel sends this worker no connections.
+    return server.run(
+        log_config,
+        sockets=[bind_port(settings.host, spec.port)],
+        headers=[(WORKER_HEADER, str(spec.index))],
+    )

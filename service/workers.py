@@ -302,6 +302,9 @@ class _Supervisor:
             index=index,
             workers=self.plan.workers,
             device=worker_device(self.settings.device, index, self.gpus),
+            devices=tuple(
+                worker_device(self.settings.device, j, self.gpus) for j in range(self.plan.workers)
+            ),
             torch_threads=self.plan.torch_threads,
             interop_threads=self.plan.interop_threads,
             run_dir=str(self.run_dir),

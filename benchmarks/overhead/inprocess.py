@@ -90,13 +90,13 @@ class _Driver:
 
 @contextlib.asynccontextmanager
 async def _bitserve(tmp: Path) -> AsyncIterator[Callable[[], asyncio.Protocol]]:
-    from service.rest.app import create_app
     from service.rest.http_protocol import protocol_class
+    from service.server import in_process_app
     from service.settings import Settings
 
     repo = tiny.write_repository(tmp / "tiny")
     settings = Settings(model_repository=repo, grpc_port=0)
-    app = create_app(settings)
+    app = in_process_app(settings)
     cls = protocol_class(
         head_timeout_s=10.0, max_header_bytes=65536, max_connections=0, lane=app.express
     )

@@ -1,8 +1,8 @@
 """The gRPC server (grpcio's asyncio API) beside HTTP, on the same event loop and data plane.
 
-:class:`GrpcServer` is started by the application's lifespan after the models load, and
-stopped before the repository is: on SIGTERM it refuses new calls at once (alongside HTTP,
-see ``service.cli``) and lets in-flight ones finish for up to ``graceful_shutdown_s``.
+:class:`GrpcServer` is started by :class:`service.server.BitServer` after the models load,
+as HTTP's equal, and stopped before the repository is: on SIGTERM it refuses new calls at
+once (alongside HTTP) and lets in-flight ones finish for up to ``graceful_shutdown_s``.
 
 Limits: the largest message accepted is ``max_body_bytes`` (larger: RESOURCE_EXHAUSTED, from
 grpcio before the message is read whole); ``limit_concurrency`` bounds the calls handled at

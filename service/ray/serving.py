@@ -1,6 +1,6 @@
 """Ray Serve: the V2 REST server as a deployment, its replicas spread over a cluster.
 
-Each replica runs the server's own application (:func:`service.rest.app.create_app`: the
+Each replica runs the server's own application (:func:`service.server.in_process_app`: the
 same data plane, control plane, batching, limits and error bodies as ``bitserve serve``) over
 its own model repository, loaded on the replica's device when it starts (the GPU Ray gives it
 with ``ray_actor_options={"num_gpus": 1}``, else the CPU); Serve's proxy hands it the HTTP
@@ -65,9 +65,9 @@ class _Replica:
         self._settings = Settings(**self.settings)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from service.rest.app import create_app
+        from service.server import in_process_app
 
-        return OneRequestId(create_app(self._settings))
+        return OneRequestId(in_process_app(self._settings))
 
 
 class OneRequestId:

@@ -1,8 +1,8 @@
-"""The application: the fast infer path and FastAPI's control routes, error mapping, lifespan.
+"""The REST application: the fast infer path and FastAPI's control routes, error mapping.
 
-``create_app(settings)`` receives everything it needs and builds nothing at import time. The
-lifespan starts the model repository (loading every model) and, on shutdown, stops it after
-the HTTP server has let in-flight requests finish.
+``create_app(settings, dataplane, control, metrics)`` receives the planes it serves and builds
+nothing at import time; it starts and stops nothing (``service.server`` does, for every
+transport alike).
 
 Every HTTP request enters through :class:`service.rest.gateway.Gateway` (request id, header
 limits, access log); inference goes from there straight to
@@ -12,13 +12,11 @@ limits, access log); inference goes from there straight to
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from service.controlplane import ControlPlane
-from service.dataplane import DataPlane, Repository
+from service.dataplane import DataPlane
 from service.errors import InvalidInput, Relayed, ServiceError, report
 from service.metrics import Metrics
 from service.observability import printable_path
@@ -40,11 +38,6 @@ from service.rest.gateway import Gateway
 from service.rest.infer_route import InferRoute
 from service.rest.inference import RestInference
 from service.settings import Settings
-from service.shared_memory import SystemSharedMemory
-from service.tracing import Tracing, settings_without_tracing
-
-if TYPE_CHECKING:
-    from service.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -94,64 +87,30 @@ class BitserveApp(FastAPI):
 
 def create_app(
     settings: Settings,
-    repository: Repository | None = None,
+    dataplane: DataPlane,
+    control: ControlPlane,
+    metrics: Metrics,
     *,
-    metrics: Metrics | None = None,
-    grpc: bool = False,
-    grpc_shared_port: bool = False,
-    cluster: Cluster | None = None,
-    tracing: Tracing | None = None,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
 ) -> BitserveApp:
-    """Build the application.
+    """Build the REST transport's application over the planes it is given.
+
+    The server is assembled in ``service.server`` (:class:`service.server.BitServer`): it
+    builds the planes once and hands them to REST and gRPC alike, and starts and stops them;
+    this application builds nothing else and starts nothing.
 
     Args:
-        settings: the server settings.
-        repository: the model repository; by default a
-            ``service.repository.ModelRepository`` over ``settings.model_repository`` (the
-            built-in demo when that is unset), created here but loaded only in the lifespan.
-        metrics: the metrics registry shared with ``repository``; a new one by default.
-        grpc: also serve gRPC on ``settings.grpc_port`` (unless 0) from the lifespan, over
-            the same data plane (``bitserve serve`` does; in-process tests of HTTP alone
-            leave it off).
-        grpc_shared_port: the gRPC port is shared with other worker processes
-            (``SO_REUSEPORT``, as ``--workers`` shares the HTTP port).
-        cluster: this worker's peers under ``--workers`` (``service.cluster``): changes
-            reach every worker, and readiness waits for them all.
-        tracing: OpenTelemetry tracing (``service.tracing.Tracing.from_environ``; a
-            repository passed in must have been given the same); None: no traces, and the
-            trace extension answers level OFF.
+        settings: the server settings (limits, token, access log, compression).
+        dataplane: the server's data plane.
+        control: the server's control plane.
+        metrics: the metrics registry (``/metrics``).
+        lifespan: the application's ASGI lifespan, for an application served without
+            ``BitServer.run`` (``service.server.in_process_app``); none by default.
 
     Returns:
-        the ASGI application; ``app.state`` holds ``settings``, ``repository``, ``metrics``,
-        ``dataplane``, ``control`` and ``grpc`` (the :class:`service.grpc.server.GrpcServer`,
-        or None).
+        the ASGI application; ``app.state`` holds ``settings``, ``metrics``, ``dataplane``,
+        ``control`` and ``repository`` (the data plane's).
     """
-    metrics = metrics if metrics is not None else Metrics()
-    if repository is None:
-        from service.repository import ModelRepository
-
-        repository = ModelRepository.from_settings(settings, metrics, tracing=tracing)
-    repo = repository
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await control.start()
-        log.info("repository started: %s", [m.get("name") for m in repo.index()])
-        grpc_server = app.state.grpc
-        try:
-            if grpc_server is not None:
-                await grpc_server.start()
-            yield
-        finally:
-            # uvicorn has already drained in-flight HTTP requests (timeout_graceful_shutdown);
-            # gRPC's in-flight calls finish next (it stopped taking new ones with HTTP).
-            if grpc_server is not None:
-                await grpc_server.stop()
-            await control.stop(timeout_s=settings.graceful_shutdown_s)
-            log.info("repository stopped")
-            if tracing is not None:  # the spans still held go out now
-                await asyncio.to_thread(tracing.shutdown)
-
     app = BitserveApp(
         title="bitserve",
         # No interactive docs (their page loads scripts from a CDN); the schema is served
@@ -162,15 +121,6 @@ def create_app(
         lifespan=lifespan,
         # Paths are answered without redirects (the gateway drops a trailing slash).
         redirect_slashes=False,
-    )
-    shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None
-    dataplane = DataPlane(repo, metrics, shared_memory=shm, tracing=tracing)
-    control = ControlPlane(
-        repo,
-        shared_memory=shm,
-        log_level=settings.log_level,
-        cluster=cluster,
-        trace_settings=tracing.settings if tracing else settings_without_tracing(os.environ),
     )
     token = settings.token
     rest = RestInference(
@@ -187,15 +137,10 @@ def create_app(
         auth_token=token,
     )
     app.state.settings = settings
-    app.state.repository = repo
+    app.state.repository = dataplane.repository
     app.state.metrics = metrics
     app.state.dataplane = dataplane
     app.state.control = control
-    app.state.grpc = None
-    if grpc and settings.grpc_port:
-        from service.grpc.server import GrpcServer  # grpcio only where gRPC is served
-
-        app.state.grpc = GrpcServer(dataplane, control, settings, shared_port=grpc_shared_port)
     ep = Endpoints(dataplane, control, metrics, infer, body_timeout_s=settings.body_timeout_s)
 
     # Every route gets its own operation id (FastAPI derives ids from the function name, and

@@ -169,9 +169,8 @@ def test_sigterm_under_load_drains_and_exits(
     before = [o for t0, t1, o in log if t1 < t_term]
     after = [o for t0, t1, o in log if t1 >= t_term]
     print(f"before SIGTERM {len(before)}: {set(before)}; after {len(after)}: {set(after)}")
-    # uvicorn re-raises the SIGTERM it caught once the drain is done, so the exit status is
-    # either 0 or "killed by SIGTERM" (-15); both follow a complete graceful shutdown.
-    assert code in (0, -15), server.log()[-3000:]
+    # service.server owns SIGTERM: after a complete graceful shutdown the process exits 0.
+    assert code == 0, server.log()[-3000:]
     assert "Application shutdown complete" in server.log()
     assert t_exit - t_term < grace_s + 5
     assert before, "no load before SIGTERM"

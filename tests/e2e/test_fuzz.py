@@ -141,14 +141,14 @@ def test_schemathesis_against_the_app_schema(server: BitserveServer) -> None:
     taken from the same application object in-process and the calls go to the real server.
     """
     schemathesis = pytest.importorskip("schemathesis")
-    from service.rest.app import create_app
+    from service.server import in_process_app
     from service.settings import Settings
 
     with warnings.catch_warnings():
         # FastAPI warns about a duplicate operation id (the repository index is registered
         # for GET and POST with one function); reported, harmless for fuzzing.
         warnings.simplefilter("ignore", UserWarning)
-        raw = create_app(Settings()).openapi()
+        raw = in_process_app(Settings()).openapi()
     schema = schemathesis.openapi.from_dict(raw)
     tried = 0
     client = httpx.Client(base_url=server.url, timeout=30)

@@ -351,7 +351,7 @@ def test_limits_auth_and_graceful_sigterm(
     code = server.terminate()
     t.join(30)
     assert result == {"status": 200}, server.log()[-3000:]
-    # A drained server exits 0 (uvicorn re-raises the SIGTERM; bitserve takes that as done).
+    # A drained server exits 0 (service.server owns SIGTERM: a drain is a clean exit).
     assert code == 0, server.log()[-3000:]
     log = server.log()
     assert log.index("POST /v2/models/slow/infer 200") < log.index("repository stopped")

@@ -25,7 +25,7 @@ from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloade
 from service.handle import ModelHandle, Result
 from service.protocol.header_cache import HeaderCache
 from service.protocol.types import InferRequest
-from service.repository import unknown_model
+from service.readiness import unknown_model
 from service.signature import Bound, Signature
 from service.statistics import ModelStats, Statistics
 

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -48,7 +48,7 @@ def repo() -> FakeRepository:
 
 @pytest.fixture
 async def client(settings: Settings, repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, repo)
+    app = in_process_app(settings, repo)
     # ASGITransport does not run the lifespan, so the test runs it around the client.
     async with app.router.lifespan_context(app):
         assert repo.started

@@ -22,9 +22,9 @@ import service.protocol.header_cache as header_cache
 import service.protocol.tensors as tensors
 import service.rest.inference as inference
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
-from service.rest.app import create_app
 from service.rest.bodies import Receive, read_body
 from service.rest.infer_route import parse_content_length
+from service.server import in_process_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
@@ -46,7 +46,7 @@ def repo() -> FakeRepository:
 
 @pytest.fixture
 async def client(settings: Settings, repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, repo)
+    app = in_process_app(settings, repo)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
@@ -260,7 +260,7 @@ async def test_slow_body_times_out_holding_only_what_arrived() -> None:
 
 
 async def test_slow_body_is_408_over_http(settings: Settings, repo: FakeRepository) -> None:
-    app = create_app(settings.model_copy(update={"body_timeout_s": 0.2}), repo)
+    app = in_process_app(settings.model_copy(update={"body_timeout_s": 0.2}), repo)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
 
     async def trickle() -> AsyncIterator[bytes]:

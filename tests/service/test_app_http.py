@@ -19,7 +19,7 @@ import pytest
 
 from service.protocol import worth_compressing
 from service.protocol.compression import MIN_BYTES, TRIAL_BYTES
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
@@ -50,7 +50,7 @@ class NoiseHandle(FakeHandle):
 
 @asynccontextmanager
 async def serve(settings: Settings, repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, repo)
+    app = in_process_app(settings, repo)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:

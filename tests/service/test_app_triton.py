@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from service.metrics import Metrics
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -28,7 +28,7 @@ def repo() -> FakeRepository:
 
 @pytest.fixture
 async def client(repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(access_log=False), repo, metrics=Metrics(nvml=None))
+    app = in_process_app(Settings(access_log=False), repo, metrics=Metrics(nvml=None))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
@@ -120,7 +120,7 @@ def posix() -> Iterator[shared_memory.SharedMemory]:
 @pytest.fixture
 async def shm_client(repo: FakeRepository) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(access_log=False, allow_client_shm=True, max_shm_regions=3)
-    app = create_app(settings, repo, metrics=Metrics(nvml=None))
+    app = in_process_app(settings, repo, metrics=Metrics(nvml=None))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:

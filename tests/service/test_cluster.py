@@ -27,7 +27,7 @@ from service.changes import (
 )
 from service.cluster import Cluster, PeerAnswer, ready_path, socket_path, why_path
 from service.control import ControlState
-from service.rest.app import create_app
+from service.server import BitServer
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -53,13 +53,14 @@ class Worker:
         # As a worker process starts: the models to load from disk, then the app.
         self.initial = self.cluster.initial_models()
         self.settings = Settings(access_log=False, allow_client_shm=True, **settings)
-        self.app = create_app(self.settings, self.repo, grpc=grpc, cluster=self.cluster)
+        self.server = BitServer(self.settings, self.repo, grpc=grpc, cluster=self.cluster)
+        self.app = self.server.rest_app()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[httpx.AsyncClient]:
-        """A client of the app, inside its lifespan (which joins the peers: it listens on its
+        """A client of the app, the server started (which joins the peers: it listens on its
         unix socket and catches up)."""
-        async with self.app.router.lifespan_context(self.app):
+        async with self.server.running():
             transport = httpx.ASGITransport(app=self.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
                 yield c

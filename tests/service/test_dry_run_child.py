@@ -131,7 +131,7 @@ def test_the_child_ends_when_its_parent_does(repository: Path) -> None:
         "max_batch_bytes": 1 << 30, "patch": None,
     }  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "service.dry_run_child"],
+        [sys.executable, "-m", "service.builder"],
         input=json.dumps(request).encode() + b"\n",
         capture_output=True,
         timeout=120,
@@ -139,7 +139,7 @@ def test_the_child_ends_when_its_parent_does(repository: Path) -> None:
     assert (done.returncode, done.stdout) == (3, b""), done.stderr
     # Held open, it answers.
     with subprocess.Popen(
-        [sys.executable, "-m", "service.dry_run_child"],
+        [sys.executable, "-m", "service.builder"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 from harness.fake_transport import FakeClient, Response, host_config
-from service.rest.app import create_app
 from service.rest.express_lane import ExpressRequest
 from service.rest.http_cycle import Head, Request
 from service.rest.http_protocol import HttpProtocol, protocol_class
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -142,7 +142,7 @@ def echo(
 
 @pytest.fixture
 def fake_app() -> Any:
-    return create_app(Settings(access_log=True, log_level="warning"), FakeRepository())
+    return in_process_app(Settings(access_log=True, log_level="warning"), FakeRepository())
 
 
 def _ids(raw: bytes) -> bytes:
@@ -244,7 +244,7 @@ async def test_what_the_lane_hands_over_or_answers_is_answered_the_same(
 
 async def test_the_token_and_the_concurrency_limit_apply_alike() -> None:
     settings = Settings(auth_token="s3cret", limit_concurrency=1, log_level="warning")
-    app = create_app(settings, FakeRepository())
+    app = in_process_app(settings, FakeRepository())
     header, data = echo(np.arange(8, dtype=np.uint8).reshape(2, 4))
     async with serving(app) as server:
         for auth, status in (("", 401), ("Authorization: Bearer nope\r\n", 401),
@@ -263,7 +263,7 @@ async def test_the_token_and_the_concurrency_limit_apply_alike() -> None:
 
 async def test_a_body_that_stops_coming_times_out_alike() -> None:
     settings = Settings(body_timeout_s=0.05, log_level="warning")
-    app = create_app(settings, FakeRepository())
+    app = in_process_app(settings, FakeRepository())
     header, data = echo(np.arange(8, dtype=np.uint8).reshape(2, 4))
     raw = request("echo", header, data, extra="X-Request-ID: t\r\n")
     async with serving(app) as server:
@@ -280,7 +280,7 @@ async def test_the_tiny_model_through_its_real_pipeline() -> None:
     rng = np.random.default_rng()
     with tempfile.TemporaryDirectory() as tmp:
         repo = tiny.write_repository(Path(tmp))
-        app = create_app(Settings(model_repository=repo, grpc_port=0, log_level="warning"))
+        app = in_process_app(Settings(model_repository=repo, grpc_port=0, log_level="warning"))
         async with serving(app) as server:
             for k in range(10):
                 packed = rng.integers(0, 256, (int(rng.integers(1, 5)), 1, 1), dtype=np.uint8)
@@ -332,7 +332,7 @@ async def _client_leaves() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = tiny.write_repository(Path(tmp))
-        app = create_app(Settings(model_repository=repo, grpc_port=0, log_level="warning"))
+        app = in_process_app(Settings(model_repository=repo, grpc_port=0, log_level="warning"))
         async with serving(app) as server:
             packed = np.array([[[7]]], dtype=np.uint8)
             await server.both([_tiny_request(packed, "warm")])  # batches run inline by now
@@ -388,7 +388,7 @@ async def test_cache_hits_and_evicted_models_alike_on_both_lanes() -> None:
         settings = Settings(model_repository=repo, grpc_port=0, log_level="warning",
                             cache_config="local,size=1MiB")  # fmt: skip
         one = 0
-        async with serving(create_app(settings)) as server:
+        async with serving(in_process_app(settings)) as server:
             for k in range(6):
                 packed = rng.integers(0, 256, (3, 1, 1), dtype=np.uint8)
                 first = await server.both([_tiny_request(packed, f"t{k}")])  # a miss, then a hit
@@ -405,7 +405,7 @@ async def test_cache_hits_and_evicted_models_alike_on_both_lanes() -> None:
         # One model fits: the other one's requests wait for its load, both ways.
         budget = Settings(model_repository=repo, grpc_port=0, log_level="warning",
                           device_memory_budget=str(one + one // 2))  # fmt: skip
-        async with serving(create_app(budget)) as server:
+        async with serving(in_process_app(budget)) as server:
             for k in range(4):
                 packed = rng.integers(0, 256, (2, 1, 1), dtype=np.uint8)
                 for model in ("tiny", "tiny2"):

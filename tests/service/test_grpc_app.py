@@ -23,7 +23,8 @@ from tritonclient.utils import InferenceServerException
 from harness.server import free_port
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
-from service.rest.app import BitserveApp, create_app
+from service.rest.app import BitserveApp
+from service.server import BitServer
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeRepository
@@ -45,16 +46,25 @@ def repo() -> FakeRepository:
 
 
 @pytest.fixture
-async def app(settings: Settings, repo: FakeRepository) -> AsyncIterator[BitserveApp]:
-    app = create_app(settings, repo, grpc=True)
-    async with app.router.lifespan_context(app):
-        yield app
+async def server(settings: Settings, repo: FakeRepository) -> AsyncIterator[BitServer]:
+    """The server's parts, gRPC started (as ``bitserve serve`` starts it), no HTTP server."""
+    server = BitServer(settings, repo)
+    async with server.running():
+        yield server
     assert repo.stopped
 
 
 @pytest.fixture
-def target(app: BitserveApp) -> str:
-    return f"127.0.0.1:{app.state.grpc.port}"
+def app(server: BitServer) -> BitserveApp:
+    """REST over the same planes (for tests that compare the transports)."""
+    return server.rest_app()
+
+
+@pytest.fixture
+def target(server: BitServer) -> str:
+    assert server.grpc is not None
+    assert server.grpc.port is not None
+    return f"127.0.0.1:{server.grpc.port}"
 
 
 @pytest.fixture
@@ -418,9 +428,10 @@ async def test_metrics_count_grpc_requests(
 @pytest.mark.parametrize("settings", [Settings(access_log=False, auth_token="s3cret")])
 async def test_bearer_token_in_metadata(settings: Settings, repo: FakeRepository) -> None:
     settings = settings.model_copy(update={"grpc_port": free_port()})
-    app = create_app(settings, repo, grpc=True)
-    async with app.router.lifespan_context(app):
-        c = tgrpc.InferenceServerClient(f"127.0.0.1:{app.state.grpc.port}")
+    server = BitServer(settings, repo)
+    async with server.running():
+        assert server.grpc is not None
+        c = tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc.port}")
         try:
             assert await c.is_server_live()  # open, as REST's health routes
             assert await c.is_server_ready()
@@ -493,13 +504,14 @@ async def test_stream_answers_in_request_order_and_errors_in_band(
 
 
 async def test_stop_drains_in_flight_calls_and_refuses_new_ones(
-    app: BitserveApp, client: tgrpc.InferenceServerClient, repo: FakeRepository,
+    server: BitServer, client: tgrpc.InferenceServerClient, repo: FakeRepository,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     slow_down(repo, monkeypatch, 0.4)
     in_flight = asyncio.ensure_future(client.infer("echo", echo_input()))
     await asyncio.sleep(0.1)
-    app.state.grpc.begin_stop()
+    assert server.grpc is not None
+    server.grpc.begin_stop()
     await asyncio.sleep(0.1)  # the server's GOAWAY reaches the client
     with pytest.raises(InferenceServerException) as e:
         await client.infer("echo", echo_input())

@@ -54,7 +54,7 @@ def test_garbage_made_before_settle_is_not_frozen() -> None:
 
 
 def test_the_server_process_settles_after_start_and_after_each_load_or_unload() -> None:
-    """``bitserve serve``'s server (``service.rest.server.Server``) over the fake repository:
+    """``bitserve serve``'s server (``service.server.BitServer.run``) over the fake repository:
     frozen once started, and again after a load and an unload (not after other changes)."""
     import asyncio
     import socket
@@ -62,21 +62,21 @@ def test_the_server_process_settles_after_start_and_after_each_load_or_unload() 
     import time
 
     from service.changes import LoadModel, UnloadModel, UpdateLogSettings
-    from service.rest.app import create_app
-    from service.rest.server import Server, uvicorn_config
+    from service.server import BitServer
     from service.settings import Settings
     from tests.service.app_fakes import FakeRepository
 
     gc.unfreeze()
-    settings = Settings(access_log=False, log_level="warning")
-    app = create_app(settings, FakeRepository())
-    server = Server(uvicorn_config(settings, app, None))  # type: ignore[arg-type]
+    settings = Settings(access_log=False, log_level="warning", grpc_port=0)
+    server = BitServer(settings, FakeRepository())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(
+        target=server.run, args=(None,), kwargs={"sockets": [sock]}, daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + 10
-    control = app.state.control
+    control = server.control
     while control.models_changed is None:  # set once the start-up is over
         assert thread.is_alive(), "the server stopped"
         assert time.monotonic() < deadline, "the server did not start"
@@ -88,11 +88,12 @@ def test_the_server_process_settles_after_start_and_after_each_load_or_unload() 
             time.sleep(0.01)
         calls: list[str] = []
         control.models_changed = lambda: calls.append("settled")
-        name = next(iter(app.state.repository.models))
+        name = next(iter(server.repository.models))  # type: ignore[attr-defined]
         for change in (LoadModel(name, None), UpdateLogSettings({}), UnloadModel(name)):
             asyncio.run(control.apply(change))
         assert calls == ["settled", "settled"]
     finally:
-        server.should_exit = True
+        assert server.http is not None
+        server.http.should_exit = True
         thread.join(10)
         sock.close()

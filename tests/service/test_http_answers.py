@@ -28,9 +28,9 @@ from hypothesis import given, settings
 from harness.fake_transport import FakeClient, Response, host_config
 from harness.probes import read_until_closed
 from service.observability import Tally
-from service.rest.app import create_app
 from service.rest.http_protocol import HttpProtocol, protocol_class
 from service.rest.sockets import IdleConnections
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 from tests.service.test_http_limits import ECHO_INPUT, parse_all, serving
@@ -128,7 +128,7 @@ def check_answers(client: FakeClient, goods: list[str], bad: str | None) -> None
 def answered(reads: list[bytes], expected: int, closes: bool) -> FakeClient:
     """:func:`run_pipeline` on a fresh application over the fake repository, in its
     lifespan, on a fresh event loop."""
-    app = create_app(Settings(access_log=False, log_level="warning"), FakeRepository())
+    app = in_process_app(Settings(access_log=False, log_level="warning"), FakeRepository())
 
     async def go() -> FakeClient:
         async with app.router.lifespan_context(app):

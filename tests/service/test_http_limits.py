@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 
 from harness.probes import read_until_closed
-from service.rest.app import create_app
 from service.rest.server import uvicorn_config
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -55,7 +55,7 @@ def serving(
         timeout_keep_alive_s=keep_alive_s,
         graceful_shutdown_s=graceful_s,
     )
-    app = create_app(settings, FakeRepository())
+    app = in_process_app(settings, FakeRepository())
     config = uvicorn_config(settings, app, None)  # type: ignore[arg-type]  # no logging set-up
     server = uvicorn.Server(config)
     if stopped is not None:

@@ -361,11 +361,11 @@ def test_the_dry_run_searches_a_few_rows(tmp_path: Path, monkeypatch: pytest.Mon
 def test_an_index_pipeline_has_every_attribute_a_pipeline_has(tmp_path: Path) -> None:
     """IndexPipeline sets the state Pipeline's staging and timing read itself: a new
     attribute of Pipeline's must be given to it too."""
+    from service.builder import build_pipeline
     from service.demo import demo_config, demo_tensors
     from service.model_files import Artifacts
-    from service.pipeline import Pipeline
 
     tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
-    plain = Pipeline("demo", demo_config(None), Artifacts(tensors), "cpu", warmup=False)
+    plain = build_pipeline("demo", demo_config(None), Artifacts(tensors), "cpu", warmup=False)
     index, _ = build(write_index(tmp_path / "fp", np.zeros((8, 8), np.uint8), k=2))
     assert set(vars(plain)) - set(vars(index)) == set()

@@ -22,8 +22,9 @@ import pytest
 from service.errors import Overloaded
 from service.handle import Result
 from service.protocol import decompress
-from service.rest.app import BitserveApp, create_app
+from service.rest.app import BitserveApp
 from service.rest.infer_route import InferRoute
+from service.server import in_process_app
 from service.settings import Settings
 from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
@@ -36,7 +37,7 @@ BUDGET = 1 << 20
 @pytest.fixture
 async def app() -> AsyncIterator[BitserveApp]:
     settings = Settings(access_log=False, max_inflight_bytes=BUDGET, max_body_bytes=8 << 20)
-    app = create_app(settings, FakeRepository())
+    app = in_process_app(settings, FakeRepository())
     async with app.router.lifespan_context(app):
         yield app
 

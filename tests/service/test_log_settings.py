@@ -15,7 +15,7 @@ from service.errors import InvalidInput
 from service.log_settings import LOGGERS, LogSettings
 from service.metrics import Metrics
 from service.observability import RequestIdFilter
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository
 
@@ -158,7 +158,7 @@ def test_refusals_change_nothing(changes: dict[str, object], text: str) -> None:
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     levels = {name: logging.getLogger(name).level for name in LOGGERS}
-    app = create_app(Settings(access_log=False), FakeRepository(), metrics=Metrics(nvml=None))
+    app = in_process_app(Settings(access_log=False), FakeRepository(), metrics=Metrics(nvml=None))
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

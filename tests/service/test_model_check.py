@@ -20,10 +20,10 @@ from service.builder import build_version, check_repository
 from service.config import ConfigError, parse_config
 from service.errors import InvalidInput
 from service.layout import model_versions
-from service.model_check import handed_dtypes
 from service.protocol.types import InferRequest, RequestInput
-from service.repository import LOADING, READY, UNAVAILABLE, readiness_reason
-from service.signature import Signature
+from service.readiness import readiness_reason
+from service.resident_versions import LOADING, READY, UNAVAILABLE
+from service.signature import Signature, handed_dtypes
 from service.text import clean_reason
 
 BITS = 64

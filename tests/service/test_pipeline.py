@@ -14,9 +14,9 @@ import torch
 
 from harness.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 from service.backends import ModuleModel
+from service.builder import build_pipeline
 from service.config import ConfigError, ModelConfig, parse_config
 from service.model_files import Artifacts, load_version
-from service.pipeline import Pipeline
 from service.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
 
@@ -92,7 +92,7 @@ def logical(bits: np.ndarray) -> Bound:
 @pytest.mark.parametrize("bitorder", ["big", "little"])
 def test_matches_float64_dense_reference(device: str, bitorder: str) -> None:
     t = tensors()
-    pipe = Pipeline("m", config(bitorder=bitorder), Artifacts(t), device, warmup=False)
+    pipe = build_pipeline("m", config(bitorder=bitorder), Artifacts(t), device, warmup=False)
     bits = random_bits(4)
     ref = dense_reference(t, bits, gaussian(2.5, 4))
     # three requests of 1, 2 and 1 items merged into one batch
@@ -109,7 +109,7 @@ def test_matches_float64_dense_reference(device: str, bitorder: str) -> None:
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_packed_and_bool_inputs_give_identical_results(device: str) -> None:
-    pipe = Pipeline("m", config(), Artifacts(tensors()), device, warmup=False)
+    pipe = build_pipeline("m", config(), Artifacts(tensors()), device, warmup=False)
     bits = random_bits(4, seed=7)
     a = pipe.run([packed(bits)])[0][0]
     b = pipe.run([logical(bits)])[0][0]
@@ -124,7 +124,7 @@ def test_each_request_unpacked_in_its_own_bit_order(device: str) -> None:
     """A request's ``parameters.bitorder`` overrides the model's (big) for its bytes only:
     requests of both orders merged into one batch give the dense reference."""
     t = tensors()
-    pipe = Pipeline("m", config(bitorder="big"), Artifacts(t), device, warmup=False)
+    pipe = build_pipeline("m", config(bitorder="big"), Artifacts(t), device, warmup=False)
     bits = random_bits(4, seed=11)
     ref = dense_reference(t, bits, gaussian(2.5, 4))
 
@@ -143,7 +143,7 @@ def test_each_request_unpacked_in_its_own_bit_order(device: str) -> None:
 def test_bool_bytes_other_than_one_count_as_one() -> None:
     # Requests never carry such bytes (the framing refuses them); a direct caller of
     # ``Pipeline.run`` may, and gets what NumPy would give: nonzero is 1.
-    pipe = Pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=False)
+    pipe = build_pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=False)
     bits = random_bits(2, seed=9)
     scale = np.random.default_rng(9).choice(np.array([1, 2, 7, 255], np.uint8), bits.shape)
     raw = bits.view(np.uint8) * scale
@@ -153,7 +153,7 @@ def test_bool_bytes_other_than_one_count_as_one() -> None:
 
 
 def test_results_stay_valid_after_the_next_batch() -> None:
-    pipe = Pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=True)
+    pipe = build_pipeline("m", config(), Artifacts(tensors()), "cpu", warmup=True)
     first = pipe.run([packed(random_bits(2, seed=3))])[0][0]
     kept = first.copy()
     pipe.run([packed(random_bits(4, seed=4))])
@@ -162,7 +162,7 @@ def test_results_stay_valid_after_the_next_batch() -> None:
 
 def test_no_batching_has_no_batch_dimension() -> None:
     t = tensors()
-    pipe = Pipeline("m", config(max_batch_size=0), Artifacts(t), "cpu", warmup=False)
+    pipe = build_pipeline("m", config(max_batch_size=0), Artifacts(t), "cpu", warmup=False)
     bits = random_bits(1)
     out = pipe.run([packed(bits)])
     assert out[0][0].shape == (N, A)
@@ -172,7 +172,7 @@ def test_no_batching_has_no_batch_dimension() -> None:
 
 def test_bfloat16_compute() -> None:
     t = tensors()
-    pipe = Pipeline("m", config(dtype="bfloat16"), Artifacts(t), "cpu", warmup=False)
+    pipe = build_pipeline("m", config(dtype="bfloat16"), Artifacts(t), "cpu", warmup=False)
     bits = random_bits(2)
     got = pipe.run([packed(bits)])[0][0]
     assert got.dtype == np.float32  # the output datatype, whatever the compute dtype
@@ -186,7 +186,7 @@ def test_new_responses_and_options(on_the_fly: bool) -> None:
     t = tensors()
     keys = 'response = "laplacian"\nsigma = 2.0\nnormalize = true\nscale = 3.0'
     keys += f"\non_the_fly = {str(on_the_fly).lower()}"
-    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
+    pipe = build_pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
     bits = random_bits(3, seed=12)
     tau = 2.0 / np.sqrt(2.0)  # sigma = sqrt(2) tau
 
@@ -211,7 +211,7 @@ def test_tabulated_asymmetric_response(on_the_fly: bool, center: str | None) -> 
     keys = f'response = "tabulated"\non_the_fly = {str(on_the_fly).lower()}'
     if center is not None:
         keys += f'\ncenter = "{center}"'
-    pipe = Pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
+    pipe = build_pipeline("m", config(response=keys), Artifacts(t), "cpu", warmup=False)
     bits = random_bits(2, seed=11)
     moved = xs - (0.5 if center == "peak" else 0.0)
 
@@ -230,7 +230,7 @@ def test_declared_output_shape_is_checked() -> None:
         ConfigError,
         match=r"outputs\[0\]\.shape: \[3, 7\] for 'out', but the operator gives \[3, 6\]$",
     ):
-        Pipeline("m", config(outputs=bad), Artifacts(tensors()), "cpu", warmup=False)
+        build_pipeline("m", config(outputs=bad), Artifacts(tensors()), "cpu", warmup=False)
 
 
 # --- models ---------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
     write_version(tmp_path / "m", model_config_text(file), t)
     save(tmp_path / "m" / file)
     cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
-    pipe = Pipeline("m", cfg, artifacts, "cpu", warmup=True)
+    pipe = build_pipeline("m", cfg, artifacts, "cpu", warmup=True)
     assert pipe.output_shapes == [[N, 2], []]
     bits = random_bits(3, seed=5)
     out = pipe.run([packed(bits[:2]), packed(bits[2:])])
@@ -318,7 +318,7 @@ def test_model_output_count_must_match(tmp_path: Path) -> None:
     save_export(tmp_path / "m" / "head.pt2")
     cfg, artifacts = load_version(model_versions(tmp_path, "m")["1"], max_operator_bytes=1 << 30)
     with pytest.raises(ConfigError, match="outputs: 1 declared, the model returns 2"):
-        Pipeline("m", cfg, artifacts, "cpu", warmup=False)
+        build_pipeline("m", cfg, artifacts, "cpu", warmup=False)
 
 
 def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
@@ -366,7 +366,7 @@ def test_several_inputs_reach_the_model_in_config_order() -> None:
     cfg = config(**MIX_INPUTS)
     assert [s.name for s in cfg.inputs] == ["bits", "scale", "mask"]
     model = torchscript(Mix())
-    pipe = Pipeline("m", cfg, Artifacts(t, ModuleModel(model)), "cpu", warmup=False)
+    pipe = build_pipeline("m", cfg, Artifacts(t, ModuleModel(model)), "cpu", warmup=False)
     rng = np.random.default_rng(5)
     bits = random_bits(3, seed=5)
     scale = rng.uniform(-2, 2, (3, N)).astype(np.float32)
@@ -416,7 +416,9 @@ def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
             return y * scale[:, :, None]
 
     cfg = parse_config(tomllib.loads(text), "t/config.toml")
-    pipe = Pipeline("m", cfg, Artifacts(t, ModuleModel(torchscript(Scale()))), "cpu", warmup=False)
+    pipe = build_pipeline(
+        "m", cfg, Artifacts(t, ModuleModel(torchscript(Scale()))), "cpu", warmup=False
+    )
     bits = random_bits(2, seed=8)
     scale = np.array([[1.0, -1.0, 2.0], [0.5, 0.0, 3.0]], np.float32)
     req = Bound(
@@ -433,4 +435,6 @@ def test_operator_input_by_name_and_a_model_missing_an_output() -> None:
             return {"other": y}
 
     with pytest.raises(ConfigError, match=r"model.file: the model's outputs \['other'\] lack"):
-        Pipeline("m", cfg, Artifacts(t, ModuleModel(torchscript(Wrong()))), "cpu", warmup=False)
+        build_pipeline(
+            "m", cfg, Artifacts(t, ModuleModel(torchscript(Wrong()))), "cpu", warmup=False
+        )

@@ -30,7 +30,7 @@ from service.protocol import (
 )
 from service.protocol.tensors import bf16_bits_to_float32, float_to_bf16_bits
 from service.repository import ModelRepository
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from tests.service.test_repository import B, N, cfg_text, write
 
@@ -204,7 +204,7 @@ async def test_bf16_input_to_a_model_without_bf16_is_a_400_naming_it(
         body = json.dumps({"inputs": [{**spec, "data": [1.0] * (N * B)}]}).encode()
         headers = {"Content-Type": "application/json"}
     repo = ModelRepository(tmp_path, warmup=False)
-    app = create_app(Settings(access_log=False), repo)
+    app = in_process_app(Settings(access_log=False), repo)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

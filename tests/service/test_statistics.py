@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends import ModuleModel
 from service.batcher import Batcher
+from service.builder import build_pipeline
 from service.config import ModelConfig
 from service.errors import InvalidInput
 from service.gpu_metrics import GpuGauges
 from service.metrics import Metrics
 from service.model_files import Artifacts
-from service.pipeline import Pipeline
-from service.rest.app import create_app
+from service.server import in_process_app
 from service.settings import Settings
 from service.signature import Bound, WireInput
 from service.statistics import ModelStats, Snapshot, Statistics, merge, triton_metrics
@@ -260,7 +260,7 @@ def test_the_pipeline_times_its_three_phases_once_per_batch() -> None:
         def eval(self) -> None:
             pass
 
-    pipe = Pipeline("m", cfg, Artifacts({}, ModuleModel(Double())), "cpu", warmup=False)
+    pipe = build_pipeline("m", cfg, Artifacts({}, ModuleModel(Double())), "cpu", warmup=False)
     pipe.stats = stats = ModelStats("m", "1")
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     bound = [Bound((WireInput(x[i : i + 1], False),), (0,), 1) for i in range(2)]
@@ -298,7 +298,7 @@ def test_the_pipeline_times_its_phases_with_cuda_events() -> None:
                 x = torch.sin(x) + 1
             return x
 
-    pipe = Pipeline("m", cfg, Artifacts({}, ModuleModel(Heavy())), "cuda:0", warmup=True)
+    pipe = build_pipeline("m", cfg, Artifacts({}, ModuleModel(Heavy())), "cuda:0", warmup=True)
     pipe.stats = stats = ModelStats("m", "1")
     x = np.random.default_rng(0).random((2, 1 << 20), dtype=np.float32)
     out = pipe.run([Bound((WireInput(x, False),), (0,), 2)])
@@ -333,7 +333,7 @@ def test_gpu_gauges_on_a_gpu() -> None:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     metrics = Metrics(nvml=None)
     repo = FakeRepository(metrics.statistics)
-    app = create_app(Settings(access_log=False), repo, metrics=metrics)
+    app = in_process_app(Settings(access_log=False), repo, metrics=metrics)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
