@@ -15,11 +15,13 @@
 2. **Cache.** The demo model (``[response_cache] enable = true``, ``--cache-config``): a
    request answered from the cache against the same request computed (each new random
    request sent twice, one after the other, medians). Then the tiny model
-   (``benchmarks/overhead/tiny.py``) with the cache on against off, every request's bytes
-   random (8 items of 1 byte: 2^64 requests, so no hits), interleaved rounds, medians of
-   requests per second. The load is a raw-socket HTTP/1.1 client in its own process, not
-   perf_analyzer: perf_analyzer's ``random`` input data is one tensor drawn once and sent
-   with every request, so every request after the first would be a hit.
+   (``benchmarks/overhead/tiny.py``) with the cache on against off, where no request is a
+   hit: perf_analyzer (``PERF_ANALYZER``, or ``../shared/tools/perf-analyzer.sh``) sends
+   requests of 8 items from ``--input-data``, 5,000 distinct requests in a cycle, to a
+   server whose cache holds a fifth of them (LRU: a cycle longer than the cache never hits);
+   interleaved rounds, medians of requests per second and of the server's CPU per request;
+   and the cache's own cost per missed request measured in process (key, lookup, store).
+   Without perf_analyzer (CI's smoke run) a raw-socket client sends random requests.
 
     python -m benchmarks.bench_residency               # writes benchmarks/results/residency.md
     python -m benchmarks.bench_residency --seconds 300 # the issue's full length
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import hashlib
+import io
 import json
 import statistics
 import subprocess
@@ -293,6 +297,39 @@ def cold_loads(
     return singles, pairs
 
 
+def builds_in_process(root: Path, names: list[str], trials: int) -> tuple[float, float, float]:
+    """Builds of the models alone (no server): one at a time, and two at once in two threads
+    (ms, medians), and the CPU seconds of one build: whether two loads can overlap at all on
+    this host, apart from anything the server does around them."""
+    import threading
+
+    from service.layout import model_versions
+    from service.loading import VersionBuilder
+
+    builder = VersionBuilder("cpu", 1 << 40, 1 << 40, True)
+
+    def build(name: str) -> None:
+        versions = model_versions(root, name)
+        builder.measured(lambda: builder.build_all(name, versions, None))
+
+    build(names[0])
+    singles, pairs, cpu = [], [], []
+    for t in range(trials):
+        a, b, c = (names[(3 * t + i) % len(names)] for i in range(3))
+        c0, t0 = time.process_time(), time.perf_counter()
+        build(a)
+        singles.append((time.perf_counter() - t0) * 1e3)
+        cpu.append(time.process_time() - c0)
+        threads = [threading.Thread(target=build, args=(n,)) for n in (b, c)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        pairs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(singles), statistics.median(pairs), statistics.median(cpu)
+
+
 def residency(args: argparse.Namespace, out: list[str]) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-residency-"))
     names = write_models(root / "repo", args.models, args.half_width)
@@ -312,6 +349,11 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
         srv,
     ):
         resident_at_start = sum(1 for r in index(srv.url) if r["resident"])
+        built_at_start = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith("bitserve_model_loads_total{")
+        )
         samples: list[int] = []
         rss_samples: list[int] = []
         done = False
@@ -353,6 +395,7 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
         singles, pairs = cold_loads(srv.url, srv.port, names, args.cold_trials)
     with perf.start([("reference", perf.bitserve(root / "repo", *ONE))], timeout_s=600) as (ref,):
         mismatched = in_child("replay", port=ref.port, records=records)
+    one_build, two_builds, build_cpu = builds_in_process(root / "repo", names, args.cold_trials)
     failed = sum(1 for r in records if r[2] != 200)
     statuses = sorted({r[2] for r in records if r[2] != 200})
     ms = [r[3] for r in records if r[2] == 200]
@@ -368,7 +411,8 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
         ["request latency p50 / p99 (ms)",
          f"{np.percentile(ms, 50):.1f} / {np.percentile(ms, 99):.1f}", ""],
         ["evictions; requests that waited for a load", f"{evictions:.0f}; {waited:.0f}", ""],
-        ["resident at start (models)", resident_at_start, ""],
+        ["resident at start; built at start (models)", f"{resident_at_start}; "
+         f"{built_at_start:.0f}", f"of {len(names)}: the others listed, built on demand"],
         ["accounted resident bytes, max of samples (MiB)", f"{max(samples) / 2**20:.2f}",
          f"<= budget {budget / 2**20:.2f}"],
         ["RSS during the traffic, max of samples, less the footprint (MiB)",
@@ -379,6 +423,9 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
         ["cold request p50 / p99 (ms)", f"{p50:.0f} / {p99:.0f}", f"{len(singles)} cold loads"],
         ["two cold models together / one cold (median)", f"{pair / one_cold:.2f}",
          "target <= 1.3"],
+        ["builds alone, in process: two in two threads / one (median)",
+         f"{two_builds / one_build:.2f}", f"one {one_build:.0f} ms ({build_cpu * 1e3:.0f} ms "
+         f"of CPU), two {two_builds:.0f} ms"],
     ]  # fmt: skip
     out.append("## More models than memory\n")
     out.append(markdown_table(["", "measured", "note"], rows))
@@ -392,7 +439,93 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
     )
 
 
+PA_ITEMS = 8
+"""Items of each throughput request (perf_analyzer's ``-b``)."""
+PA_DISTINCT = 5000
+"""Distinct requests in perf_analyzer's input data (it cycles through them)."""
+
+
+def pa_input_data(path: Path, seed: int) -> Path:
+    """perf_analyzer's ``--input-data``: :data:`PA_DISTINCT` x :data:`PA_ITEMS` steps of one
+    random byte each; perf_analyzer makes each request of ``-b`` consecutive steps, so it
+    sends :data:`PA_DISTINCT` distinct requests, in a cycle."""
+    rng = np.random.default_rng(seed)
+    steps = rng.integers(0, 256, PA_DISTINCT * PA_ITEMS)
+    data = [{tiny.INPUT: {"content": [int(b)], "shape": [1, 1]}} for b in steps]
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def pa_rate(
+    command: list[str], server: perf.Running, data: Path, interval_ms: int
+) -> tuple[float, float]:
+    """One perf_analyzer run at :data:`CLIENTS` concurrent requests of :data:`PA_ITEMS`
+    items from ``data``: requests per second, and the server's CPU microseconds per request
+    (its process tree's user + system time over the run, divided by the requests served)."""
+    from harness.loadgen import tree_cpu_seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = Path(tmp) / "pa.csv"
+        args = [
+            *command, "-m", "tiny", "-u", f"127.0.0.1:{server.port}", "-i", "http",
+            "-b", str(PA_ITEMS), "--concurrency-range", str(CLIENTS),
+            "--input-data", str(data), "--measurement-interval", str(interval_ms),
+            "--stability-percentage", "1000", "--max-trials", "3", "-f", str(csv_path),
+        ]  # fmt: skip
+        cpu0, t0 = tree_cpu_seconds(server.process.pid), time.perf_counter()
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        cpu = tree_cpu_seconds(server.process.pid) - cpu0
+        if not csv_path.exists():
+            raise RuntimeError(f"perf_analyzer failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        row = next(csv.DictReader(io.StringIO(csv_path.read_text())))
+    rps = float(row["Inferences/Second"]) / PA_ITEMS
+    return rps, cpu / (rps * wall) * 1e6
+
+
+def cache_cost_us(requests: int = 20_000) -> float:
+    """The response cache's own cost of one missed request, in process (microseconds): the
+    key of a tiny-model request of :data:`PA_ITEMS` random items (as the data plane computes
+    it), the lookup that finds nothing, and the store of its answer."""
+    from types import SimpleNamespace
+
+    from service.batch_queue import BatchInfo
+    from service.config import load_config
+    from service.protocol.types import InferRequest, RequestInput, RequestOutput
+    from service.response_cache import ResponseCache, cache_key
+    from service.signature import Bound, WireInput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny.write_repository(Path(tmp)) / tiny.NAME
+        cfg = load_config(folder / "config.toml", "tiny")
+    handle = SimpleNamespace(name=tiny.NAME, version="1", cfg=cfg)
+    rng = np.random.default_rng(0)
+    todo = []
+    for _ in range(requests):
+        packed = rng.integers(0, 256, (PA_ITEMS, 1, 1), np.uint8)
+        req = InferRequest(
+            id="r",
+            inputs=[RequestInput(tiny.INPUT, "UINT8", packed.shape, packed,
+                                 {"binary_data_size": PA_ITEMS})],
+            outputs=[RequestOutput(tiny.OUTPUT, True, {"binary_data": True})],
+            parameters={},
+        )  # fmt: skip
+        todo.append((req, Bound((WireInput(packed, True, None),), (0,), PA_ITEMS)))
+    answer, info = [np.zeros((PA_ITEMS, 1, 1), np.float32)], BatchInfo(PA_ITEMS, 1)
+    runs = []
+    for _ in range(5):
+        cache = ResponseCache(64 << 20)
+        t0 = time.perf_counter_ns()
+        for req, bound in todo:
+            key = cache_key(handle, req, bound)  # type: ignore[arg-type]
+            if cache.get(key) is None:
+                cache.put(key, (tiny.NAME, "1"), answer, info)
+        runs.append((time.perf_counter_ns() - t0) / requests / 1e3)
+    return statistics.median(runs)
+
+
 def cache(args: argparse.Namespace, out: list[str]) -> None:
+    from harness.server import perf_analyzer
     from service.demo import write_demo_repository
 
     root = Path(tempfile.mkdtemp(prefix="bench-cache-"))
@@ -410,7 +543,8 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
     with perf.start(servers, timeout_s=600) as (demo,):
 
         async def pairs() -> tuple[list[float], list[float]]:
-            miss, hit = [], []
+            miss: list[float] = []
+            hit: list[float] = []
             conn = await Conn.open(demo.port)
             rng = np.random.default_rng(3)
             for k in range(args.cache_trials):
@@ -427,27 +561,39 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
         miss, hit = asyncio.run(pairs())
         stats = httpx.get(demo.url + "/v2/models/demo/stats", timeout=10).json()
         cstats = stats["model_stats"][0]["inference_stats"]
+    # Every request misses: perf_analyzer cycles through PA_DISTINCT distinct requests, and
+    # the cache holds a fifth of them (least recently used out: a cycle longer than the
+    # cache never hits). Without perf_analyzer (a smoke run), the raw-socket client's
+    # random requests stand in.
+    entry = 256 + 4 * PA_ITEMS
+    small = ("--cache-config", f"local,size={entry * PA_DISTINCT // 5}", "--log-level", "warning")
+    command = perf_analyzer()
     servers = [
         ("off", perf.bitserve(tiny_root, *ONE, "--log-level", "warning")),
-        ("on", perf.bitserve(tiny_root, *ONE, *size)),
+        ("on", perf.bitserve(tiny_root, *ONE, *small)),
     ]
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     with perf.start(servers, timeout_s=600) as running:
         for r in range(args.rounds):
             for srv in running if r % 2 == 0 else running[::-1]:
-                rates[srv.label].append(
-                    in_child(
-                        "rate",
-                        port=srv.port,
-                        model="tiny",
-                        seconds=args.round_seconds,
-                        items=8,
-                        seed=r,
-                    )
-                )
+                if command is not None:  # each run its own requests: none seen before
+                    data = pa_input_data(root / "pa.json", seed=2 * r + (srv.label == "on"))
+                    rps, us = pa_rate(command, srv, data, int(args.round_seconds * 1000))
+                else:
+                    rps = in_child("rate", port=srv.port, model="tiny",
+                                   seconds=args.round_seconds, items=PA_ITEMS, seed=r)  # fmt: skip
+                    us = float("nan")
+                rates[srv.label].append(rps)
+                cpu[srv.label].append(us)
         hits = httpx.get(running[1].url + "/v2/models/tiny/stats", timeout=10).json()
-        tiny_hits = hits["model_stats"][0]["inference_stats"]["cache_hit"]["count"]
+        tiny_stats = hits["model_stats"][0]["inference_stats"]
+        tiny_hits, tiny_misses = tiny_stats["cache_hit"]["count"], tiny_stats["cache_miss"]["count"]
+    cost = cache_cost_us()
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    pairs_ratio = statistics.median(b / a for a, b in zip(rates["off"], rates["on"], strict=True))
+    load = "perf_analyzer" if command is not None else "raw-socket client (no perf_analyzer)"
     rows = [
         ["demo: computed (miss), median ms", f"{statistics.median(miss):.2f}", ""],
         ["demo: answered from the cache (hit), median ms", f"{statistics.median(hit):.2f}", ""],
@@ -455,11 +601,18 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
          "target >= 5x"],
         ["demo: statistics cache_hit / cache_miss count",
          f"{cstats['cache_hit']['count']} / {cstats['cache_miss']['count']}", ""],
-        ["tiny, random inputs: cache off, requests/s (median of rounds)", f"{off:,.0f}",
-         f"{len(rates['off'])} rounds of {args.round_seconds:g} s"],
-        ["tiny, random inputs: cache on, requests/s", f"{on:,.0f}",
-         f"hits: {tiny_hits}"],
-        ["cache on / off", f"{on / off:.3f}", "target >= 0.97"],
+        ["tiny, no hits: cache off, requests/s (median of rounds)", f"{off:,.0f}",
+         f"{len(rates['off'])} rounds of {args.round_seconds:g} s, {load}"],
+        ["tiny, no hits: cache on, requests/s (median of rounds)", f"{on:,.0f}",
+         f"hits {tiny_hits}, misses {tiny_misses}"],
+        ["cache on / off (ratio of the medians)", f"{on / off:.3f}", "target >= 0.97"],
+        ["cache on / off (median of the rounds' ratios, each pair adjacent)",
+         f"{pairs_ratio:.3f}", ""],
+        ["server CPU per request, off / on (us, medians)", f"{cpu_off:.0f} / {cpu_on:.0f}",
+         "the process's user + system time over a round"],
+        ["the cache's own cost per missed request, in process (us)", f"{cost:.1f}",
+         f"key + lookup + store: {cost / cpu_off:.1%} of a request's CPU"
+         if cpu_off == cpu_off else "key + lookup + store"],
         ["rounds off; on (requests/s)", "; ".join(
             ", ".join(f"{x:.0f}" for x in rates[k]) for k in ("off", "on")), ""],
     ]  # fmt: skip
@@ -467,10 +620,12 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
     out.append(markdown_table(["", "measured", "note"], rows))
     out.append(
         "\nLatencies are one client's, sequential, over a keep-alive connection (a demo "
-        "request is 125 KB packed). The throughput rows: 8 connections of a raw-socket "
-        "HTTP/1.1 client in its own process (not perf_analyzer: its `random` input data is "
-        "drawn once and resent, so every request would be a hit), each request 8 items of "
-        "random bytes, rounds of off and on interleaved.\n"
+        "request is 125 KB packed). The throughput rows: perf_analyzer at concurrency 8, "
+        f"requests of {PA_ITEMS} items from `--input-data` holding {PA_DISTINCT:,} distinct "
+        "requests (new ones for every run), which it sends in a cycle; the cache holds a fifth "
+        "of them, so with LRU eviction every request misses (the hits row says so). Rounds "
+        "of off and on interleaved; the in-process cost is the median of 5 passes over "
+        "20,000 requests.\n"
     )
 
 
@@ -485,8 +640,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--half-width", type=float, default=48.0)
     p.add_argument("--cold-trials", type=int, default=20)
     p.add_argument("--cache-trials", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--round-seconds", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=12, help="interleaved throughput rounds")
+    p.add_argument("--round-seconds", type=float, default=2.0, help="perf_analyzer's window")
     p.add_argument("--part", choices=["all", "residency", "cache"], default="all")
     args = p.parse_args(argv)
     if args.smoke:

@@ -261,6 +261,13 @@ class ResidentCorpus:
         self.digest = ""
         self.num_rows = file.num_rows
         self.nbytes = int(self.packed.nbytes) + (0 if self.ids is None else self.ids.numel() * 8)
+        self._device = str(device)
+
+    @property
+    def shared_key(self) -> tuple[str, str, str]:
+        """What names this copy among the versions that share it (``service.residency.
+        shared_parts``: the device memory budget counts it once per device)."""
+        return ("corpus", self.digest or f"file:{self.identity}", self._device)
 
 
 class CorpusStore:

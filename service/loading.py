@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from service.builder import build_pipeline, build_version
@@ -23,11 +25,13 @@ from service.layout import VersionSource
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline, resolve_device
 from service.residency import held_bytes, trim_host_memory
-from service.signature import Signature
+from service.signature import Bound, Signature
 
 log = logging.getLogger("service.repository")  # its reports read as the repository's
 
 Built = dict[str, tuple[ModelConfig, Pipeline]]
+Plan = tuple[str, int, dict[Hashable, int]]
+"""A version's device, its estimated bytes of its own, and its shared parts (key: bytes)."""
 Measured = dict[str, tuple[ModelConfig, Pipeline, int]]
 
 
@@ -101,12 +105,13 @@ class VersionBuilder:
         self,
         sources: dict[str, VersionSource] | None,
         override: ConfigOverride | None,
-        known: Callable[[str], tuple[str, int] | None],
-    ) -> list[tuple[str, int]]:
-        """``(device, estimated bytes)`` of each version to build: ``known(version)`` (the
-        bytes measured at its last load), else the size of its folder's files. Unreadable
-        configs and unknown devices are left to the build to report."""
-        out: list[tuple[str, int]] = []
+        known: Callable[[str], Plan | None],
+    ) -> list[Plan]:
+        """``(device, estimated bytes of its own, shared parts)`` of each version to build:
+        ``known(version)`` (as measured at its last load), else the size of its folder's
+        files (no shared parts). Unreadable configs and unknown devices are left to the
+        build to report."""
+        out: list[Plan] = []
         patch = override.patch if override is not None else None
         todo: dict[str, VersionSource | None] = {"1": None} if sources is None else {**sources}
         for v, src in todo.items():
@@ -122,9 +127,26 @@ class VersionBuilder:
                 else:
                     cfg = load_config(src.config_path, src.source, patch=patch)
                     estimate = sum(f.stat().st_size for f in src.folder.iterdir() if f.is_file())
-                out.append((resolve_device(cfg.device, self.default_device), estimate))
+                out.append((resolve_device(cfg.device, self.default_device), estimate, {}))
             except (ConfigError, OSError):
                 continue
+        return out
+
+    def unbuilt(
+        self, sources: dict[str, VersionSource], override: ConfigOverride | None
+    ) -> dict[str, tuple[ModelConfig, str, int]] | None:
+        """``{version: (config, device, size of its files)}`` read without building anything
+        (a load at start past the budget lists its versions with these); None when a config
+        cannot be read (the build then reports why)."""
+        patch = override.patch if override is not None else None
+        out: dict[str, tuple[ModelConfig, str, int]] = {}
+        try:
+            for v, src in sources.items():
+                cfg = load_config(src.config_path, src.source, patch=patch)
+                files = sum(f.stat().st_size for f in src.folder.iterdir() if f.is_file())
+                out[v] = (cfg, resolve_device(cfg.device, self.default_device), files)
+        except (ConfigError, OSError):
+            return None
         return out
 
     def measured(self, build: Callable[[], Built]) -> Measured:
@@ -155,6 +177,41 @@ class VersionBuilder:
         if any(pipe.device.type == "cpu" for _, pipe, _ in out.values()):
             trim_host_memory()  # the build's temporaries, back to the system
         return out
+
+
+class Unbuilt(Pipeline):
+    """The stand-in of a version listed but never built (at start, past the device memory
+    budget): its config and device, no tensors. Its handle serves the config and the
+    metadata (each output's shape from its config, else ``[-1]`` until the first load);
+    its first request builds the real pipeline, as for an evicted version.
+
+    Args:
+        name, cfg, device, source: see :class:`~service.pipeline.Pipeline`.
+    """
+
+    def __init__(self, name: str, cfg: ModelConfig, device: str, source: str) -> None:
+        # Nothing is built: the attributes a handle and the repository read, set here.
+        self.name = name
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.stats = None
+        self.last_phases_ns = None
+        self._events = []
+        self.source = source
+        self.inputs = list(cfg.inputs)
+        self.capacity = max(cfg.max_batch_size, 1)
+        self.batched = cfg.max_batch_size > 0
+        self.compute_dtype = torch.float32
+        self._buffers = []
+        self.output_shapes = [list(o.shape) if o.shape is not None else [-1] for o in cfg.outputs]
+        self.device_memory_bytes = 0
+
+    def run(
+        self, requests: Sequence[Bound], *, check: bool = False
+    ) -> list[list[np.ndarray[Any, Any]]]:
+        """Never called: an unbuilt version's handle is not resident, so its requests wait
+        for the real one."""
+        raise RuntimeError(f"model {self.name!r} is not built")
 
 
 def check_override_io(

@@ -8,10 +8,10 @@ a retired version's batcher refuses new requests.
 
 Residency (``--device-memory-budget``, :mod:`service.residency`): a READY version is either
 resident (its pipeline on its device, its batcher serving) or evicted (its handle kept for
-metadata, its tensors released). Every version is built once when its model loads (its dry
-run checks it and measures the bytes it holds); a load that would pass its device's budget
-first evicts the least recently used versions that hold no request. An evicted version stays
-READY and listed; its next request (:meth:`ModelRepository.resident`) loads it again, and
+metadata, its tensors released). At start, models are built until the budget is full; the
+rest are listed READY without a build. A load that would pass its device's budget first
+evicts the least recently used versions that hold no request. A version not resident stays
+READY and listed; its next request (:meth:`ModelRepository.resident`) loads it, and
 concurrent requests wait for that one load.
 """
 
@@ -199,7 +199,10 @@ class ModelRepository(ResidentVersions):
         async def load(name: str) -> None:
             async with gate:
                 try:
-                    await self.load(name)
+                    if self.budget is not None and self.root is not None:
+                        await self._start_within_budget(name)  # past it: listed, not built
+                    else:
+                        await self.load(name)
                 except (InvalidInput, ModelNotFound) as exc:
                     log.error("model %s failed to load: %s", name, exc)
 

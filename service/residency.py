@@ -9,6 +9,8 @@ used). This module has the pieces that know nothing of models:
 - :func:`held_bytes`: the bytes of the tensors an object holds (a pipeline of any kind: its
   operator bands, model weights, corpus, staging buffers), each storage counted once;
 - :func:`release`: drop those tensors, so an evicted pipeline's memory returns to its device;
+- :func:`shared_parts`: what a pipeline shares with others (an index's corpus, one copy per
+  content and device however many versions name it), counted once per device;
 - :class:`Accounting`: the bytes each device's resident versions hold and which versions
   to evict, least recently used first, to make room.
 """
@@ -105,6 +107,19 @@ def _plain(v: Any) -> bool:
     return isinstance(v, str | bytes | int | float | bool | torch.device | torch.dtype)
 
 
+def shared_parts(obj: Any) -> dict[Hashable, int]:
+    """What ``obj`` (a pipeline) holds in common with others: ``{key: bytes}`` of each
+    attribute that says it is shared (a ``shared_key`` attribute, and its ``nbytes``: an
+    index's resident corpus, one per content and device). :class:`Accounting` counts each
+    key once per device, however many resident versions hold it."""
+    out: dict[Hashable, int] = {}
+    for value in vars(obj).values():
+        key = getattr(value, "shared_key", None)
+        if key is not None:
+            out[key] = int(getattr(value, "nbytes", 0))
+    return out
+
+
 def release(obj: Any) -> None:
     """Drop what ``obj`` (an evicted pipeline) holds on its device: every attribute through
     which :func:`held_bytes` finds a tensor is set to None. The object is unusable after,
@@ -155,8 +170,11 @@ class Transient:
 class _Resident:
     device: str
     nbytes: int
+    """Its own bytes (its shared parts apart)."""
     pinned: bool
     busy: Callable[[], bool]
+    shared: dict[Hashable, int]
+    """Parts it holds in common with other versions (``shared_parts``), by key: bytes."""
 
 
 class Accounting:
@@ -164,7 +182,9 @@ class Accounting:
 
     Keys are the repository's (``(model, version)``); a key is accounted from
     :meth:`reserve` (before its load, with an estimate) to :meth:`remove` (after its
-    eviction, unload or failed load).
+    eviction, unload or failed load). A key's bytes are its own plus its shared parts
+    (:func:`shared_parts`); a shared part is counted once per device while any resident key
+    holds it, and is freed only with the last of them.
 
     Args:
         budgets: a device's budget in bytes, or None for no budget (called once per device).
@@ -182,8 +202,35 @@ class Accounting:
         return self._budgets[device]
 
     def used(self, device: str) -> int:
-        """The bytes accounted on ``device`` (resident versions and loads in progress)."""
-        return sum(r.nbytes for r in self._lru.values() if r.device == device)
+        """The bytes accounted on ``device`` (resident versions and loads in progress; each
+        shared part once)."""
+        own = sum(r.nbytes for r in self._lru.values() if r.device == device)
+        return own + sum(self._shared_on(device).values())
+
+    def _shared_on(self, device: str) -> dict[Hashable, int]:
+        """The shared parts resident on ``device``: key -> bytes."""
+        out: dict[Hashable, int] = {}
+        for r in self._lru.values():
+            if r.device == device and r.shared:
+                out.update(r.shared)
+        return out
+
+    def loading(self, device: str) -> list[int]:
+        """The bytes reserved on ``device`` for each build in progress (its estimate)."""
+        return [
+            r.nbytes
+            for k, r in self._lru.items()
+            if r.device == device and isinstance(k, Transient)
+        ]
+
+    def typical(self, device: str) -> int:
+        """The most bytes one resident version holds on ``device`` (0: none is): what a
+        version not built yet is guessed to need when the size of its files says less."""
+        return max(
+            (r.nbytes + sum(r.shared.values()) for k, r in self._lru.items()
+             if r.device == device and not isinstance(k, Transient)),
+            default=0,
+        )  # fmt: skip
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._lru
@@ -191,7 +238,7 @@ class Accounting:
     def bytes_of(self, key: Hashable) -> int:
         """The bytes accounted for ``key`` (0 when it is not)."""
         r = self._lru.get(key)
-        return 0 if r is None else r.nbytes
+        return 0 if r is None else r.nbytes + sum(r.shared.values())
 
     def touch(self, key: Hashable) -> None:
         """``key`` was just used: the last to be evicted."""
@@ -209,11 +256,18 @@ class Accounting:
             )
 
     def victims(
-        self, device: str, nbytes: int, *, spare: Callable[[Hashable], bool] = lambda k: False
+        self,
+        device: str,
+        nbytes: int,
+        *,
+        spare: Callable[[Hashable], bool] = lambda k: False,
+        shared: dict[Hashable, int] | None = None,
     ) -> list[Hashable]:
-        """The versions to evict, least recently used first, so that ``nbytes`` more fit on
-        ``device`` (none needed: empty). Pinned and busy versions, and those ``spare``
-        says, are never chosen.
+        """The versions to evict, least recently used first, so that ``nbytes`` more (and
+        the ``shared`` parts not resident yet) fit on ``device`` (none needed: empty).
+        Pinned and busy versions, and those ``spare`` says, are never chosen; evicting a
+        version frees a shared part only with its last holder (the new version, holding
+        ``shared``, keeps its parts).
 
         Raises:
             NoRoom: ``nbytes`` is more than the whole budget or than its unpinned part
@@ -222,7 +276,15 @@ class Accounting:
         budget = self.budget(device)
         if budget is None:
             return []
-        self.check_fits(device, nbytes)
+        shared = shared or {}
+        self.check_fits(device, nbytes + sum(shared.values()))
+        resident_shared = self._shared_on(device)
+        nbytes += sum(b for k, b in shared.items() if k not in resident_shared)
+        holders: dict[Hashable, int] = dict.fromkeys(shared, 1)  # the new version's
+        for r in self._lru.values():
+            if r.device == device:
+                for k in r.shared:
+                    holders[k] = holders.get(k, 0) + 1
         free = budget - self.used(device)
         out: list[Hashable] = []
         pinned = 0
@@ -235,6 +297,10 @@ class Accounting:
                 continue
             out.append(key)
             free += r.nbytes
+            for k, b in r.shared.items():
+                holders[k] -= 1
+                if holders[k] == 0:  # its last holder goes: the part is freed with it
+                    free += b
         if free < nbytes:
             permanent = nbytes > budget - pinned
             why = f"{pinned:,} bytes pinned" if permanent else "the others are busy"
@@ -246,15 +312,20 @@ class Accounting:
         return out
 
     def reserve(
-        self, key: Hashable, device: str, nbytes: int, *, pinned: bool, busy: Callable[[], bool]
+        self,
+        key: Hashable,
+        device: str,
+        nbytes: int,
+        *,
+        pinned: bool,
+        busy: Callable[[], bool],
+        shared: dict[Hashable, int] | None = None,
     ) -> None:
-        """Account ``nbytes`` for ``key`` on ``device`` (again: replaced), the most recent."""
-        self._lru[key] = _Resident(device, nbytes, pinned, busy)
+        """Account ``nbytes`` of its own and its ``shared`` parts (each counted once per
+        device, see the class) for ``key`` on ``device`` (again: replaced), the most
+        recent."""
+        self._lru[key] = _Resident(device, nbytes, pinned, busy, dict(shared or {}))
         self._lru.move_to_end(key)
-
-    def resize(self, key: Hashable, nbytes: int) -> None:
-        """The measured bytes of ``key``, in place of its estimate."""
-        self._lru[key].nbytes = nbytes
 
     def remove(self, key: Hashable) -> None:
         """``key`` holds nothing now."""

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from service.config_override import ConfigOverride
 from service.errors import DeadlineExceeded, ModelNotReady
 from service.handle import ModelHandle
 from service.layout import VersionSource
-from service.loading import VersionBuilder
+from service.loading import Plan, Unbuilt, VersionBuilder
 from service.metrics import Metrics
 from service.pipeline import Pipeline
 from service.residency import (
@@ -35,6 +35,7 @@ from service.residency import (
     Transient,
     budget_bytes,
     release,
+    shared_parts,
     trim_host_memory,
 )
 from service.response_cache import ResponseCache
@@ -63,6 +64,8 @@ class Entry:
     """Its load on demand in progress: every request for it waits for this one."""
     waiting: int = 0
     """Requests waiting for that load (until each is queued, the version is busy)."""
+    shared: dict[Hashable, int] = field(default_factory=dict)
+    """Its shared parts as measured at its last load (an index's corpus: key -> bytes)."""
 
 
 class ResidentVersions:
@@ -101,6 +104,82 @@ class ResidentVersions:
 
     def _report_memory(self, name: str) -> None:
         raise NotImplementedError
+
+    async def _start_within_budget(self, name: str) -> None:
+        """Load ``name`` at start under a budget: built if its versions fit in what is left
+        of their devices' budgets, else listed READY but not built (:class:`Unbuilt`), to
+        load on its first request. Decided with the build slot held, so the loads running
+        are accounted (a version not measured yet at least as large as the largest resident
+        one on its device). A failure is recorded (UNAVAILABLE) and logged, as by
+        :meth:`load`."""
+        async with self._lock(name):
+            if self._closing:
+                return
+            async with self._building:
+                try:
+                    sources = self._sources(name)
+                    unbuilt = None
+                    if sources is not None:
+                        unbuilt = await asyncio.to_thread(self._builder.unbuilt, sources, None)
+                    if unbuilt is not None and self._full(unbuilt):
+                        await self._list_unbuilt(name, unbuilt, sources or {})
+                        return
+                    built = await self._build_room_made(name, sources, None, at_start=True)
+                except ConfigError as exc:
+                    reason = "; ".join(exc.problems)
+                    self._models[name] = {"1": Entry(UNAVAILABLE, reason)}
+                    log.error("model %s failed to load: %s", name, reason)
+                    return
+            versions = sorted(built, key=int)
+            self._models[name] = {}
+            for v in versions:
+                cfg, pipeline, nbytes = built[v]
+                handle = self._serve(name, v, cfg, pipeline, versions)
+                self._models[name][v] = entry = Entry(READY, "", handle)
+                self._account(handle, nbytes, entry)
+            self._overrides[name] = None
+            self._report_memory(name)
+            log.info("model %s loaded: versions %s", name, versions)
+
+    def _full(self, unbuilt: dict[str, tuple[ModelConfig, str, int]]) -> bool:
+        """Whether the versions of ``unbuilt`` would pass a budget left as it is, each
+        guessed as large as the largest version resident on its device (the size of a
+        version's files says little of what it holds once built: an operator's band is
+        computed, an index's corpus prepared; the first version on a device is built to
+        find out)."""
+        need: dict[str, int] = {}
+        for _, device, _ in unbuilt.values():
+            need[device] = need.get(device, 0) + self.accounting.typical(device)
+        for device, nbytes in need.items():
+            budget = self.accounting.budget(device)
+            if budget is None:
+                continue
+            typical = self.accounting.typical(device)  # builds reserved with less, as much
+            running = sum(max(typical - b, 0) for b in self.accounting.loading(device))
+            if self.accounting.used(device) + running + nbytes > budget:
+                return True
+        return False
+
+    async def _list_unbuilt(
+        self,
+        name: str,
+        unbuilt: dict[str, tuple[ModelConfig, str, int]],
+        sources: dict[str, VersionSource],
+    ) -> None:
+        """List ``name``'s versions READY and not resident, built on their first request."""
+        versions = sorted(unbuilt, key=int)
+        entries: dict[str, Entry] = {}
+        for v in versions:
+            cfg, device, _ = unbuilt[v]
+            stand_in = Unbuilt(name, cfg, device, sources[v].source)
+            handle = self._serve(name, v, cfg, stand_in, versions)
+            await handle.batcher.stop()
+            entries[v] = Entry(READY, "", handle)
+        self._models[name] = entries
+        self._overrides[name] = None
+        self._report_memory(name)
+        log.info("model %s listed, not loaded (the device memory budget is full): versions %s",
+                 name, versions)  # fmt: skip
 
     def _budget_of(self, device: str) -> int | None:
         if self.budget is None:
@@ -190,13 +269,17 @@ class ResidentVersions:
 
     def _account(self, handle: ModelHandle, nbytes: int, entry: Entry) -> None:
         """A resident version's bytes, the most recently used; busy (never evicted) while
-        it has requests queued or running, or waiting for its load to resume."""
+        it has requests queued or running, or waiting for its load to resume. Its shared
+        parts (an index's corpus) are accounted apart, once per device."""
+        own, shared = _split(handle.pipeline, nbytes)
+        entry.shared = shared
         self.accounting.reserve(
             handle,
             str(handle.pipeline.device),
-            nbytes,
+            own,
             pinned=handle.cfg.pinned,
             busy=lambda: entry.waiting > 0 or not handle.batcher.idle,
+            shared=shared,
         )
 
     async def _build_within_budget(
@@ -223,20 +306,26 @@ class ResidentVersions:
         name: str,
         sources: dict[str, VersionSource] | None,
         override: ConfigOverride | None,
+        *,
+        at_start: bool = False,
     ) -> dict[str, tuple[ModelConfig, Pipeline, int]]:
         plans = await asyncio.to_thread(self._plan, name, sources, override)
         tokens: list[Hashable] = []
         t0 = time.perf_counter()
         try:
-            for device, estimate in plans:
+            for device, estimate, shared in plans:
                 budget = self.accounting.budget(device)
+                if at_start or estimate == _GUESS:  # as large as the largest (see _full)
+                    estimate = self.accounting.typical(device)
                 estimate = estimate if budget is None else min(estimate, budget)
                 try:
-                    await self._make_room(device, estimate, name)
+                    await self._make_room(device, estimate, shared, name=name)
                 except ConfigError:
-                    estimate = 0  # only an estimate: the measured bytes decide below
+                    estimate, shared = 0, {}  # an estimate: the measured bytes decide below
                 token: Hashable = _Loading(name)
-                self.accounting.reserve(token, device, estimate, pinned=True, busy=_always)
+                self.accounting.reserve(
+                    token, device, estimate, pinned=True, busy=_always, shared=shared
+                )
                 tokens.append(token)
             built = await asyncio.to_thread(self._build_measured, name, sources, override)
         finally:
@@ -248,7 +337,7 @@ class ResidentVersions:
                 where = sources[v].source if sources is not None else where
                 device = str(pipe.device)
                 self.accounting.check_fits(device, nbytes)
-                await self._make_room(device, nbytes, name)
+                await self._make_room(device, *_split(pipe, nbytes), name=name)
         except (NoRoom, ConfigError) as exc:
             for _, pipe, _ in built.values():
                 release(pipe)
@@ -261,16 +350,21 @@ class ResidentVersions:
 
     def _plan(
         self, name: str, sources: dict[str, VersionSource] | None, override: ConfigOverride | None
-    ) -> list[tuple[str, int]]:
-        """``(device, estimated bytes)`` of each version to build (none without a budget)."""
+    ) -> list[Plan]:
+        """``(device, estimated bytes of its own, shared parts)`` of each version to build
+        (none without a budget)."""
         if self.budget is None:
             return []
 
-        def known(v: str) -> tuple[str, int] | None:
+        def known(v: str) -> Plan | None:
             e = self._models.get(name, {}).get(v)
             if e is None or e.handle is None:
                 return None
-            return str(e.handle.pipeline.device), e.handle.pipeline.device_memory_bytes
+            pipe = e.handle.pipeline
+            if isinstance(pipe, Unbuilt):  # listed at start, never measured
+                return str(pipe.device), _GUESS, {}
+            own = max(pipe.device_memory_bytes - sum(e.shared.values()), 0)
+            return str(pipe.device), own, dict(e.shared)
 
         return self._builder.plan(sources, override, known)
 
@@ -283,10 +377,12 @@ class ResidentVersions:
         """:meth:`_build_all` with each pipeline's measured bytes."""
         return self._builder.measured(lambda: self._build_all(name, sources, override))
 
-    async def _make_room(self, device: str, nbytes: int, name: str) -> None:
+    async def _make_room(
+        self, device: str, nbytes: int, shared: dict[Hashable, int] | None = None, *, name: str
+    ) -> None:
         """Evict the least recently used versions (of other models) that hold no request
-        until ``nbytes`` more fit on ``device``, waiting up to :data:`ROOM_WAIT_S` for busy
-        ones to finish.
+        until ``nbytes`` more (and the ``shared`` parts not resident yet) fit on ``device``,
+        waiting up to :data:`ROOM_WAIT_S` for busy ones to finish.
 
         Raises:
             ConfigError: ``nbytes`` is more than the budget, or no room came in time.
@@ -295,7 +391,10 @@ class ResidentVersions:
         while True:
             try:
                 victims = self.accounting.victims(
-                    device, nbytes, spare=lambda k: getattr(k, "name", None) == name
+                    device,
+                    nbytes,
+                    spare=lambda k: getattr(k, "name", None) == name,
+                    shared=shared,
                 )
             except NoRoom as exc:
                 if exc.permanent or time.monotonic() > deadline or self._closing:
@@ -326,6 +425,11 @@ class ResidentVersions:
         self._report_memory(key.name)
 
 
+_GUESS = -1
+"""The estimate of a version never built (listed at start): guessed as large as the largest
+resident version on its device (its files' size says little, see ``_full``)."""
+
+
 class _Loading(Transient):
     """The accounting key of a build in progress (never evicted)."""
 
@@ -333,6 +437,12 @@ class _Loading(Transient):
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def _split(pipeline: Pipeline, nbytes: int) -> tuple[int, dict[Hashable, int]]:
+    """A built version's ``nbytes``: its own, and its shared parts (``shared_parts``)."""
+    shared = shared_parts(pipeline)
+    return max(nbytes - sum(shared.values()), 0), shared
 
 
 def _always() -> bool:

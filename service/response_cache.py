@@ -69,8 +69,23 @@ def _params(params: dict[str, Any]) -> bytes:
     return json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":")).encode()
 
 
-_HEADS: dict[tuple[str, int, tuple[int, ...], bool, str], bytes] = {}
-"""Each input form's bytes in the key: name, datatype, shape, packing, bit order."""
+_HEADS: dict[tuple[Any, ...], tuple[bytes, bool]] = {}
+"""The bytes in the key of each request form: the model, version, every input's name,
+datatype, shape, packing and bit order, and the outputs asked for (a handful per model, each
+written once; the key then hashes this head and the inputs' bytes, in one BLAKE2b); and
+whether an input holds BYTES elements."""
+
+_SPECS: dict[int, tuple[ModelConfig, tuple[tuple[str, str], ...]]] = {}
+"""Each config's inputs' names and bit orders (read from the config object once)."""
+
+
+def _specs(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    got = _SPECS.get(id(cfg))
+    if got is None or got[0] is not cfg:  # a new config (or another one at a reused id)
+        if len(_SPECS) > 4096:
+            _SPECS.clear()
+        got = _SPECS[id(cfg)] = (cfg, tuple((s.name, s.bitorder) for s in cfg.inputs))
+    return got[1]
 
 
 class CachedVersion(Protocol):
@@ -88,38 +103,61 @@ class CachedVersion(Protocol):
 
 def cache_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> bytes:
     """The 16-byte key of ``request`` (checked and laid out as ``bound``) for ``handle``'s
-    model version: see the module docstring for what it covers."""
-    h = hashlib.blake2b(f"{handle.name}\0{handle.version}".encode(), digest_size=16)
-    update = h.update
-    for spec, wire in zip(handle.cfg.inputs, bound.inputs, strict=True):
+    model version: see the module docstring for what it covers.
+
+    The miss path's cost (a lookup that finds nothing costs this and a dict probe): one
+    BLAKE2b over a cached head and the inputs' bytes as they arrived (no copy of a
+    contiguous input), plus the parameters only when one of them changes the answer.
+    """
+    form: list[Any] = [handle.name, handle.version, bound.outputs]
+    for (name, order), wire in zip(_specs(handle.cfg), bound.inputs, strict=True):
         data = wire.data
-        bitorder = (wire.bitorder or spec.bitorder) if wire.packed else "-"
-        form = (spec.name, data.dtype.num, data.shape, wire.packed, bitorder)
-        head = _HEADS.get(form)
-        if head is None:  # a handful of forms per model: each written once
-            if len(_HEADS) > 4096:
-                _HEADS.clear()
-            text = f"\0{spec.name}\0{data.dtype.str}{data.shape}{wire.packed:d}{bitorder}\0"
-            head = _HEADS[form] = text.encode()
-        update(head)
-        if data.dtype.hasobject:  # BYTES elements: each with its length
+        form.append((name, data.dtype, data.shape, wire.packed,
+                     (wire.bitorder or order) if wire.packed else "-"))  # fmt: skip
+    head_key = tuple(form)
+    found = _HEADS.get(head_key)
+    if found is None:
+        if len(_HEADS) > 4096:
+            _HEADS.clear()
+        text = f"{handle.name}\0{handle.version}\0outputs{bound.outputs!r}"
+        for name, dtype, shape, packed, bitorder in form[3:]:
+            text += f"\0{name}\0{dtype.str}{shape}{packed:d}{bitorder}\0"
+        objects = any(dtype.hasobject for _, dtype, *_ in form[3:])
+        found = _HEADS[head_key] = (text.encode(), objects)
+    head, objects = found
+    h = hashlib.blake2b(head, digest_size=16)
+    params = _all_params(request)
+    if params:
+        h.update(params)
+    update = h.update
+    for wire in bound.inputs:
+        data = wire.data
+        if objects and data.dtype.hasobject:  # BYTES elements: each with its length
             for item in data.reshape(-1):
                 b = bytes(item)
                 update(len(b).to_bytes(8, "little"))
                 update(b)
-        elif data.flags.c_contiguous:
-            update(data.data if data.ndim else data.tobytes())
-        else:
-            update(np.ascontiguousarray(data).data)
-    parts = [b"\0outputs", repr(bound.outputs).encode(), _params(request.parameters)]
-    for inp in request.inputs:
-        if inp.parameters:
-            parts += [b"\0input\0", inp.name.encode(), _params(inp.parameters)]
-    for out in request.outputs or ():
-        if out.parameters:
-            parts += [b"\0output\0", out.name.encode(), _params(out.parameters)]
-    update(b"\0".join(parts))
+            continue
+        try:
+            update(data)  # type: ignore[arg-type]  # its buffer, as it is: no copy
+        except (BufferError, ValueError):  # not contiguous
+            update(np.ascontiguousarray(data).tobytes())
     return h.digest()
+
+
+def _all_params(request: InferRequest) -> bytes:
+    """The request's, its inputs' and its outputs' parameters that change the answer,
+    canonical (empty, without any work, when none do: the usual case)."""
+    parts: list[bytes] = []
+    if not request.parameters.keys() <= IGNORED_PARAMETERS:
+        parts += [b"\0request\0", _params(request.parameters)]
+    for inp in request.inputs:
+        if inp.parameters and not inp.parameters.keys() <= IGNORED_PARAMETERS:
+            parts += [b"\0input\0", inp.name.encode(), b"\0", _params(inp.parameters)]
+    for out in request.outputs or ():
+        if out.parameters and not out.parameters.keys() <= IGNORED_PARAMETERS:
+            parts += [b"\0output\0", out.name.encode(), b"\0", _params(out.parameters)]
+    return b"".join(parts)
 
 
 class ResponseCache:
@@ -155,7 +193,8 @@ class ResponseCache:
     def put(self, key: bytes, version: tuple[str, str], arrays: Arrays, info: BatchInfo) -> None:
         """Store a copy of ``arrays`` (the outputs of one answer, config order) under ``key``
         for ``version`` (``(model, version)``); one larger than the whole cache is not
-        stored."""
+        stored. A copy: a request's outputs are views of its batch's arrays, which the cache
+        must neither keep whole nor share with a pipeline that may reuse them."""
         copies = [a.copy() for a in arrays]
         nbytes = ENTRY_OVERHEAD
         for a in copies:

@@ -135,7 +135,7 @@ def test_accounting_order_pinned_busy_and_refusals() -> None:
 
 # --- the repository under a budget ------------------------------------------------------
 
-SHIFTS = {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0}
+SHIFTS = {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0, "e": 4.0, "f": 5.0}
 
 
 def write_models(root: Path, names: str = "abc", pinned: str = "", **cfg: Any) -> None:

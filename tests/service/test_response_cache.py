@@ -104,6 +104,59 @@ def test_key_tells_apart_what_changes_the_answer() -> None:
     assert key_of(other.reshape(2, 4)) != base
 
 
+def test_key_reads_the_bytes_not_their_layout() -> None:
+    # The key hashes an input's buffer as it arrived (no copy when it is contiguous): a
+    # strided view of the same values is the same request, other values are not.
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        wide = rng.integers(0, 256, (2, 8), dtype=np.uint8)
+        view = wide[:, ::2]  # (2, 4), not contiguous
+        assert not view.flags.c_contiguous
+        assert key_of(view) == key_of(np.ascontiguousarray(view))
+        assert key_of(view) != key_of(np.ascontiguousarray(wide[:, 1::2])) or np.array_equal(
+            view, wide[:, 1::2]
+        )
+    # The heads cached per request form do not mix forms up: 200 forms, each its own key,
+    # the same key when asked again.
+    data = np.arange(24, dtype=np.uint8)
+    shapes = [(a, 24 // a) for a in (1, 2, 3, 4, 6, 8, 12, 24)]
+    keys = {s: key_of(data[: s[0] * s[1]].reshape(s)) for s in shapes}
+    assert len(set(keys.values())) == len(shapes)
+    assert all(key_of(data[: s[0] * s[1]].reshape(s)) == k for s, k in keys.items())
+
+
+def test_key_parameters_by_where_they_are_given() -> None:
+    # A parameter that changes the answer counts wherever it is given (the request, an input
+    # or an output), and the same value at another place is another request.
+    x = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    handle = SimpleNamespace(name="m", version="1", cfg=FREE)
+    packed = np.zeros((2, 2), np.uint8)
+    bound = Bound((WireInput(x, False), WireInput(packed, True)), (0, 1), 2)
+
+    def key(
+        req_params: dict[str, Any], in_params: dict[str, Any], out_params: dict[str, Any]
+    ) -> bytes:
+        req = InferRequest(
+            id="any",
+            inputs=[RequestInput("x", "UINT8", x.shape, x, in_params),
+                    RequestInput("bits", "UINT8", packed.shape, packed)],
+            outputs=[RequestOutput("y", parameters=out_params), RequestOutput("n")],
+            parameters=req_params,
+        )  # fmt: skip
+        return cache_key(handle, req, bound)  # type: ignore[arg-type]
+
+    base = key({}, {}, {})
+    ignored = key({"priority": 2}, {"binary_data_size": 8}, {"binary_data": True})
+    assert ignored == base
+    k_request, k_input, k_output = (
+        key({"k": 3}, {}, {}),
+        key({}, {"k": 3}, {}),
+        key({}, {}, {"k": 3}),
+    )
+    assert len({base, k_request, k_input, k_output}) == 4
+    assert key({"k": 3, "priority": 1}, {}, {}) == k_request
+
+
 def test_lru_by_bytes() -> None:
     info = BatchInfo(1, 1)
     one = [np.zeros(100, np.uint8)]
