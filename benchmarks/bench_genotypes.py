@@ -6,9 +6,14 @@ weight columns. One thread each, one run each (the issue's protocol):
 
 * ``plink2 --score ... --threads 1`` (reading the .bed and computing the frequencies for
   mean imputation included), wall time of the process;
-* ``bitserve genotypes score`` in this process (torch on one thread): the model loaded
-  (lookup table built, dry run), then the .bed read, transposed and scored; and the same
-  command as a process of its own (Python and torch start-up included);
+* ``bitserve genotypes score --threads 1`` as a process of its own (Python start-up, the
+  model folder read, the .bed read memory-mapped and scored by the C kernel, the .sscore
+  written: no torch, :mod:`service.genotypes.fast`); and the same in this process;
+* the served model's pipeline in this process (torch on one thread, what ``bitserve
+  genotypes score`` falls back to): the model loaded (lookup table built, dry run), then the
+  .bed read, transposed and scored;
+* ``bitserve score`` (Ray Data, a Ray of its own, one actor, one torch thread): the .bed
+  written as Parquet rows, scored, written as Parquet, wall time of the process;
 * served end to end: ``bitserve serve`` (``OMP_NUM_THREADS=1``) and the client's
   ``plink.score_bed`` (``read_bed`` transpose, variant check, ``infer_many``), wall time of the
   client call (the server started and the model loaded before).
@@ -72,6 +77,37 @@ def _score_file(bim: Path, out: Path) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
+def _ray_score(
+    tmp: Path, bed: Path, env: dict[str, str]
+) -> tuple[dict[str, np.ndarray] | None, float, float]:
+    """``bitserve score`` of the .bed with a Ray of its own: its outputs (None without Ray),
+    wall and CPU seconds."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        import ray  # noqa: F401
+    except ImportError:
+        return None, math.nan, math.nan
+    from harness.server import bitserve_command
+
+    out = tmp / "ray-out"
+    c0, t0 = _children_cpu(), time.perf_counter()
+    done = subprocess.run([*bitserve_command(), "score", "--model-repository", str(tmp / "repo"),
+                           "--model", "prs", "--actors", "1", "--threads", "1", str(bed),
+                           str(out)], capture_output=True, text=True, check=False,
+                          env={**env, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    if done.returncode != 0:  # Ray's start can fail on an overloaded host: say so, go on
+        print(f"bitserve score failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return None, math.nan, math.nan
+    table = pa.concat_tables([pq.read_table(f) for f in sorted(out.rglob("*.parquet"))])
+    result = {
+        k: np.stack(table.column(k).to_numpy(zero_copy_only=False)).astype(float)
+        for k in ("ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM", "SCORE_AVG", "SCORE_SUM")
+    }
+    return result, wall, cpu
+
+
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-3)))
 
@@ -87,7 +123,7 @@ def main() -> None:
     from bitserve_client import Client, plink
 
     from harness.server import bitserve_command, start_server
-    from service.genotypes import write_score_model
+    from service.genotypes import fast, write_score_model
     from service.genotypes.bulk import load_score_model, score_bed
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-genotypes-"))
@@ -105,6 +141,21 @@ def main() -> None:
                           tmp / "repo" / "prs", score_cols=[3, 4])  # fmt: skip
         t_write = time.perf_counter() - t0
         bed = d.with_suffix(".bed")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        c0, t0 = _children_cpu(), time.perf_counter()
+        cmd_args = ["genotypes", "score", "--threads", "1", "--model-repository",
+                    str(tmp / "repo"), "--model", "prs", str(bed),
+                    str(tmp / "b.sscore")]  # fmt: skip
+        subprocess.run([*bitserve_command(), *cmd_args], check=True, capture_output=True,
+                       env=env)  # fmt: skip
+        t_cmd, c_cmd = time.perf_counter() - t0, _children_cpu() - c0
+        lines = (tmp / "b.sscore").read_text().splitlines()[1:]
+        cmd = np.array([line.split("\t")[2:] for line in lines], float)
+        c0, t0 = time.process_time(), time.perf_counter()
+        fm = fast.load_fast_model(tmp / "repo", "prs")
+        assert isinstance(fm, fast.FastScoreModel), fm
+        fast_r = fast.score_bed_fast(fm, bed, threads=1)
+        t_fast, c_fast = time.perf_counter() - t0, time.process_time() - c0
         c0, t0 = time.process_time(), time.perf_counter()
         loaded = load_score_model(tmp / "repo", "prs")
         t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
@@ -114,12 +165,7 @@ def main() -> None:
         c0, t0 = time.process_time(), time.perf_counter()
         plink.read_bed(bed)
         t_read, c_read = time.perf_counter() - t0, time.process_time() - c0
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        c0, t0 = _children_cpu(), time.perf_counter()
-        subprocess.run([*bitserve_command(), "genotypes", "score", "--model-repository",
-                        str(tmp / "repo"), "--model", "prs", str(bed), str(tmp / "b.sscore")],
-                       check=True, capture_output=True, env=env)  # fmt: skip
-        t_cmd, c_cmd = time.perf_counter() - t0, _children_cpu() - c0
+        ray_r, t_ray, c_ray = _ray_score(tmp, bed, env)
         with start_server(tmp / "repo", env={"OMP_NUM_THREADS": "1"}) as server, \
                 Client(server.url) as client:  # fmt: skip
             plink.score_bed(client, "prs", bed, progress=False)  # warm: first batches, pools
@@ -127,7 +173,16 @@ def main() -> None:
             served = plink.score_bed(client, "prs", bed, progress=False, concurrency=1)
             t_served = time.perf_counter() - t0
             c_served = time.process_time() - c0 + _process_cpu(server.process.pid) - s0
-        results = {"bulk": bulk, "served": {k: np.asarray(served[k]) for k in bulk}}
+        S = 2
+        results = {
+            "cmd": {"ALLELE_CT": cmd[:, :1], "NAMED_ALLELE_DOSAGE_SUM": cmd[:, 1:2],
+                    "SCORE_AVG": cmd[:, 2 : 2 + S], "SCORE_SUM": cmd[:, 2 + S :]},
+            "fast": fast_r,
+            "bulk": bulk,
+            "served": {k: np.asarray(served[k]) for k in bulk},
+        }  # fmt: skip
+        if ray_r is not None:
+            results["ray"] = ray_r
         rows: list[list[object]] = [
             ["plink2 --score --threads 1", t_plink, 1.0, c_plink, 1.0, "-", "-"]
         ]
@@ -144,26 +199,36 @@ def main() -> None:
             return [label, wall, t_plink / wall, cpu, c_plink / cpu, *rel]
 
         rows += [
-            row("bitserve genotypes score, in process: read + transpose + score", t_bulk,
-                c_bulk, parity["bulk"]),
+            row("`bitserve genotypes score --threads 1`, its own process (no torch: NumPy + C "
+                "kernel on the memory-mapped .bed)", t_cmd, c_cmd, parity["cmd"]),
+            row("the same in this process: model folder read + .bed scored", t_fast, c_fast,
+                parity["fast"]),
+            row("served model's pipeline in this process (torch): read + transpose + score",
+                t_bulk, c_bulk, parity["bulk"]),
             row("the same with the model load (lookup table, dry run)", t_load + t_bulk,
                 c_load + c_bulk, None),
-            row("bitserve genotypes score, its own process (torch import included)", t_cmd,
-                c_cmd, None),
-            row("served: client plink.score_bed (read_bed + infer_many), server warm",
-                t_served, c_served, parity["served"]),
         ]  # fmt: skip
+        if ray_r is None:
+            failed = "`bitserve score` (Ray Data): did not run (no Ray, or Ray failed to start)"
+            rows.append([failed, "-", "-", "-", "-", "-", "-"])
+        else:
+            rows.append(row("`bitserve score` (Ray Data, a Ray of its own, 1 actor, --threads 1),"
+                            " its own process", t_ray, c_ray, parity["ray"]))  # fmt: skip
+        rows.append(row("served: client plink.score_bed (read_bed + infer_many), server warm",
+                        t_served, c_served, parity["served"]))  # fmt: skip
         nb = math.ceil(L / 4)
         body = (
             f"{quiet[1]}.\n\n"
             f"plink2 --dummy {n:,} samples x {L:,} variants, 2% missing, every variant scored "
             "on its first or second allele at random, two score columns; one run each, one "
-            "thread each (plink2 --threads 1; torch.set_num_threads(1); the server with "
+            "thread each (plink2 --threads 1; bitserve genotypes score --threads 1; "
+            "torch.set_num_threads(1); bitserve score --actors 1 --threads 1; the server with "
             "OMP_NUM_THREADS=1).\n\n"
             + markdown_table(HEADERS, rows)
             + "\n\nCPU s: user + system seconds of the process(es) doing the work (plink2's; "
-            "this process's; the client's and the server's together when served), which a "
-            "busy host inflates less than wall time.\n\nALLELE_CT and NAMED_ALLELE_DOSAGE_SUM "
+            "this process's; the client's and the server's together when served; `bitserve "
+            "score`'s and the Ray processes it started and reaped), which a busy host inflates "
+            "less than wall time.\n\nALLELE_CT and NAMED_ALLELE_DOSAGE_SUM "
             "equal plink2's exactly. Relative "
             "differences are |got - plink2| / max(|plink2|, 1e-3); plink2 prints 6 significant "
             "digits, so 5e-6 is its own rounding.\n\n"

@@ -250,3 +250,113 @@ void bs_score_codes(const uint8_t *x, int64_t rows, int64_t xrs, int64_t nb, con
             score_thread(&spans[t]);
     }
 }
+
+/* ---- score a variant-major .bed ---------------------------------------------------------- */
+
+/* A PLINK .bed holds one row of 2-bit codes per variant (four samples a byte, the first in
+ * the lowest bits). bs_score_bed sums, for every sample, what each variant's code adds
+ * (values (variants, 4, C)) without transposing the file first: the bytes of four variants
+ * at one sample byte form a 4x4 matrix of codes in a uint32 (variant r, sample k at bit
+ * 8 r + 2 k), two delta swaps transpose it (sample k's four codes in byte k), and each byte
+ * indexes a 256-entry table of the four variants' summed values, built per group of four
+ * variants from two 16-entry halves. Two groups (8 variants) a pass: one read and write of a
+ * sample's C accumulators per 8 variants. The rows of a pass past `variants` add zeros. */
+
+typedef struct {
+    const uint8_t *bed; /* variant v's sample byte j at bed[v * brs + j] */
+    int64_t brs, variants;
+    const double *values; /* (variants, 4, C): what variant v's code k adds to column c */
+    int64_t C;
+    double *out; /* (4 * sample bytes, C), accumulated into */
+    int64_t lo, hi; /* the sample bytes of this span */
+    double *lut;    /* scratch: (2 x 256 + 32) x C (two tables, then two 16-entry halves) */
+} bed_t;
+
+static inline uint32_t transpose_4x4_codes(uint32_t w) {
+    uint32_t t = ((w >> 6) ^ w) & 0x00CC00CCu;
+    w ^= t ^ (t << 6);
+    t = ((w >> 12) ^ w) & 0x0000F0F0u;
+    w ^= t ^ (t << 12);
+    return w;
+}
+
+/* lut (256, C): lut[i, c] = sum_r values[v0 + r, (i >> 2 r) & 3, c] over r < 4 (zero for
+ * variants past the end). */
+static void bed_group_table(const bed_t *d, int64_t v0, double *lut) {
+    const int64_t C = d->C;
+    double *half = d->lut + 512 * C; /* (2, 16, C) */
+    for (int h = 0; h < 2; h++) {
+        const int64_t va = v0 + 2 * h, vb = va + 1;
+        const double *a = va < d->variants ? d->values + va * 4 * C : NULL;
+        const double *b = vb < d->variants ? d->values + vb * 4 * C : NULL;
+        for (int i = 0; i < 16; i++)
+            for (int64_t c = 0; c < C; c++)
+                half[(h * 16 + i) * C + c] =
+                    (a ? a[(i & 3) * C + c] : 0.0) + (b ? b[(i >> 2) * C + c] : 0.0);
+    }
+    for (int i = 0; i < 256; i++)
+        for (int64_t c = 0; c < C; c++)
+            lut[i * C + c] = half[(i & 15) * C + c] + half[(16 + (i >> 4)) * C + c];
+}
+
+static inline __attribute__((always_inline)) void bed_pass(const bed_t *d, int64_t v0,
+                                                           const int64_t C) {
+    const uint8_t *r[8];
+    for (int k = 0; k < 8; k++) /* a row past the end reads row v0: its values are zeros */
+        r[k] = d->bed + (v0 + k < d->variants ? v0 + k : v0) * d->brs;
+    const double *la = d->lut, *lb = d->lut + 256 * C;
+    for (int64_t j = d->lo; j < d->hi; j++) {
+        const uint32_t wa = transpose_4x4_codes((uint32_t)r[0][j] | (uint32_t)r[1][j] << 8 |
+                                                (uint32_t)r[2][j] << 16 |
+                                                (uint32_t)r[3][j] << 24);
+        const uint32_t wb = transpose_4x4_codes((uint32_t)r[4][j] | (uint32_t)r[5][j] << 8 |
+                                                (uint32_t)r[6][j] << 16 |
+                                                (uint32_t)r[7][j] << 24);
+        double *o = d->out + 4 * j * C;
+        for (int k = 0; k < 4; k++) {
+            const double *pa = la + ((wa >> (8 * k)) & 255) * C;
+            const double *pb = lb + ((wb >> (8 * k)) & 255) * C;
+            for (int64_t c = 0; c < C; c++) o[k * C + c] += pa[c] + pb[c];
+        }
+    }
+}
+
+static void *bed_thread(void *arg) {
+    const bed_t *d = (const bed_t *)arg;
+    for (int64_t v0 = 0; v0 < d->variants; v0 += 8) {
+        bed_group_table(d, v0, d->lut);
+        bed_group_table(d, v0 + 4, d->lut + 256 * d->C);
+        if (d->C == 4) /* two scores, the dosage sum, the allele count: unrolled */
+            bed_pass(d, v0, 4);
+        else
+            bed_pass(d, v0, d->C);
+    }
+    return NULL;
+}
+
+/* out[4 j + k, c] += sum_v values[v, code of sample 4 j + k at variant v, c] for the
+ * `variants` rows of a variant-major .bed block (row v at bed + v * brs, `nbs` sample bytes
+ * used), the sample bytes split over `nthreads` threads. `lut` is scratch of
+ * nthreads x (2 x 256 + 32) x C doubles. */
+void bs_score_bed(const uint8_t *bed, int64_t variants, int64_t brs, int64_t nbs,
+                  const double *values, int64_t C, double *out, double *lut, int nthreads) {
+    if (variants <= 0 || nbs <= 0 || C <= 0) return;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > BS_MAX_THREADS) nthreads = BS_MAX_THREADS;
+    if (nthreads > nbs) nthreads = (int)nbs;
+    bed_t spans[BS_MAX_THREADS];
+    pthread_t ids[BS_MAX_THREADS];
+    int started[BS_MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; t++)
+        spans[t] = (bed_t){bed, brs, variants, values, C, out, nbs * t / nthreads,
+                           nbs * (t + 1) / nthreads, lut + (int64_t)t * 544 * C};
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&ids[t], NULL, bed_thread, &spans[t]) == 0;
+    bed_thread(&spans[0]);
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            bed_thread(&spans[t]);
+    }
+}

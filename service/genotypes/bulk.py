@@ -98,11 +98,12 @@ def score_bed(
     names = [o.name for o in cfg.outputs]
     result = {k: np.concatenate([p[i] for p in parts]) for i, k in enumerate(names)}
     if out is not None:
-        _write_sscore(out, samples.fid, samples.iid, result)
+        write_sscore(out, samples.fid, samples.iid, result)
     return result
 
 
-def _write_sscore(path: Path, fid: list[str], iid: list[str], r: dict[str, np.ndarray]) -> None:
+def write_sscore(path: Path, fid: list[str], iid: list[str], r: dict[str, np.ndarray]) -> None:
+    """plink2's ``.sscore`` columns of :func:`score_bed`'s result, tab-separated."""
     S = r["SCORE_SUM"].shape[1]
     avg = [f"SCORE{k + 1}_AVG" for k in range(S)]
     head = ["#FID", "IID", "ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM", *avg,

@@ -44,6 +44,8 @@ def add_parser(sub: Any) -> None:
     q.add_argument("--model-repository", type=Path, required=True, metavar="DIR")
     q.add_argument("--model", required=True)
     q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [default cpu]")
+    q.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads [default: every CPU this process may use]")  # fmt: skip
     q.add_argument("bed", type=Path, metavar="DATA.bed")
     q.add_argument("out", type=Path, metavar="OUT.sscore")
 
@@ -68,12 +70,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _score(args: argparse.Namespace) -> int:
+    """The torch-free path (:mod:`service.genotypes.fast`) for a CPU and a folder as
+    score-model writes it, else the model loaded as ``bitserve serve`` loads it."""
     from service.config import ConfigError
-    from service.genotypes.bulk import score_bed
 
+    if args.threads is not None and args.threads < 1:
+        print("bitserve genotypes score: --threads must be at least 1", file=sys.stderr)
+        return 2
     try:
-        result = score_bed(args.model_repository, args.model, args.bed, args.out,
-                           device=args.device)  # fmt: skip
+        result = _score_either(args)
     except ConfigError as e:
         print("\n".join(e.problems), file=sys.stderr)
         return 1
@@ -82,3 +87,20 @@ def _score(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.out}: {len(result['SCORE_SUM'])} samples scored")
     return 0
+
+
+def _score_either(args: argparse.Namespace) -> dict[str, Any]:
+    from service.genotypes import fast
+
+    threads = args.threads or fast.default_threads()
+    if args.device == "cpu":
+        fm = fast.load_fast_model(args.model_repository, args.model)
+        if isinstance(fm, fast.FastScoreModel):
+            return fast.score_bed_fast(fm, args.bed, args.out, threads=threads)
+        print(f"bitserve genotypes score: {fm}: loading it as serve does", file=sys.stderr)
+    import torch
+
+    from service.genotypes.bulk import score_bed
+
+    torch.set_num_threads(threads)
+    return score_bed(args.model_repository, args.model, args.bed, args.out, device=args.device)
