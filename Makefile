@@ -56,22 +56,29 @@ standin-images: $(STAMP) system-deps
 # Every test, in tiers: unit and in-process first (they fail fast and cheaply), then end to end
 # (real bitserve serve processes, nginx, Prometheus, Docker, Ray). Each tier prints its 25
 # slowest tests. A tier's tests are the markers' selection; together they are the whole suite.
+# Each tier runs in JOBS pytest-xdist workers (JOBS=0: one process, as pytest alone runs), a
+# test module's tests in the same worker (--dist loadscope: its module fixtures, its servers
+# included, start once). The in-process tier is CPU-bound (two cores: two workers); the
+# end-to-end tier mostly waits on the servers it starts (E2E_JOBS=3 overlaps that waiting).
+JOBS ?= 2
+E2E_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25
+XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadscope)
 # The inner loop: neither end-to-end nor slow tests (measured in docs/development.md).
 UNIT_MARKERS ?= not e2e and not slow
 test: $(STAMP) system-deps
-	$(PYTEST) -m "not e2e"
-	$(PYTEST) -m e2e
+	$(PYTEST) $(call XDIST,$(JOBS)) -m "not e2e"
+	$(PYTEST) $(call XDIST,$(E2E_JOBS)) -m e2e
 
 test-unit: $(STAMP)
-	$(PYTEST) -m "$(UNIT_MARKERS)"
+	$(PYTEST) $(call XDIST,$(JOBS)) -m "$(UNIT_MARKERS)"
 
-# The two tiers of `make test` one at a time (CI runs other work beside the first).
+# The two tiers of `make test` one at a time.
 test-in-process: $(STAMP)
-	$(PYTEST) -m "not e2e"
+	$(PYTEST) $(call XDIST,$(JOBS)) -m "not e2e"
 
 test-e2e: $(STAMP) system-deps
-	$(PYTEST) -m e2e
+	$(PYTEST) $(call XDIST,$(E2E_JOBS)) -m e2e
 
 test-fast: test-unit
 
@@ -111,9 +118,12 @@ grpc-proto: $(STAMP)
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) || exit 1; done
 
-# A quick smoke run of each benchmark (tiny sizes, nothing written), as CI runs it.
+# A quick smoke run of each benchmark (tiny sizes, nothing written), as CI runs it: one
+# interpreter imports torch once and forks each run from it, BENCH_JOBS at a time (most of
+# them wait on the servers they start); a table of each run's wall and CPU seconds at the end.
+BENCH_JOBS ?= 2
 bench-smoke: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(BIN)/python -m benchmarks.$$(basename $$b .py) --smoke || exit 1; done
+	$(BIN)/python -m benchmarks.smoke --jobs $(BENCH_JOBS)
 
 # The client distribution alone, in a venv without torch or any server code.
 client-isolated:

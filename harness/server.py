@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -274,3 +275,115 @@ def perf_analyzer() -> list[str] | None:
     if script.is_file():
         return ["bash", str(script)]
     return None
+
+
+@dataclass
+class _Baseline:
+    """What a shared server's control plane said right after it became ready."""
+
+    ready: dict[str, dict[str, object]]
+    """Each READY model's configuration (``GET /v2/models/{name}/config``)."""
+    logging: dict[str, object]
+    trace: dict[str, object]
+
+
+class ServerPool:
+    """Servers shared by a test session: one per repository, flags and environment.
+
+    ``get`` starts a server the first time a (repository, args, env) is asked for and returns
+    the same process afterwards. ``reset`` puts a server back as it was when it became ready,
+    through its control plane: models loaded or unloaded since are unloaded or loaded again
+    (and a model whose configuration a load changed is loaded again from its files), the log
+    and the global trace settings restored. A server that died, or that the reset could not
+    put back, is stopped; the next ``get`` starts a fresh one. Statistics and metrics only
+    grow: a test on a shared server asserts on differences, or takes a server of its own.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._stack = contextlib.ExitStack()
+        self._servers: dict[tuple[object, ...], tuple[BitserveServer, _Baseline]] = {}
+        self._exits: dict[tuple[object, ...], contextlib.ExitStack] = {}
+
+    def get(
+        self,
+        repository: Path | None = None,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> BitserveServer:
+        """The session's server of ``repository`` with ``args`` and ``env`` (started once)."""
+        key = (
+            None if repository is None else str(Path(repository).resolve()),
+            tuple(args),
+            tuple(sorted((env or {}).items())),
+        )
+        held = self._servers.get(key)
+        if held is not None and held[0].process.poll() is None:
+            return held[0]
+        self._drop(key)
+        stack = contextlib.ExitStack()
+        server = stack.enter_context(
+            start_server(repository, args=args, env=env, log_dir=self._log_dir)
+        )
+        self._exits[key] = stack
+        self._servers[key] = (server, _baseline(server))
+        return server
+
+    def reset(self, server: BitserveServer) -> None:
+        """Put ``server`` back as it became ready, or stop it (the next ``get`` starts anew)."""
+        for key, (held, baseline) in list(self._servers.items()):
+            if held is server:
+                if server.process.poll() is not None or not _restore(server, baseline):
+                    self._drop(key)
+                return
+
+    def close(self) -> None:
+        """Stop every server."""
+        for key in list(self._servers):
+            self._drop(key)
+
+    def _drop(self, key: tuple[object, ...]) -> None:
+        self._servers.pop(key, None)
+        stack = self._exits.pop(key, None)
+        if stack is not None:
+            stack.close()
+
+
+def _control(server: BitserveServer, method: str, path: str, body: object = None) -> Any:
+    """One control-plane call; its JSON answer (an error status raises)."""
+    r = httpx.request(method, server.url + path, json=body, timeout=120.0)
+    r.raise_for_status()
+    return r.json() if r.content else None
+
+
+def _baseline(server: BitserveServer) -> _Baseline:
+    index = _control(server, "POST", "/v2/repository/index", {})
+    ready = {
+        str(m["name"]): _control(server, "GET", f"/v2/models/{m['name']}/config")
+        for m in index
+        if m.get("state") == "READY"
+    }
+    logging = dict(_control(server, "GET", "/v2/logging"))
+    return _Baseline(ready, logging, dict(_control(server, "GET", "/v2/trace/setting")))
+
+
+def _restore(server: BitserveServer, want: _Baseline) -> bool:
+    """Load, unload and set through the control plane until ``server`` is as ``want``; whether
+    it is now (False: it could not be put back)."""
+    try:
+        now = _baseline(server)
+        for name in set(now.ready) - set(want.ready):
+            _control(server, "POST", f"/v2/repository/models/{name}/unload", {})
+        for name, config in want.ready.items():
+            if now.ready.get(name) != config:
+                _control(server, "POST", f"/v2/repository/models/{name}/load", {})
+        changed = {k: v for k, v in want.logging.items() if now.logging.get(k) != v}
+        if changed:
+            _control(server, "POST", "/v2/logging", changed)
+        changed = {k: v for k, v in want.trace.items() if now.trace.get(k) != v}
+        if changed:
+            _control(server, "POST", "/v2/trace/setting", changed)
+        return _baseline(server) == want
+    except (httpx.HTTPError, ValueError, TypeError, KeyError):
+        return False

@@ -1,11 +1,13 @@
 """Shared test set-up: the ``needs_cuda`` marker, Triton's CPU interpreter, anyio on asyncio,
-hypothesis's profile."""
+hypothesis's profile, the session's shared servers (``server_pool``, ``shared_server``,
+``demo_server``)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -17,7 +19,7 @@ settings.register_profile("bitserve", suppress_health_check=[HealthCheck.too_slo
 settings.load_profile("bitserve")
 
 if TYPE_CHECKING:
-    from harness.server import BitserveServer
+    from harness.server import BitserveServer, ServerPool
 
 # The client tests also run in a venv without torch (see `make client-isolated`).
 try:
@@ -41,17 +43,44 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="session")
-def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BitserveServer]:
-    """One ``bitserve serve`` of the built-in demo model, shared by the whole session.
+def server_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    """The session's shared ``bitserve serve`` processes (``harness.server.ServerPool``): one
+    per repository, flags and environment, each started on first use (one per pytest-xdist
+    worker) and stopped at the end of the session."""
+    from harness.server import ServerPool  # not in the client-only venv's imports
 
-    For tests that only call it and leave it as they found it (a model unloaded is loaded
-    again); a test that changes its settings, kills it or watches its process starts its own
-    (tests/e2e's ``server_factory``).
+    pool = ServerPool(tmp_path_factory.mktemp("shared-servers"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def shared_server(server_pool: ServerPool) -> Iterator[Callable[..., BitserveServer]]:
+    """``shared_server(repository=None, args=(), env=None)``: the session's server of that
+    repository, flags and environment, put back as it became ready after the test (models
+    loaded and unloaded, log and trace settings, through the control plane).
+
+    For tests that need a server but not a fresh process: a test that kills it, watches its
+    process from the start (threads, memory, exit status) or asserts exact statistics takes
+    one of its own (tests/e2e's ``server_factory``).
     """
-    from harness.server import start_server  # not in the client-only venv's imports
+    used: list[BitserveServer] = []
 
-    with start_server(log_dir=tmp_path_factory.mktemp("demo-server")) as server:
-        yield server
+    def get(repository: Path | None = None, **kwargs: Any) -> BitserveServer:
+        server = server_pool.get(repository, **kwargs)
+        used.append(server)
+        return server
+
+    yield get
+    for server in used:
+        server_pool.reset(server)
+
+
+@pytest.fixture
+def demo_server(shared_server: Callable[..., BitserveServer]) -> BitserveServer:
+    """The session's ``bitserve serve`` of the built-in demo model with the default flags (the
+    docs', the client's and the end-to-end tests share it), put back after each test."""
+    return shared_server()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

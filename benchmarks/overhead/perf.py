@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from harness.loadgen import tree_cpu_seconds
-from harness.server import bitserve_command, free_port
+from harness.server import STARTUP_S, bitserve_command, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def module(name: str) -> list[str]:
 
 @contextlib.contextmanager
 def start(
-    servers: Sequence[tuple[str, list[str]]], *, timeout_s: float = 120.0
+    servers: Sequence[tuple[str, list[str]]], *, timeout_s: float = STARTUP_S
 ) -> Iterator[list[Running]]:
     """Start every server on a free port, wait until each is ready, stop them all afterwards.
 

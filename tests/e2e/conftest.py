@@ -1,8 +1,9 @@
 """End-to-end fixtures: real ``bitserve serve`` processes (``harness.server``, which any test
 package and the benchmarks import): ``server_factory`` (start servers with any repository,
-flags and environment; all of them are stopped at the end of the test). ``demo_server``, one
-demo server for the whole session, is in tests/conftest.py (the docs' and the client's tests
-share it).
+flags and environment; all of them are stopped at the end of the test), for a test that needs
+a process of its own. A test that only needs a server takes tests/conftest.py's
+``shared_server`` (one process per repository, flags and environment for the whole session,
+put back through the control plane after each test) or ``demo_server`` (its demo model).
 """
 
 from __future__ import annotations

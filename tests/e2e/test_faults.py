@@ -66,9 +66,9 @@ def _abuse(server: BitserveServer, pool: Pool, rounds: int) -> None:
 
 
 def test_disconnecting_clients_leak_nothing(
-    server_factory: Callable[..., BitserveServer], pool: Pool
+    shared_server: Callable[..., BitserveServer], pool: Pool
 ) -> None:
-    server = server_factory()
+    server = shared_server()  # the session's demo server: no fresh process needed
     proc = psutil.Process(server.process.pid)
     _abuse(server, pool, rounds=3)  # warm-up: thread pools and buffers reach their size
     wait_idle(server.url)
@@ -85,9 +85,9 @@ def test_disconnecting_clients_leak_nothing(
 
 
 def test_slow_dribbling_clients_get_answers_and_block_nobody(
-    server_factory: Callable[..., BitserveServer], pool: Pool
+    shared_server: Callable[..., BitserveServer], pool: Pool
 ) -> None:
-    server = server_factory()
+    server = shared_server()  # the session's demo server: no fresh process needed
     body = wire.encode("packed", pool.items[0])
     full = request_bytes(INFER, body.content, body.headers)
     head_end = full.index(b"\r\n\r\n") + 4

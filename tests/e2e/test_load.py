@@ -40,8 +40,8 @@ def _summary(name: str, r: LevelResult) -> str:
     )
 
 
-def test_soak(server_factory: Callable[..., BitserveServer], pool: Pool) -> None:
-    server = server_factory()
+def test_soak(shared_server: Callable[..., BitserveServer], pool: Pool) -> None:
+    server = shared_server()  # the session's demo server: no fresh process needed
     url = server.url + "/v2/models/demo/infer"
     pid = server.process.pid
 
