@@ -111,6 +111,9 @@ def open_loop_procs(
             if w.poll() is None:
                 w.kill()
                 w.wait()
+            for pipe in (w.stdin, w.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def _work(args: argparse.Namespace) -> list[Outcome]:
