@@ -1,17 +1,20 @@
 """Overload: every request the server has is answered (issue 35's targets).
 
-One ``bitserve serve`` with the built-in demo model; clients on raw asyncio sockets in this
-process (``harness.hostile``):
+One ``bitserve serve`` with the built-in demo model; clients on raw asyncio sockets
+(``harness.hostile``):
 
 1. the connection cap: 40 clients at once, each sending one whole ``GET /v2/health/live``,
    against ``--max-connections 16``, three rounds: each gets 200 or 503 with Retry-After,
    none a close without a byte;
-2. open-loop load at 3x and 4x the capacity (measured first, closed loop, 32 clients) for
-   ``--seconds``, on a quiet host and beside a CPU burner (a process spinning on one core),
-   against the default ``max_connections`` of 1000 with clients that may open 2000: every
-   request answered 200 or 503, none closed without an answer. A request with no answer
-   within ``GIVE_UP_S`` of when it was due counts as a timeout, apart from the closes (on a
-   starved host the client's own lag is part of that time).
+2. open-loop load at 3x and 4x the capacity (measured just before, closed loop, 32
+   clients, under the same conditions) for ``--seconds``, on a quiet host and beside a CPU
+   burner (a process spinning on one core), sent by ``--processes`` load-generator
+   processes of their own (``harness.openloop``), against the default ``max_connections``
+   of 1000 with clients that may open 2000: every request answered 200 or 503, none closed
+   without an answer. A request with no answer within ``GIVE_UP_S`` of when it was due
+   counts as a timeout, apart from the closes. Beside each row, where its time went: the
+   server's CPU, its accept queue, its own time per request (``/metrics``), and how late
+   the client wrote.
 
     python -m benchmarks.bench_overload                 # 45 s a level; writes results/overload.md
     python -m benchmarks.bench_overload --seconds 15    # shorter levels (a shared host)
@@ -23,29 +26,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
+import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import numpy as np
+import psutil
 
 from benchmarks._common import markdown_table, quiet_host, report
 from harness.hostile import (
     HOST,
     DemoRequests,
     Outcome,
+    Peak,
     closed_loop,
-    open_loop,
     raise_fd_limit,
 )
-from harness.server import start_server
+from harness.openloop import accept_backlog, open_loop_procs
+from harness.server import BitserveServer, start_server
 from harness.workload import Pool
 
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
 GIVE_UP_S = 30.0
+
+
+WHERE_HEADERS = [
+    "row",
+    "load average",
+    "server CPU (cores)",
+    "accept queue, most",
+    "server time p99",
+    "client wrote late, p99",
+    "unanswered, written at most",
+]
 
 
 def yes(ok: bool) -> str:
@@ -119,62 +140,157 @@ def describe(outs: Sequence[Outcome], seconds: float) -> tuple[str, bool]:
     other = sum(n for s, n in status.items() if s not in (0, 200, 503))
     lat = np.array([o.latency_s for o in outs if o.status in (200, 503)])
     p99 = f"{np.percentile(lat, 99) * 1e3:.0f} ms" if len(lat) else "-"
-    lag = np.percentile([o.lag_s for o in outs], 99) * 1e3 if outs else 0.0
     text = (
         f"{len(outs):,} requests: {status[200]:,} x 200 ({status[200] / seconds:.0f}/s), "
         f"{status[503]:,} x 503 ({unlabelled} without Retry-After), {other} other; "
         f"no answer: {failures['closed']} closed, {failures['timeout']} timed out "
-        f"({GIVE_UP_S:g} s), {failures['connect']} refused; answers' p99 {p99}; the client "
-        "started requests up "
-        f"to {lag:.0f} ms late (p99)"
+        f"({GIVE_UP_S:g} s), {failures['connect']} refused; answers' p99 {p99}"
     )
     ok = status[200] + status[503] == len(outs) and unlabelled == 0
     return text, ok
 
 
-def overload_rows(seconds: float, levels: Sequence[float], capacity_s: float) -> list[list[Any]]:
+def histogram_quantile(text: str, name: str, q: float) -> tuple[float, int]:
+    """The upper bound of the bucket holding quantile ``q`` of histogram ``name`` in
+    Prometheus ``text`` (inf past the last bucket), and its count."""
+    buckets = sorted(
+        (float(le), float(v))
+        for le, v in re.findall(rf'{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)', text)
+    )
+    total = buckets[-1][1] if buckets else 0.0
+    for le, cumulative in buckets:
+        if cumulative >= q * total:
+            return le, int(total)
+    return math.inf, int(total)
+
+
+@dataclass
+class Where:
+    """Where the time of one open-loop row went, seen from both ends."""
+
+    load: float
+    """The host's 1-minute load average when the row began."""
+    server_cores: float
+    """The server's CPU seconds per second of the row."""
+    backlog: int
+    """Most connections waiting in the kernel for the server to accept them."""
+    server_p99_s: float
+    """The bucket bound of the 99th percentile of the server's own time per request, from
+    its head to its answer (``bitserve_request_latency_seconds``)."""
+    written_late_s: float
+    """99th percentile of how late the client wrote its requests (its own lag and its wait
+    for a connection)."""
+    unanswered_written_s: float
+    """Of the requests without an answer, the latest the client wrote one (nan: none)."""
+
+    def cells(self) -> list[str]:
+        p99 = "> 10 s" if math.isinf(self.server_p99_s) else f"<= {self.server_p99_s:g} s"
+        unanswered = self.unanswered_written_s
+        late = "-" if math.isnan(unanswered) else f"{unanswered:.1f} s"
+        return [
+            f"{self.load:.1f}",
+            f"{self.server_cores:.2f}",
+            f"{self.backlog:,}",
+            p99,
+            f"{self.written_late_s:.1f} s",
+            late,
+        ]
+
+
+def open_loop_row(
+    server: BitserveServer, rate: float, seconds: float, processes: int
+) -> tuple[list[Outcome], Where]:
+    """One open-loop level from worker processes, with what the server saw meanwhile."""
+    load = os.getloadavg()[0]
+    proc = psutil.Process(server.process.pid)
+    before = httpx.get(server.url + "/metrics").text
+    cpu0 = t0 = 0.0
+
+    def started() -> None:
+        nonlocal cpu0, t0
+        cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+
+    with Peak(accept_backlog(server.port), every_s=0.1) as backlog:
+        outs = open_loop_procs(
+            server.port,
+            rate,
+            seconds,
+            processes=processes,
+            give_up_s=GIVE_UP_S,
+            max_connections=2000,  # past the server's cap of 1000
+            started=started,
+        )
+    cores = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - t0)
+    after = httpx.get(server.url + "/metrics").text
+    name = "bitserve_request_latency_seconds"
+    delta = _delta_histogram(after, before, name)
+    written = [o.sent_s for o in outs if o.sent_s >= 0]
+    unanswered = [o.sent_s for o in outs if o.status == 0 and o.sent_s >= 0]
+    where = Where(
+        load,
+        cores,
+        backlog.peak,
+        histogram_quantile(delta, name, 0.99)[0],
+        float(np.percentile(written, 99)) if written else math.nan,
+        max(unanswered) if unanswered else math.nan,
+    )
+    return outs, where
+
+
+def _delta_histogram(after: str, before: str, name: str) -> str:
+    """Histogram ``name``'s buckets in ``after`` less those in ``before`` (same text form)."""
+    pattern = rf"^{name}_bucket{{([^}}]*)}} (\S+)$"
+    old = dict(re.findall(pattern, before, re.M))
+    lines = [
+        f"{name}_bucket{{{labels}}} {float(v) - float(old.get(labels, 0)):g}"
+        for labels, v in re.findall(pattern, after, re.M)
+    ]
+    return "\n".join(lines)
+
+
+def overload_rows(
+    seconds: float, levels: Sequence[float], capacity_s: float, processes: int
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """The open-loop rows and their where-the-time-went rows. The capacity is measured
+    under each row's conditions (beside the burner for its rows), just before them."""
     demo = DemoRequests(Pool.make(8))
     requests = demo.requests("demo")
     rows: list[list[Any]] = []
+    where: list[list[Any]] = []
     with start_server(None, args=["--no-access-log"]) as server:
         asyncio.run(closed_loop(server.port, requests, 32, capacity_s / 2))  # warm-up
-        capacity = asyncio.run(closed_loop(server.port, requests, 32, capacity_s))
-        print(f"capacity {capacity:.0f} req/s (closed loop, 32 clients)")
         for burner in (False, True):
-            for level in levels:
-                rate = level * capacity
-                with cpu_burner(burner):
-                    outs = asyncio.run(
-                        open_loop(
-                            server.port,
-                            requests,
-                            rate,
-                            seconds,
-                            check=demo.right,
-                            give_up_s=GIVE_UP_S,
-                            max_connections=2000,  # past the server's cap of 1000
-                        )
-                    )
-                text, ok = describe(outs, seconds)
-                wrong = sum(o.wrong for o in outs)
-                host = "beside a CPU burner" if burner else "no burner"
-                rows.append(
-                    [
+            host = "beside a CPU burner" if burner else "no burner"
+            with cpu_burner(burner):
+                capacity = asyncio.run(closed_loop(server.port, requests, 32, capacity_s))
+                print(f"capacity {capacity:.0f} req/s (closed loop, 32 clients), {host}")
+                for level in levels:
+                    rate = level * capacity
+                    outs, seen = open_loop_row(server, rate, seconds, processes)
+                    text, ok = describe(outs, seconds)
+                    wrong = sum(o.wrong for o in outs)
+                    name = (
                         f"open loop {level:g}x capacity ({rate:.0f} req/s offered, capacity "
-                        f"{capacity:.0f}) for {seconds:g} s, {host}",
-                        "every request answered: 200 or 503 with Retry-After",
-                        f"{text}; {wrong} wrong answers",
-                        yes(ok and wrong == 0),
-                    ]
-                )
-                print(rows[-1][0], "->", rows[-1][2])
-    return rows
+                        f"{capacity:.0f}) for {seconds:g} s, {host}"
+                    )
+                    rows.append(
+                        [
+                            name,
+                            "every request answered: 200 or 503 with Retry-After",
+                            f"{text}; {wrong} wrong answers",
+                            yes(ok and wrong == 0),
+                        ]
+                    )
+                    where.append([f"{level:g}x, {host}", *seen.cells()])
+                    print(rows[-1][0], "->", rows[-1][2], "|", " | ".join(where[-1][1:]))
+    return rows, where
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="2 s a level; print only, write nothing")
     p.add_argument("--seconds", type=float, default=45.0, help="seconds per open-loop level")
+    p.add_argument("--processes", type=int, default=2, help="load-generator processes")
     p.add_argument("--device", action="append", default=None, help="(unused: the demo on cpu)")
     args = p.parse_args(argv)
     seconds = 2.0 if args.smoke else args.seconds
@@ -182,17 +298,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     quiet, how = quiet_host(wait_s=0 if args.smoke else 60)
     rows = [cap_row(40, 16, 1 if args.smoke else 3)]
     print(rows[0][2])
-    rows += overload_rows(seconds, (3.0, 4.0), 1.0 if args.smoke else 5.0)
+    more, where = overload_rows(seconds, (3.0, 4.0), 1.0 if args.smoke else 5.0, args.processes)
+    rows += more
     table = markdown_table(["test", "target", "measured", "met"], rows)
+    where_table = markdown_table(WHERE_HEADERS, where)
     body = f"""
 One `bitserve serve` (the built-in demo model; default settings but for
-`--max-connections 16` in the first row); clients on raw asyncio sockets in the benchmark's
-process (file-descriptor limit {fd_limit}), each open-loop request on an idle keep-alive
-connection or a new one (a kept-alive connection the server closed is replaced once, as
-HTTP clients do). {how}.
+`--max-connections 16` in the first row). The 40 clients of the first row are raw asyncio
+sockets in the benchmark's process; the open-loop load comes from {args.processes} processes
+of its own (`harness.openloop`, raw sockets on uvloop, file-descriptor limit {fd_limit}),
+each request on an idle keep-alive connection or a new one (a kept-alive connection the
+server closed is replaced once, as HTTP clients do), at most 2000 open against the server's
+default cap of 1000. The capacity is measured (closed loop, 32 clients, in the benchmark's
+process) just before the rows it scales, under their conditions: beside the burner for the
+burner's rows. {how}.
 {"Smoke run: tiny sizes." if args.smoke else ""}
 
 {table}
+
+Where the time went, per open-loop row, seen from both ends: the host's load average as the
+row began; the server process's CPU (cores: CPU seconds per second, from the first request
+to the last answer or give-up); the most connections
+waiting in the kernel's accept queue for the server (`/proc/net/tcp`); the server's own
+time per request from its head to its answer (99th percentile, as a bucket bound of
+`bitserve_request_latency_seconds`); how late the client wrote its requests (99th
+percentile: its own lag and its wait for a free connection); and of the requests left
+without an answer, the latest the client wrote one (when that is small, they were written
+in time and waited at the server's door: in the accept queue or a socket's buffer, unread).
+
+{where_table}
 """
     report(
         "overload",

@@ -93,12 +93,15 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def _exchange(port: int, conn: Conn | None, request: bytes) -> tuple[Answer, Conn]:
-    """``request`` on ``conn`` (a kept-alive connection) or a new one; a kept-alive one the
-    server closed meanwhile (its keep-alive timeout) is replaced once, as HTTP clients do.
-    On failure the connection is closed and the error raised."""
+async def _exchange(
+    port: int, conn: Conn | None, request: bytes, *, fresh: bool = False
+) -> tuple[Answer, Conn]:
+    """``request`` on ``conn`` (a kept-alive connection, or one just opened: ``fresh``) or a
+    new one; a kept-alive one the server closed meanwhile (its keep-alive timeout) is
+    replaced once, as HTTP clients do. On failure the connection is closed and the error
+    raised."""
     for attempt in (1, 2):
-        reused = conn is not None
+        reused = conn is not None and not (fresh and attempt == 1)
         if conn is None:
             conn = await asyncio.open_connection(HOST, port)
         try:
@@ -485,6 +488,13 @@ class Outcome:
     failure: str = ""
     """Why there is no answer (status 0): ``closed`` (the connection closed or reset with no
     answer), ``timeout`` (none within ``give_up_s``), ``connect`` (no connection)."""
+    index: int = -1
+    """Which request it was (its number in the schedule)."""
+    sent_s: float = -1.0
+    """When the client wrote it, from when it was due (its wait for a connection of its
+    pool, and for the connection, included); -1: never written."""
+    fresh: bool = False
+    """Sent on a new connection (not a kept-alive one)."""
 
 
 async def open_loop(
@@ -496,25 +506,43 @@ async def open_loop(
     give_up_s: float = 10.0,
     check: Callable[[int, Answer], bool] | None = None,
     max_connections: int = 500,
+    tag: str | None = None,
+    delay_s: float = 0.0,
 ) -> list[Outcome]:
     """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``, each on an idle
     keep-alive connection or a new one, whatever the answers so far. ``check(i, answer)``
     says whether the 200 to ``requests[i]`` is right. At most ``max_connections`` are open
     (below the server's cap, as a client's pool would be): a request due when all are busy
-    waits for one, and that wait counts in its latency."""
+    waits for one, and that wait counts in its latency. With a ``tag``, request ``i``
+    carries ``X-Request-ID: <tag>-<i>`` (the server's access log names it). The first is due
+    ``delay_s`` from now."""
     idle: list[Conn] = []
     outcomes: list[Outcome] = []
     tasks: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
     pool = asyncio.Semaphore(max_connections)
 
+    heads = [r.partition(b"\r\n\r\n") for r in requests]
+
+    def request(i: int) -> bytes:
+        if tag is None:
+            return requests[i % len(requests)]
+        head, _, body = heads[i % len(heads)]
+        return b"%b\r\nX-Request-ID: %b-%d\r\n\r\n%b" % (head, tag.encode(), i, body)
+
     async def one(i: int, due: float) -> None:
         lag = loop.time() - due
+        sent = -1.0
+        fresh = False
         conn: Conn | None = None
         try:
             async with asyncio.timeout_at(due + give_up_s), pool:
                 conn = idle.pop() if idle else None
-                answer, conn = await _exchange(port, conn, requests[i % len(requests)])
+                fresh = conn is None
+                if conn is None:
+                    conn = await asyncio.open_connection(HOST, port)
+                sent = loop.time() - due
+                answer, conn = await _exchange(port, conn, request(i), fresh=fresh)
                 if not answer.closes:
                     idle.append(conn)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
@@ -525,7 +553,10 @@ async def open_loop(
                 if isinstance(e, ConnectionRefusedError)
                 else "closed"
             )
-            outcomes.append(Outcome(0, loop.time() - due, lag, failure=failure))
+            latency = loop.time() - due
+            outcomes.append(
+                Outcome(0, latency, lag, failure=failure, index=i, sent_s=sent, fresh=fresh)
+            )
             return
         latency = loop.time() - due
         wrong = answer.status == 200 and check is not None and not check(i, answer)
@@ -537,12 +568,15 @@ async def open_loop(
                 "retry-after" in answer.headers,
                 answer.status == 200 or answer.is_json_error(),
                 wrong,
+                index=i,
+                sent_s=sent,
+                fresh=fresh,
             )
         )
         if answer.closes:
             await _close(conn[1])
 
-    start = loop.time() + 0.05
+    start = loop.time() + 0.05 + delay_s
     total = int(rate * seconds)
     for i in range(total):
         due = start + i / rate
