@@ -128,7 +128,7 @@ class Ticket:
         self._submitted = self._answered = self._finished = False
         self._queued_ns = 0
         self._wanted: tuple[int, ...] = ()
-        self._shared: dict[str, SharedOutput] = {}
+        self._shared: dict[str, SharedOutput] | None = None
 
     # --- the version --------------------------------------------------------------------
 
@@ -224,7 +224,7 @@ class Ticket:
                 "bitserve.priority_level", handle.level_of(request.parameters.get("priority"))
             )
         self._wanted = bound.outputs
-        self._shared = shared_outputs(request)
+        self._shared = shared_outputs(request) if request.outputs is not None else None
         answer = _Answer(self, request, on_done)
         self._submitted = True  # from here on the batcher counts what it drops
         self._pending = enqueue(
@@ -235,10 +235,16 @@ class Ticket:
         self, request: InferRequest, on_done: Done, result: tuple[Result, BatchInfo]
     ) -> None:
         self._answered = True
-        self._queued()
+        self._pending = None  # no cycle ticket -> queued request -> its answer -> ticket
+        if self.trace is not None:
+            self._queued()
         arrays, info = result
-        outputs = self.handle.signature.outputs
         shared = self._shared
+        if not shared:
+            rid = self.request_id
+            on_done(build_response(self.handle, request, self._wanted, arrays, info, rid))
+            return
+        outputs = self.handle.signature.outputs
         writes = [
             (shared[outputs[i].name], arrays[i]) for i in self._wanted if outputs[i].name in shared
         ]
@@ -249,9 +255,6 @@ class Ticket:
             )
             on_done(response)
 
-        if not writes:
-            respond()
-            return
         if sum(arr.nbytes for _, arr in writes) <= THREAD_BYTES:
             _write_shared(writes)
             respond()
@@ -269,7 +272,9 @@ class Ticket:
 
     def _failed(self, on_done: Done, error: BaseException) -> None:
         self._answered = True
-        self._queued()
+        self._pending = None
+        if self.trace is not None:
+            self._queued()
         on_done(error)
 
     def _queued(self) -> None:

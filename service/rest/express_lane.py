@@ -30,8 +30,7 @@ log = logging.getLogger("service.rest.infer_route")  # its reports read as the i
 
 
 class ExpressLane:
-    """One server's express lane (``http_cycle.Lane``) beside its infer route, sharing the
-    route's limits, budget and token and the gateway's ids, concurrency and access log."""
+    """An ``http_cycle.Lane`` beside the infer route: its limits, the gateway's ids and log."""
 
     def __init__(self, route: InferRoute, gateway: Gateway) -> None:
         self.route, self.gateway, self.dataplane = route, gateway, route.rest.dataplane
@@ -60,7 +59,7 @@ class ExpressRequest:
         self.more_body, self.complete, self.open, self.waiting = True, False, False, False
         self.ticket: Ticket | None = None
         self.held: Held | None = None
-        self.task: Any = None  # waiting for a load, or framing off the loop
+        self.task: Any = None  # a load awaited, or framing off the loop
         self.timer: Any = None  # the body's timeout
 
     def add_body(self, data: bytes) -> int:
@@ -69,13 +68,13 @@ class ExpressRequest:
 
     def body_done(self) -> None:
         self.more_body = False
-        self._stop_waiting()
+        if self.waiting:
+            self._stop_waiting()
         if self.ticket is not None and not self.complete:
             self._submit()
 
     def body_incomplete(self) -> None:
-        """A read ended before the body: it has ``body_timeout_s`` from now, and the server's
-        graceful shutdown waits for it (then :meth:`cancel`), as for a general request."""
+        """A read ended before the body: ``body_timeout_s`` from now, and the shutdown waits."""
         if self.waiting or self.ticket is None or self.complete:
             return
         self.waiting = True
@@ -84,8 +83,7 @@ class ExpressRequest:
             self.timer = self.conn.loop.call_later(timeout, self._failed, body_timed_out(timeout))
         self.conn.track(self)
 
-    def cancel(self, msg: object = None) -> bool:
-        """The shutdown is over and the body has not come: 503, closing (next turn)."""
+    def cancel(self, msg: object = None) -> bool:  # the shutdown is over, the body not come
         if self.complete or not self.more_body:
             return False
         self.conn.loop.call_soon(self._stopping)
@@ -111,8 +109,7 @@ class ExpressRequest:
         elif not self.conn.reading:
             self.body_incomplete()  # started after the read that brought its head
 
-    def lost(self) -> None:
-        """The client went away: dropped as a general request is (logged 499)."""
+    def lost(self) -> None:  # the client went away: dropped as a general request is (499)
         if not self.complete and self.ticket is not None:
             self.ticket.cancel()  # never computed if still queued; counted cancelled
             if self.task is not None:
@@ -134,17 +131,20 @@ class ExpressRequest:
             self.conn.track(self.task)
 
     def _done(self, outcome: InferResponse | EncodedResponse | BaseException) -> None:
-        """Its response (framed next: in a task for large JSON), its bytes, or its error."""
-        if isinstance(outcome, BaseException):
-            self._failed(outcome)
-        elif isinstance(outcome, EncodedResponse):
+        """Its response (framed now, or in a task for large JSON), its bytes, or its error."""
+        if isinstance(outcome, InferResponse) and self.ticket and self.ticket.request:
+            framed = frame(self.ticket.request, outcome, self._done)
+            if isinstance(framed, asyncio.Task):
+                self.task = framed
+                self.conn.track(framed)
+                return
+            outcome = framed
+        if isinstance(outcome, EncodedResponse):
             if self.ticket is not None:
                 self.ticket.finish(request=self.ticket.request)
             self._write(200, answer_headers(outcome, self.request_id), outcome.body)
-        elif self.ticket is not None and self.ticket.request is not None:
-            self.task = frame(self.ticket.request, outcome, self._done)
-            if self.task is not None:
-                self.conn.track(self.task)
+        elif isinstance(outcome, BaseException):
+            self._failed(outcome)
 
     def _failed(self, error: BaseException) -> None:
         """An error at any step: answered as the general way answers it."""
@@ -185,15 +185,15 @@ class ExpressRequest:
             self.open = False
             if self.held is not None:
                 self.held.release()
-            self._stop_waiting()
+            if self.waiting:
+                self._stop_waiting()
             self.lane.gateway.active -= 1
             if self.lane.gateway.access_log:
                 ms = (time.perf_counter() - self.t0) * 1e3
                 access_lines.write("POST", self.plain.path, status, ms, self.request_id)
 
     def _stop_waiting(self) -> None:
-        if self.waiting:
-            self.waiting = False
-            self.conn.untrack(self)
-            if self.timer is not None:
-                self.timer.cancel()
+        self.waiting = False
+        self.conn.untrack(self)
+        if self.timer is not None:
+            self.timer.cancel()

@@ -82,9 +82,16 @@ def frame_answer(
     """A whole answer with its ``Content-Length`` as bytes, framed as an :class:`Exchange`
     frames it; and whether the connection stays open after it (not when ``keep_alive`` is
     False, which adds ``Connection: close``, nor when ``headers`` close it)."""
-    closes = any(k == b"connection" and b"close" in v.lower() for k, v in headers)
-    lines = header_lines(headers) + (b"" if keep_alive or closes else b"connection: close\r\n")
-    return b"".join((frame_head(status, defaults, lines), body)), keep_alive and not closes
+    closes = False
+    lines = b""
+    for k, v in headers:
+        lines += b"%b: %b\r\n" % (k, v)  # as header_lines
+        if k == b"connection" and b"close" in v.lower():
+            closes = True
+    if not (keep_alive or closes):
+        lines += b"connection: close\r\n"
+    status_line = STATUS_LINES.get(status) or _status_line(status)
+    return b"".join((status_line, defaults, lines, b"\r\n", body)), keep_alive and not closes
 
 
 def request_scope(

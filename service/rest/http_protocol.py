@@ -228,7 +228,8 @@ class HttpProtocol(HeadReader):
         parsing = self.parsing
         if parsing is not None and parsing.more_body:
             parsing.body_incomplete()
-        self._count_partial(len(data))
+        if self._head_begun:  # a head unfinished at the end of this read
+            self._count_partial(len(data))
 
     def pause_writing(self) -> None:
         self.write_paused = True

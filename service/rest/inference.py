@@ -200,7 +200,8 @@ def answer_headers(enc: EncodedResponse, request_id: str) -> list[tuple[bytes, b
         (b"content-length", b"%d" % len(enc.body)),
         (b"x-request-id", request_id.encode()),
     ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in enc.headers.items()]
+    for k, v in enc.headers.items():
+        headers.append((k.lower().encode(), v.encode()))
     return headers
 
 
@@ -208,13 +209,12 @@ def frame(
     request: InferRequest,
     response: InferResponse,
     then: Callable[[EncodedResponse | BaseException], None],
-) -> asyncio.Task[None] | None:
-    """Frame ``response`` (uncompressed) for a caller without coroutines: ``then`` gets it
-    now, or from a worker thread's task (returned) when :func:`encodes_in_thread`; a
-    cancelled task gives ``then`` its CancelledError."""
+) -> EncodedResponse | asyncio.Task[None]:
+    """Frame ``response`` (uncompressed) for a caller without coroutines: returned now, or
+    when :func:`encodes_in_thread`, a worker thread's task (returned) gives it to ``then``
+    (or its error: a cancelled task, its CancelledError)."""
     if not encodes_in_thread(request, response):
-        then(encode_infer_response(response, request))
-        return None
+        return encode_infer_response(response, request)
 
     async def framed() -> None:
         try:
