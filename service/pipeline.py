@@ -30,7 +30,6 @@ import torch
 
 import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
 from gpu_ops import BandedResampler, OnTheFlyResampler
-from service import devices
 from service.backends import ModelFile
 from service.config import (
     ConfigError,
@@ -47,14 +46,6 @@ from service.text import safe_text
 
 # The wire's NumPy dtype of an unpacked input -> the torch dtype to view its bytes as.
 _NUMPY_TO_TORCH = {wire: torch_dtype(name) for name, wire in DATATYPES.items()}
-
-
-def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
-    """:func:`service.devices.resolve_device` for a config, its problems as ConfigError."""
-    try:
-        return devices.resolve_device(device, default)
-    except ValueError as e:
-        raise ConfigError([f"{source}: device: {e}"]) from None
 
 
 def build_operator(
