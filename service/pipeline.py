@@ -40,6 +40,7 @@ from service.config import (
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.model_files import Artifacts
 from service.protocol.types import DATATYPES
+from service.score_model import ScoreModule
 from service.signature import Bound, handed_dtypes
 from service.statistics import ModelStats
 from service.text import safe_text
@@ -74,8 +75,6 @@ def build_operator(
 
 def _score_module(artifacts: Artifacts, device: torch.device) -> Any:
     """A ``[score]`` model's module (:class:`service.score_model.ScoreModule`) on ``device``."""
-    from service.score_model import ScoreModule
-
     t = artifacts.score
     return ScoreModule(t["weights"], t["flip"], t["scored"], artifacts.codes[0], device)
 
