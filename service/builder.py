@@ -37,13 +37,13 @@ from typing import IO, Any
 
 import torch
 
-from service import model_check
+from service import devices, model_check
 from service.config import DEFAULT_MAX_BATCH_BYTES, ConfigError, ModelConfig
 from service.dry_run_child import dry_run_in_child
 from service.index_pipeline import IndexPipeline
 from service.layout import VersionSource, model_names, model_versions
 from service.model_files import Artifacts, check_buffers, load_version
-from service.pipeline import Pipeline, resolve_device
+from service.pipeline import Pipeline
 from service.signature import handed_dtypes
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,14 @@ def build_pipeline(
 
 
 # --- the stages, in order ---------------------------------------------------------------------
+
+
+def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
+    """:func:`service.devices.resolve_device` for a config, its problems as ConfigError."""
+    try:
+        return devices.resolve_device(device, default)
+    except ValueError as e:
+        raise ConfigError([f"{source}: device: {e}"]) from None
 
 
 def read_files(

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.builder import build_pipeline, build_version
+from service.builder import build_pipeline, build_version, resolve_device
 from service.config import ConfigError, ModelConfig, load_config
 from service.config_override import ConfigOverride
 from service.layout import VersionSource
 from service.model_files import Artifacts, check_buffers, check_operator
-from service.pipeline import Pipeline, resolve_device
+from service.pipeline import Pipeline
 from service.residency import held_bytes, trim_host_memory
 from service.signature import Bound, Signature
 

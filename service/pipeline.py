@@ -30,7 +30,6 @@ import torch
 
 import gpu_ops  # noqa: F401 - registers torch.ops.bitserve.*
 from gpu_ops import BandedResampler, OnTheFlyResampler
-from service import devices
 from service.backends import ModelFile
 from service.config import (
     ConfigError,
@@ -41,20 +40,13 @@ from service.config import (
 from service.dtypes import COMPUTE_DTYPES, torch_dtype
 from service.model_files import Artifacts
 from service.protocol.types import DATATYPES
+from service.score_model import ScoreModule
 from service.signature import Bound, handed_dtypes
 from service.statistics import ModelStats
 from service.text import safe_text
 
 # The wire's NumPy dtype of an unpacked input -> the torch dtype to view its bytes as.
 _NUMPY_TO_TORCH = {wire: torch_dtype(name) for name, wire in DATATYPES.items()}
-
-
-def resolve_device(device: str, default: str = "auto", *, source: str = "config.toml") -> str:
-    """:func:`service.devices.resolve_device` for a config, its problems as ConfigError."""
-    try:
-        return devices.resolve_device(device, default)
-    except ValueError as e:
-        raise ConfigError([f"{source}: device: {e}"]) from None
 
 
 def build_operator(
@@ -83,8 +75,6 @@ def build_operator(
 
 def _score_module(artifacts: Artifacts, device: torch.device) -> Any:
     """A ``[score]`` model's module (:class:`service.score_model.ScoreModule`) on ``device``."""
-    from service.score_model import ScoreModule
-
     t = artifacts.score
     return ScoreModule(t["weights"], t["flip"], t["scored"], artifacts.codes[0], device)
 

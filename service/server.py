@@ -39,6 +39,7 @@ from service import heap
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
 from service.metrics import Metrics
+from service.repository import ModelRepository
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
 from service.tracing import Tracing, settings_without_tracing
@@ -90,8 +91,6 @@ class BitServer:
         self.metrics = metrics if metrics is not None else Metrics()
         self.tracing = tracing
         if repository is None:
-            from service.repository import ModelRepository  # torch: only when serving models
-
             repository = ModelRepository.from_settings(settings, self.metrics, tracing=tracing)
         self.repository: Repository = repository
         shm = SystemSharedMemory(settings.max_shm_regions) if settings.allow_client_shm else None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from service import devices
+from service.builder import resolve_device as resolve_for_config
 from service.config import ConfigError
 from service.devices import parse_device, resolve_device
-from service.pipeline import resolve_device as resolve_for_config
 
 
 @pytest.mark.parametrize(
