@@ -24,7 +24,7 @@ from service.config_override import ConfigOverride
 from service.layout import VersionSource
 from service.model_files import Artifacts, check_buffers, check_operator
 from service.pipeline import Pipeline
-from service.residency import held_bytes, trim_host_memory
+from service.residency import held_bytes, trim_host_memory_soon
 from service.signature import Bound, Signature
 
 log = logging.getLogger("service.repository")  # its reports read as the repository's
@@ -175,7 +175,7 @@ class VersionBuilder:
             pipe.device_memory_bytes = nbytes
             out[v] = (cfg, pipe, nbytes)
         if any(pipe.device.type == "cpu" for _, pipe, _ in out.values()):
-            trim_host_memory()  # the build's temporaries, back to the system
+            trim_host_memory_soon()  # the build's temporaries, back to the system
         return out
 
 

@@ -18,6 +18,7 @@ used). This module has the pieces that know nothing of models:
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -146,6 +147,49 @@ def trim_host_memory() -> None:
 
 
 _malloc_trim: Any = None
+
+
+class _Trimmer:
+    """:func:`trim_host_memory` in a background thread, one run at a time: asked while a run
+    goes on, it runs once more after it (however many asked meanwhile)."""
+
+    def __init__(self, trim: Callable[[], None]) -> None:
+        self._trim = trim
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._running = False
+        self.runs = 0
+
+    def soon(self) -> None:
+        with self._lock:
+            self._wanted = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._loop, name="malloc-trim", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._running = False
+                    return
+                self._wanted = False
+            try:
+                self._trim()
+            finally:
+                self.runs += 1
+
+
+_TRIMMER = _Trimmer(lambda: trim_host_memory())
+
+
+def trim_host_memory_soon() -> None:
+    """:func:`trim_host_memory`, in a background thread, off the caller's path (a load on
+    demand, an eviction): in a server with a few hundred MB of heap a trim takes tens of
+    milliseconds, which a cold request no longer waits for; the memory it gives back is
+    given back a little later."""
+    _TRIMMER.soon()
 
 
 class NoRoom(Exception):

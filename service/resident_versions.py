@@ -36,7 +36,7 @@ from service.residency import (
     budget_bytes,
     release,
     shared_parts,
-    trim_host_memory,
+    trim_host_memory_soon,
 )
 from service.response_cache import ResponseCache
 from service.sizes import Size
@@ -421,7 +421,7 @@ class ResidentVersions:
         if key.pipeline.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
-            await asyncio.to_thread(trim_host_memory)
+            trim_host_memory_soon()
         self._report_memory(key.name)
 
 

@@ -182,3 +182,39 @@ def test_a_shared_corpus_is_accounted_once(tmp_path: Path) -> None:
         await repo.stop()
 
     run(main)
+
+
+# --- giving memory back -------------------------------------------------------------------
+
+
+def test_trims_run_in_the_background_one_at_a_time() -> None:
+    import threading
+    import time
+
+    from service.residency import _Trimmer
+
+    started, release = threading.Event(), threading.Event()
+    running = []
+
+    def trim() -> None:
+        running.append(threading.current_thread().name)
+        started.set()
+        release.wait(5)
+
+    trimmer = _Trimmer(trim)
+    trimmer.soon()  # returns at once: the trim runs in its own thread
+    assert started.wait(5)
+    assert running == ["malloc-trim"]
+    for _ in range(10):  # asked while one runs: one more run after it, not ten
+        trimmer.soon()
+    release.set()
+    deadline = time.monotonic() + 5
+    while trimmer.runs < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert trimmer.runs == 2
+    trimmer.soon()  # idle again: a new run
+    deadline = time.monotonic() + 5
+    while trimmer.runs < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert trimmer.runs == 3
