@@ -79,15 +79,15 @@ def _score_file(bim: Path, out: Path) -> None:
 
 def _ray_score(
     tmp: Path, bed: Path, env: dict[str, str]
-) -> tuple[dict[str, np.ndarray] | None, float, float]:
-    """``bitserve score`` of the .bed with a Ray of its own: its outputs (None without Ray),
-    wall and CPU seconds."""
+) -> tuple[dict[str, np.ndarray] | None, float, float, str]:
+    """``bitserve score`` of the .bed with a Ray of its own: its outputs (None when it did
+    not run), wall and CPU seconds, and why it did not run."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
         import ray  # noqa: F401
     except ImportError:
-        return None, math.nan, math.nan
+        return None, math.nan, math.nan, "Ray is not installed"
     from harness.server import bitserve_command
 
     out = tmp / "ray-out"
@@ -99,13 +99,14 @@ def _ray_score(
     wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if done.returncode != 0:  # Ray's start can fail on an overloaded host: say so, go on
         print(f"bitserve score failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-        return None, math.nan, math.nan
+        last = done.stderr.strip().splitlines()[-1:] or [""]
+        return None, math.nan, math.nan, f"exit {done.returncode}: {last[0][:200]}"
     table = pa.concat_tables([pq.read_table(f) for f in sorted(out.rglob("*.parquet"))])
     result = {
         k: np.stack(table.column(k).to_numpy(zero_copy_only=False)).astype(float)
         for k in ("ALLELE_CT", "NAMED_ALLELE_DOSAGE_SUM", "SCORE_AVG", "SCORE_SUM")
     }
-    return result, wall, cpu
+    return result, wall, cpu, ""
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -165,7 +166,7 @@ def main() -> None:
         c0, t0 = time.process_time(), time.perf_counter()
         plink.read_bed(bed)
         t_read, c_read = time.perf_counter() - t0, time.process_time() - c0
-        ray_r, t_ray, c_ray = _ray_score(tmp, bed, env)
+        ray_r, t_ray, c_ray, ray_why = _ray_score(tmp, bed, env)
         with start_server(tmp / "repo", env={"OMP_NUM_THREADS": "1"}) as server, \
                 Client(server.url) as client:  # fmt: skip
             plink.score_bed(client, "prs", bed, progress=False)  # warm: first batches, pools
@@ -209,7 +210,7 @@ def main() -> None:
                 c_load + c_bulk, None),
         ]  # fmt: skip
         if ray_r is None:
-            failed = "`bitserve score` (Ray Data): did not run (no Ray, or Ray failed to start)"
+            failed = f"`bitserve score` (Ray Data): did not run ({ray_why})"
             rows.append([failed, "-", "-", "-", "-", "-", "-"])
         else:
             rows.append(row("`bitserve score` (Ray Data, a Ray of its own, 1 actor, --threads 1),"

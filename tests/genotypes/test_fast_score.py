@@ -130,6 +130,9 @@ def test_other_variants_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["genotypes", "score", "--model-repository", str(repo), "--model", "prs",
                  str(other.bed), str(tmp_path / "o.sscore")]) == 1  # fmt: skip
     assert "are not the model's 'prs'" in capsys.readouterr().err
+    assert main(["genotypes", "score", "--threads", "0", "--model-repository", str(repo),
+                 "--model", "prs", str(other.bed), str(tmp_path / "o.sscore")]) == 2  # fmt: skip
+    assert "--threads must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("plink2") is None, reason="plink2 is not installed")
