@@ -117,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(selected) - set(names()))
     if unknown:
         p.error(f"no such benchmark: {', '.join(unknown)} (there are: {', '.join(names())})")
+    # Ray's default wait for its node (60 s) is too short on a busy 2-core machine.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
     # What every benchmark imports, once: the children inherit it.
     import numpy  # noqa: F401
     import torch  # noqa: F401

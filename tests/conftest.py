@@ -34,6 +34,9 @@ except ImportError:  # pragma: no cover - only in the client-only venv
 # tensors (small inputs only).
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Ray's default wait for its node to start (60 s) is too short on a busy 2-core machine
+# (tests/ray and the `bitserve score` processes they start): a deadline, never a measure.
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
 
 
 @pytest.fixture
