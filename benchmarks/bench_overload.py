@@ -62,6 +62,8 @@ WHERE_HEADERS = [
     "row",
     "load average",
     "server CPU (cores)",
+    "load generator CPU (cores)",
+    "server CPU a request (ms)",
     "accept queue, most",
     "server time p99",
     "client wrote late, p99",
@@ -172,6 +174,10 @@ class Where:
     """The host's 1-minute load average when the row began."""
     server_cores: float
     """The server's CPU seconds per second of the row."""
+    client_cores: float
+    """The load generator's CPU seconds per second of the row."""
+    server_ms: float
+    """The server's CPU milliseconds per request (answered or not)."""
     backlog: int
     """Most connections waiting in the kernel for the server to accept them."""
     server_p99_s: float
@@ -190,6 +196,8 @@ class Where:
         return [
             f"{self.load:.1f}",
             f"{self.server_cores:.2f}",
+            f"{self.client_cores:.2f}",
+            f"{self.server_ms:.2f}",
             f"{self.backlog:,}",
             p99,
             f"{self.written_late_s:.1f} s",
@@ -211,7 +219,7 @@ def open_loop_row(
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
 
     with Peak(accept_backlog(server.port), every_s=0.1) as backlog:
-        outs = open_loop_procs(
+        run = open_loop_procs(
             server.port,
             rate,
             seconds,
@@ -220,7 +228,9 @@ def open_loop_row(
             max_connections=2000,  # past the server's cap of 1000
             started=started,
         )
-    cores = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    cores = (sum(proc.cpu_times()[:2]) - cpu0) / wall
+    outs = run.outcomes
     after = httpx.get(server.url + "/metrics").text
     name = "bitserve_request_latency_seconds"
     delta = _delta_histogram(after, before, name)
@@ -229,6 +239,8 @@ def open_loop_row(
     where = Where(
         load,
         cores,
+        run.cpu_s / wall,
+        cores * wall * 1e3 / max(len(outs), 1),
         backlog.peak,
         histogram_quantile(delta, name, 0.99)[0],
         float(np.percentile(written, 99)) if written else math.nan,
@@ -317,8 +329,9 @@ burner's rows. {how}.
 {table}
 
 Where the time went, per open-loop row, seen from both ends: the host's load average as the
-row began; the server process's CPU (cores: CPU seconds per second, from the first request
-to the last answer or give-up); the most connections
+row began; the server process's CPU and the load generator's (cores: CPU seconds per
+second, from the first request to the last answer or give-up; the host has {os.cpu_count()}),
+and the server's CPU time per request of the row; the most connections
 waiting in the kernel's accept queue for the server (`/proc/net/tcp`); the server's own
 time per request from its head to its answer (99th percentile, as a bucket bound of
 `bitserve_request_latency_seconds`); how late the client wrote its requests (99th
