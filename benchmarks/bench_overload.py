@@ -13,8 +13,9 @@ One ``bitserve serve`` with the built-in demo model; clients on raw asyncio sock
    of 1000 with clients that may open 2000: every request answered 200 or 503, none closed
    without an answer. A request with no answer within ``GIVE_UP_S`` of when it was due
    counts as a timeout, apart from the closes. Beside each row, where its time went: the
-   server's CPU, its accept queue, its own time per request (``/metrics``), and how late
-   the client wrote.
+   server's CPU and the load generator's, how long the server's event loop waited for a
+   CPU, its accept queue, its own time per request (``/metrics``), and how late the client
+   wrote.
 
     python -m benchmarks.bench_overload                 # 45 s a level; writes results/overload.md
     python -m benchmarks.bench_overload --seconds 15    # shorter levels (a shared host)
@@ -62,6 +63,9 @@ WHERE_HEADERS = [
     "row",
     "load average",
     "server CPU (cores)",
+    "load generator CPU (cores)",
+    "server CPU a request (ms)",
+    "server's event loop: ran / waited for a CPU",
     "accept queue, most",
     "server time p99",
     "client wrote late, p99",
@@ -172,6 +176,14 @@ class Where:
     """The host's 1-minute load average when the row began."""
     server_cores: float
     """The server's CPU seconds per second of the row."""
+    client_cores: float
+    """The load generator's CPU seconds per second of the row."""
+    server_ms: float
+    """The server's CPU milliseconds per request (answered or not)."""
+    loop_ran: float
+    """The share of the row's time the server's event loop thread ran on a CPU."""
+    loop_waited: float
+    """The share of the row's time it was ready to run but waited for a CPU (starved)."""
     backlog: int
     """Most connections waiting in the kernel for the server to accept them."""
     server_p99_s: float
@@ -190,6 +202,9 @@ class Where:
         return [
             f"{self.load:.1f}",
             f"{self.server_cores:.2f}",
+            f"{self.client_cores:.2f}",
+            f"{self.server_ms:.2f}",
+            f"{self.loop_ran:.0%} / {self.loop_waited:.0%}",
             f"{self.backlog:,}",
             p99,
             f"{self.written_late_s:.1f} s",
@@ -205,13 +220,15 @@ def open_loop_row(
     proc = psutil.Process(server.process.pid)
     before = httpx.get(server.url + "/metrics").text
     cpu0 = t0 = 0.0
+    sched0 = (0.0, 0.0)
 
     def started() -> None:
-        nonlocal cpu0, t0
+        nonlocal cpu0, t0, sched0
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+        sched0 = loop_schedstat(server.process.pid)
 
     with Peak(accept_backlog(server.port), every_s=0.1) as backlog:
-        outs = open_loop_procs(
+        run = open_loop_procs(
             server.port,
             rate,
             seconds,
@@ -220,7 +237,11 @@ def open_loop_row(
             max_connections=2000,  # past the server's cap of 1000
             started=started,
         )
-    cores = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    cores = (sum(proc.cpu_times()[:2]) - cpu0) / wall
+    sched1 = loop_schedstat(server.process.pid)
+    ran, waited = ((b - a) / wall for a, b in zip(sched0, sched1, strict=True))
+    outs = run.outcomes
     after = httpx.get(server.url + "/metrics").text
     name = "bitserve_request_latency_seconds"
     delta = _delta_histogram(after, before, name)
@@ -229,12 +250,27 @@ def open_loop_row(
     where = Where(
         load,
         cores,
+        run.cpu_s / wall,
+        cores * wall * 1e3 / max(len(outs), 1),
+        ran,
+        waited,
         backlog.peak,
         histogram_quantile(delta, name, 0.99)[0],
         float(np.percentile(written, 99)) if written else math.nan,
         max(unanswered) if unanswered else math.nan,
     )
     return outs, where
+
+
+def loop_schedstat(pid: int) -> tuple[float, float]:
+    """Seconds process ``pid``'s main thread (the server's event loop) has run on a CPU and
+    waited on a run queue for one (Linux ``schedstat``; zeros elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(ran) / 1e9, int(waited) / 1e9
 
 
 def _delta_histogram(after: str, before: str, name: str) -> str:
@@ -317,8 +353,11 @@ burner's rows. {how}.
 {table}
 
 Where the time went, per open-loop row, seen from both ends: the host's load average as the
-row began; the server process's CPU (cores: CPU seconds per second, from the first request
-to the last answer or give-up); the most connections
+row began; the server process's CPU and the load generator's (cores: CPU seconds per
+second, from the first request to the last answer or give-up; the host has {os.cpu_count()}),
+and the server's CPU time per request of the row; the share of the row's time the server's
+event loop thread ran, and the share it was ready to run but waited for a CPU (`/proc`
+schedstat: the rest it slept, with nothing to do); the most connections
 waiting in the kernel's accept queue for the server (`/proc/net/tcp`); the server's own
 time per request from its head to its answer (99th percentile, as a bucket bound of
 `bitserve_request_latency_seconds`); how late the client wrote its requests (99th

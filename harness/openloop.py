@@ -19,10 +19,12 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.hostile import Answer, DemoRequests, Outcome, open_loop, raise_fd_limit
@@ -30,6 +32,15 @@ from harness.workload import Pool
 
 POOL_SIZE = 8
 _FIELDS = [f.name for f in dataclasses.fields(Outcome)]
+
+
+@dataclass
+class LoadRun:
+    """What the workers of one open-loop run saw and spent."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    cpu_s: float = 0.0
+    """CPU seconds the workers took from the schedule's start to their last outcome."""
 
 
 def accept_backlog(port: int) -> Callable[[], int]:
@@ -67,10 +78,11 @@ def open_loop_procs(
     max_connections: int = 2000,
     model: str = "demo",
     started: Callable[[], None] | None = None,
-) -> list[Outcome]:
+) -> LoadRun:
     """Open-loop load on the demo model at ``rate`` requests per second for ``seconds``,
     sent by ``processes`` worker processes (``max_connections`` open at most, all workers
-    together); their outcomes, each with its index in the whole schedule. The schedule
+    together); their outcomes, each with its index in the whole schedule, and their CPU
+    time. The schedule
     starts once every worker is ready (imported, its requests built); ``started`` is called
     then."""
     cmd = [sys.executable, "-m", "harness.openloop", "--port", str(port), "--model", model]
@@ -95,17 +107,19 @@ def open_loop_procs(
             w.stdin.close()
         if started is not None:
             started()
-        outcomes: list[Outcome] = []
+        run = LoadRun()
         for k, w in enumerate(workers):
             assert w.stdout is not None
             out = w.stdout.read()
             if w.wait(timeout=60):
                 raise RuntimeError(f"open-loop worker {k} failed ({w.returncode})")
-            for row in json.loads(out):
+            got = json.loads(out)
+            run.cpu_s += got["cpu_s"]
+            for row in got["outcomes"]:
                 o = Outcome(**dict(zip(_FIELDS, row, strict=True)))
                 o.index = o.index * processes + k
-                outcomes.append(o)
-        return outcomes
+                run.outcomes.append(o)
+        return run
     finally:
         for w in workers:
             if w.poll() is None:
@@ -116,7 +130,13 @@ def open_loop_procs(
                     pipe.close()
 
 
-def _work(args: argparse.Namespace) -> list[Outcome]:
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _work(args: argparse.Namespace) -> tuple[list[Outcome], float]:
+    """This worker's share of the schedule: its outcomes and the CPU seconds it took."""
     demo = DemoRequests(Pool.make(POOL_SIZE))
     requests = demo.requests(args.model)
     n, k = args.processes, args.worker
@@ -129,7 +149,8 @@ def _work(args: argparse.Namespace) -> list[Outcome]:
     print("ready", flush=True)
     start = float(sys.stdin.readline())
     delay = start + k / args.rate - time.time()
-    return asyncio.run(
+    cpu0 = _cpu_s()
+    outcomes = asyncio.run(
         open_loop(
             args.port,
             mine,
@@ -142,6 +163,7 @@ def _work(args: argparse.Namespace) -> list[Outcome]:
             delay_s=max(0.0, delay),
         )
     )
+    return outcomes, _cpu_s() - cpu0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,8 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    outcomes = _work(args)
-    print(json.dumps([dataclasses.astuple(o) for o in outcomes]), flush=True)
+    outcomes, cpu_s = _work(args)
+    rows = [dataclasses.astuple(o) for o in outcomes]
+    print(json.dumps({"cpu_s": cpu_s, "outcomes": rows}), flush=True)
     return 0
 
 

@@ -149,7 +149,7 @@ def test_open_loop_overload_answers_every_request_200_or_503(
     asyncio.run(hostile.closed_loop(server.port, requests, 32, 1.0))  # warm-up
     capacity = asyncio.run(hostile.closed_loop(server.port, requests, 32, 2.0))
     # The load comes from two processes of its own (harness.openloop), as in the benchmark.
-    outcomes = open_loop_procs(server.port, 3 * capacity, 5.0, processes=2, give_up_s=10.0)
+    outcomes = open_loop_procs(server.port, 3 * capacity, 5.0, processes=2, give_up_s=10.0).outcomes
     assert sorted(o.index for o in outcomes) == list(range(int(3 * capacity / 2 * 5.0) * 2))
     statuses = Counter(o.status for o in outcomes)
     lat = np.array([o.latency_s for o in outcomes])
