@@ -32,12 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import hashlib
-import io
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,11 +44,25 @@ import numpy as np
 
 from benchmarks._common import markdown_table, quiet_host, report
 from benchmarks.overhead import perf, tiny
+from benchmarks.residency_load import (
+    A,
+    B,
+    Conn,
+    N,
+    child_main,
+    in_child,
+    infer_bytes,
+)
+from benchmarks.residency_parts import (
+    PA_DISTINCT,
+    PA_ITEMS,
+    builds_in_process,
+    cache_cost_us,
+    pa_input_data,
+    pa_rate,
+)
 from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
 
-CLIENTS = 8
-ZIPF_S = 1.1
-N, B, A = 16, 8192, 1024  # functions, fine bits, coarse points of each model
 ONE = ("--workers", "1")
 
 
@@ -79,154 +88,6 @@ def write_models(root: Path, count: int, half_width: float) -> list[str]:
         write_model_folder(root / name, config, {"x": np.arange(B, dtype=np.float32), "c": c})
         names.append(name)
     return names
-
-
-NAMES = {"demo": ("spikes", "resampled"), "tiny": (tiny.INPUT, tiny.OUTPUT)}
-"""Input and output names of the models that are not ours (ours: ``bits``, ``out``)."""
-
-
-def infer_bytes(model: str, packed: np.ndarray[Any, Any], rid: str) -> bytes:
-    """One binary V2 request for ``model`` (HTTP/1.1, keep-alive)."""
-    name, output = NAMES.get(model, ("bits", "out"))
-    head = json.dumps(
-        {
-            "id": rid,
-            "inputs": [{"name": name, "datatype": "UINT8", "shape": list(packed.shape),
-                        "parameters": {"binary_data_size": packed.nbytes}}],
-            "outputs": [{"name": output, "parameters": {"binary_data": True}}],
-        }
-    ).encode()  # fmt: skip
-    body = head + packed.tobytes()
-    return (
-        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: b\r\nContent-Length: {len(body)}\r\n"
-        f"Inference-Header-Content-Length: {len(head)}\r\n\r\n"
-    ).encode() + body
-
-
-class Conn:
-    """One keep-alive HTTP/1.1 connection: a request's bytes in, ``(status, output bytes)``
-    out (the body after its JSON header)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, port: int) -> Conn:
-        return cls(*await asyncio.open_connection("127.0.0.1", port, limit=1 << 20))
-
-    async def send(self, raw: bytes) -> tuple[int, bytes]:
-        self.writer.write(raw)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = json_length = 0
-        for line in head.split(b"\r\n"):
-            key, _, value = line.partition(b":")
-            if key.lower() == b"content-length":
-                length = int(value)
-            elif key.lower() == b"inference-header-content-length":
-                json_length = int(value)
-        body = await self.reader.readexactly(length)
-        return status, body[json_length:] if status == 200 else body
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-# --- the load generator (its own process) -------------------------------------------------
-
-
-async def zipf_load(port: int, names: list[str], seconds: float, seed: int) -> dict[str, Any]:
-    """Zipf traffic from :data:`CLIENTS` connections: each request's model, seed, status,
-    latency and the SHA-256 of its output bytes."""
-    rng = np.random.default_rng(seed)
-    ranked = list(rng.permutation(names))
-    weights = 1.0 / np.arange(1, len(ranked) + 1) ** ZIPF_S
-    p = weights / weights.sum()
-    records: list[tuple[str, int, int, float, str]] = []
-    deadline = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        r = np.random.default_rng(seed * 100 + k)
-        conn = await Conn.open(port)
-        try:
-            while time.perf_counter() < deadline:
-                model = ranked[int(r.choice(len(ranked), p=p))]
-                s = int(r.integers(0, 2**31))
-                packed = np.random.default_rng(s).integers(0, 256, (1, N, B // 8), np.uint8)
-                t0 = time.perf_counter()
-                status, body = await conn.send(infer_bytes(model, packed, f"{k}-{s}"))
-                ms = (time.perf_counter() - t0) * 1e3
-                digest = hashlib.sha256(body).hexdigest() if status == 200 else ""
-                records.append((model, s, status, ms, digest))
-        finally:
-            conn.close()
-
-    await asyncio.gather(*(client(k) for k in range(CLIENTS)))
-    return {"records": records, "ranked": ranked, "p": p.tolist()}
-
-
-async def replay(port: int, records: list[list[Any]]) -> int:
-    """Send every recorded request to the reference server; the number whose output bytes
-    differ (or failed)."""
-    todo = list(records)
-    bad = 0
-
-    async def client() -> None:
-        nonlocal bad
-        conn = await Conn.open(port)
-        try:
-            while todo:
-                model, s, _, _, digest = todo.pop()
-                packed = np.random.default_rng(s).integers(0, 256, (1, N, B // 8), np.uint8)
-                status, body = await conn.send(infer_bytes(model, packed, "ref"))
-                if status != 200 or hashlib.sha256(body).hexdigest() != digest:
-                    bad += 1
-        finally:
-            conn.close()
-
-    await asyncio.gather(*(client() for _ in range(CLIENTS)))
-    return bad
-
-
-async def rate(port: int, model: str, seconds: float, items: int, seed: int) -> float:
-    """Requests per second of random ``items``-item requests to ``model`` (tiny) from
-    :data:`CLIENTS` connections."""
-    count = 0
-    deadline = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        nonlocal count
-        r = np.random.default_rng(seed * 1000 + k)
-        conn = await Conn.open(port)
-        try:
-            while time.perf_counter() < deadline:
-                packed = r.integers(0, 256, (items, 1, 1), np.uint8)
-                status, _ = await conn.send(infer_bytes(model, packed, "r"))
-                assert status == 200
-                count += 1
-        finally:
-            conn.close()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(CLIENTS)))
-    return count / (time.perf_counter() - t0)
-
-
-def in_child(task: str, **kw: Any) -> Any:
-    """Run a load task (``zipf``, ``replay``, ``rate``) in a separate Python process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"task": task, **kw}))
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_residency", "--child",
-                        str(spec), str(out)], check=True, cwd=perf.ROOT)  # fmt: skip
-        return json.loads(out.read_text())
-
-
-def child_main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    task = spec.pop("task")
-    fn = {"zipf": zipf_load, "replay": replay, "rate": rate}[task]
-    Path(out_path).write_text(json.dumps(asyncio.run(fn(**spec))))  # type: ignore[operator]
 
 
 # --- the server side ----------------------------------------------------------------------
@@ -301,39 +162,6 @@ def cold_loads(
             ms = asyncio.run(both())
             pairs.append((ms, (tree_cpu_seconds(pid) - cpu0) * 1e3))
     return singles, pairs
-
-
-def builds_in_process(root: Path, names: list[str], trials: int) -> tuple[float, float, float]:
-    """Builds of the models alone (no server): one at a time, and two at once in two threads
-    (ms, medians), and the CPU seconds of one build: whether two loads can overlap at all on
-    this host, apart from anything the server does around them."""
-    import threading
-
-    from service.layout import model_versions
-    from service.loading import VersionBuilder
-
-    builder = VersionBuilder("cpu", 1 << 40, 1 << 40, True)
-
-    def build(name: str) -> None:
-        versions = model_versions(root, name)
-        builder.measured(lambda: builder.build_all(name, versions, None))
-
-    build(names[0])
-    singles, pairs, cpu = [], [], []
-    for t in range(trials):
-        a, b, c = (names[(3 * t + i) % len(names)] for i in range(3))
-        c0, t0 = time.process_time(), time.perf_counter()
-        build(a)
-        singles.append((time.perf_counter() - t0) * 1e3)
-        cpu.append(time.process_time() - c0)
-        threads = [threading.Thread(target=build, args=(n,)) for n in (b, c)]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        pairs.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(singles), statistics.median(pairs), statistics.median(cpu)
 
 
 def residency(args: argparse.Namespace, out: list[str]) -> None:
@@ -457,91 +285,6 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
         "(autogroup), so a server with two busy threads gets no more than with one, and two "
         "loads take twice one's time (the cores row says how much the server had).\n"
     )
-
-
-PA_ITEMS = 8
-"""Items of each throughput request (perf_analyzer's ``-b``)."""
-PA_DISTINCT = 5000
-"""Distinct requests in perf_analyzer's input data (it cycles through them)."""
-
-
-def pa_input_data(path: Path, seed: int) -> Path:
-    """perf_analyzer's ``--input-data``: :data:`PA_DISTINCT` x :data:`PA_ITEMS` steps of one
-    random byte each; perf_analyzer makes each request of ``-b`` consecutive steps, so it
-    sends :data:`PA_DISTINCT` distinct requests, in a cycle."""
-    rng = np.random.default_rng(seed)
-    steps = rng.integers(0, 256, PA_DISTINCT * PA_ITEMS)
-    data = [{tiny.INPUT: {"content": [int(b)], "shape": [1, 1]}} for b in steps]
-    path.write_text(json.dumps({"data": data}))
-    return path
-
-
-def pa_rate(
-    command: list[str], server: perf.Running, data: Path, interval_ms: int
-) -> tuple[float, float]:
-    """One perf_analyzer run at :data:`CLIENTS` concurrent requests of :data:`PA_ITEMS`
-    items from ``data``: requests per second, and the server's CPU microseconds per request
-    (its process tree's user + system time over the run, divided by the requests served)."""
-    from harness.loadgen import tree_cpu_seconds
-
-    with tempfile.TemporaryDirectory() as tmp:
-        csv_path = Path(tmp) / "pa.csv"
-        args = [
-            *command, "-m", "tiny", "-u", f"127.0.0.1:{server.port}", "-i", "http",
-            "-b", str(PA_ITEMS), "--concurrency-range", str(CLIENTS),
-            "--input-data", str(data), "--measurement-interval", str(interval_ms),
-            "--stability-percentage", "1000", "--max-trials", "3", "-f", str(csv_path),
-        ]  # fmt: skip
-        cpu0, t0 = tree_cpu_seconds(server.process.pid), time.perf_counter()
-        done = subprocess.run(args, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - t0
-        cpu = tree_cpu_seconds(server.process.pid) - cpu0
-        if not csv_path.exists():
-            raise RuntimeError(f"perf_analyzer failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        row = next(csv.DictReader(io.StringIO(csv_path.read_text())))
-    rps = float(row["Inferences/Second"]) / PA_ITEMS
-    return rps, cpu / (rps * wall) * 1e6
-
-
-def cache_cost_us(requests: int = 20_000) -> float:
-    """The response cache's own cost of one missed request, in process (microseconds): the
-    key of a tiny-model request of :data:`PA_ITEMS` random items (as the data plane computes
-    it), the lookup that finds nothing, and the store of its answer."""
-    from types import SimpleNamespace
-
-    from service.batch_queue import BatchInfo
-    from service.config import load_config
-    from service.protocol.types import InferRequest, RequestInput, RequestOutput
-    from service.response_cache import ResponseCache, cache_key
-    from service.signature import Bound, WireInput
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = tiny.write_repository(Path(tmp)) / tiny.NAME
-        cfg = load_config(folder / "config.toml", "tiny")
-    handle = SimpleNamespace(name=tiny.NAME, version="1", cfg=cfg)
-    rng = np.random.default_rng(0)
-    todo = []
-    for _ in range(requests):
-        packed = rng.integers(0, 256, (PA_ITEMS, 1, 1), np.uint8)
-        req = InferRequest(
-            id="r",
-            inputs=[RequestInput(tiny.INPUT, "UINT8", packed.shape, packed,
-                                 {"binary_data_size": PA_ITEMS})],
-            outputs=[RequestOutput(tiny.OUTPUT, True, {"binary_data": True})],
-            parameters={},
-        )  # fmt: skip
-        todo.append((req, Bound((WireInput(packed, True, None),), (0,), PA_ITEMS)))
-    answer, info = [np.zeros((PA_ITEMS, 1, 1), np.float32)], BatchInfo(PA_ITEMS, 1)
-    runs = []
-    for _ in range(5):
-        cache = ResponseCache(64 << 20)
-        t0 = time.perf_counter_ns()
-        for req, bound in todo:
-            key = cache_key(handle, req, bound)  # type: ignore[arg-type]
-            if cache.get(key) is None:
-                cache.put(key, (tiny.NAME, "1"), answer, info)
-        runs.append((time.perf_counter_ns() - t0) / requests / 1e3)
-    return statistics.median(runs)
 
 
 def cache(args: argparse.Namespace, out: list[str]) -> None:

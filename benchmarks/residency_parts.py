@@ -1,0 +1,137 @@
+"""Parts of ``bench_residency`` that measure one thing each: builds alone in process, and
+the response cache's load (perf_analyzer with input data that never hits) and its own cost
+per missed request in process."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.overhead import perf, tiny
+from benchmarks.residency_load import CLIENTS
+
+
+def builds_in_process(root: Path, names: list[str], trials: int) -> tuple[float, float, float]:
+    """Builds of the models alone (no server): one at a time, and two at once in two threads
+    (ms, medians), and the CPU seconds of one build: whether two loads can overlap at all on
+    this host, apart from anything the server does around them."""
+    import threading
+
+    from service.layout import model_versions
+    from service.loading import VersionBuilder
+
+    builder = VersionBuilder("cpu", 1 << 40, 1 << 40, True)
+
+    def build(name: str) -> None:
+        versions = model_versions(root, name)
+        builder.measured(lambda: builder.build_all(name, versions, None))
+
+    build(names[0])
+    singles, pairs, cpu = [], [], []
+    for t in range(trials):
+        a, b, c = (names[(3 * t + i) % len(names)] for i in range(3))
+        c0, t0 = time.process_time(), time.perf_counter()
+        build(a)
+        singles.append((time.perf_counter() - t0) * 1e3)
+        cpu.append(time.process_time() - c0)
+        threads = [threading.Thread(target=build, args=(n,)) for n in (b, c)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        pairs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(singles), statistics.median(pairs), statistics.median(cpu)
+
+
+PA_ITEMS = 8
+"""Items of each throughput request (perf_analyzer's ``-b``)."""
+PA_DISTINCT = 5000
+"""Distinct requests in perf_analyzer's input data (it cycles through them)."""
+
+
+def pa_input_data(path: Path, seed: int) -> Path:
+    """perf_analyzer's ``--input-data``: :data:`PA_DISTINCT` x :data:`PA_ITEMS` steps of one
+    random byte each; perf_analyzer makes each request of ``-b`` consecutive steps, so it
+    sends :data:`PA_DISTINCT` distinct requests, in a cycle."""
+    rng = np.random.default_rng(seed)
+    steps = rng.integers(0, 256, PA_DISTINCT * PA_ITEMS)
+    data = [{tiny.INPUT: {"content": [int(b)], "shape": [1, 1]}} for b in steps]
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def pa_rate(
+    command: list[str], server: perf.Running, data: Path, interval_ms: int
+) -> tuple[float, float]:
+    """One perf_analyzer run at :data:`CLIENTS` concurrent requests of :data:`PA_ITEMS`
+    items from ``data``: requests per second, and the server's CPU microseconds per request
+    (its process tree's user + system time over the run, divided by the requests served)."""
+    from harness.loadgen import tree_cpu_seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = Path(tmp) / "pa.csv"
+        args = [
+            *command, "-m", "tiny", "-u", f"127.0.0.1:{server.port}", "-i", "http",
+            "-b", str(PA_ITEMS), "--concurrency-range", str(CLIENTS),
+            "--input-data", str(data), "--measurement-interval", str(interval_ms),
+            "--stability-percentage", "1000", "--max-trials", "3", "-f", str(csv_path),
+        ]  # fmt: skip
+        cpu0, t0 = tree_cpu_seconds(server.process.pid), time.perf_counter()
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        cpu = tree_cpu_seconds(server.process.pid) - cpu0
+        if not csv_path.exists():
+            raise RuntimeError(f"perf_analyzer failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        row = next(csv.DictReader(io.StringIO(csv_path.read_text())))
+    rps = float(row["Inferences/Second"]) / PA_ITEMS
+    return rps, cpu / (rps * wall) * 1e6
+
+
+def cache_cost_us(requests: int = 20_000) -> float:
+    """The response cache's own cost of one missed request, in process (microseconds): the
+    key of a tiny-model request of :data:`PA_ITEMS` random items (as the data plane computes
+    it), the lookup that finds nothing, and the store of its answer."""
+    from types import SimpleNamespace
+
+    from service.batch_queue import BatchInfo
+    from service.config import load_config
+    from service.protocol.types import InferRequest, RequestInput, RequestOutput
+    from service.response_cache import ResponseCache, cache_key
+    from service.signature import Bound, WireInput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny.write_repository(Path(tmp)) / tiny.NAME
+        cfg = load_config(folder / "config.toml", "tiny")
+    handle = SimpleNamespace(name=tiny.NAME, version="1", cfg=cfg)
+    rng = np.random.default_rng(0)
+    todo = []
+    for _ in range(requests):
+        packed = rng.integers(0, 256, (PA_ITEMS, 1, 1), np.uint8)
+        req = InferRequest(
+            id="r",
+            inputs=[RequestInput(tiny.INPUT, "UINT8", packed.shape, packed,
+                                 {"binary_data_size": PA_ITEMS})],
+            outputs=[RequestOutput(tiny.OUTPUT, True, {"binary_data": True})],
+            parameters={},
+        )  # fmt: skip
+        todo.append((req, Bound((WireInput(packed, True, None),), (0,), PA_ITEMS)))
+    answer, info = [np.zeros((PA_ITEMS, 1, 1), np.float32)], BatchInfo(PA_ITEMS, 1)
+    runs = []
+    for _ in range(5):
+        cache = ResponseCache(64 << 20)
+        t0 = time.perf_counter_ns()
+        for req, bound in todo:
+            key = cache_key(handle, req, bound)  # type: ignore[arg-type]
+            if cache.get(key) is None:
+                cache.put(key, (tiny.NAME, "1"), answer, info)
+        runs.append((time.perf_counter_ns() - t0) / requests / 1e3)
+    return statistics.median(runs)
