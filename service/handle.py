@@ -151,6 +151,8 @@ class ModelHandle:
             cfg["parameters"] = {
                 k: {"string_value": json.dumps(v, sort_keys=True)} for k, v in extra.items()
             }
+        if self.cache is not None:  # Triton's field: perf_analyzer reads it
+            cfg["response_cache"] = {"enable": True}
         if self.cfg.max_batch_size > 0:
             cfg["dynamic_batching"] = batching = {
                 "max_queue_delay_microseconds": self.cfg.max_queue_delay_us,

@@ -195,6 +195,7 @@ def test_a_hit_never_runs_the_model_and_has_its_own_id(tmp_path: Path) -> None:
         repo = cached_repo(tmp_path, metrics=metrics)
         await repo.start()
         dp = DataPlane(repo, metrics)
+        assert repo.get("a").config()["response_cache"] == {"enable": True}  # as Triton's
         first = await ask(dp, "a", seed=3, id="first")
         stats = repo.get("a").stats
         assert stats.execution_count == 1
@@ -230,6 +231,7 @@ def test_a_model_without_response_cache_is_never_cached(tmp_path: Path) -> None:
         for _ in range(3):
             await ask(dp, "a", seed=3)
         assert repo.get("a").stats.execution_count == 3
+        assert "response_cache" not in repo.get("a").config()
         assert repo.cache is not None
         assert len(repo.cache) == 0
         await repo.stop()
