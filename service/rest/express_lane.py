@@ -132,22 +132,22 @@ class ExpressRequest:
 
     def _done(self, outcome: InferResponse | EncodedResponse | BaseException) -> None:
         """Its response (framed now, or in a task for large JSON), its bytes, or its error."""
-        if isinstance(outcome, InferResponse) and self.ticket and self.ticket.request:
-            framed = frame(self.ticket.request, outcome, self._done)
+        ticket = self.ticket  # (a client gone: nothing is framed)
+        if isinstance(outcome, InferResponse) and ticket and ticket.request and not self.complete:
+            framed = frame(ticket.request, outcome, self._done)
             if isinstance(framed, asyncio.Task):
                 self.task = framed
                 self.conn.track(framed)
                 return
             outcome = framed
         if isinstance(outcome, EncodedResponse):
-            if self.ticket is not None:
-                self.ticket.finish(request=self.ticket.request)
+            if ticket is not None:
+                ticket.finish(request=ticket.request)
             self._write(200, answer_headers(outcome, self.request_id), outcome.body)
         elif isinstance(outcome, BaseException):
             self._failed(outcome)
 
-    def _failed(self, error: BaseException) -> None:
-        """An error at any step: answered as the general way answers it."""
+    def _failed(self, error: BaseException) -> None:  # answered as the general way answers it
         if self.complete:
             return
         if isinstance(error, asyncio.CancelledError):  # the server stops during a load
