@@ -4,6 +4,7 @@ hypothesis's profile, the session's shared servers (``server_pool``, ``shared_se
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,6 +85,24 @@ def demo_server(shared_server: Callable[..., BitserveServer]) -> BitserveServer:
     """The session's ``bitserve serve`` of the built-in demo model with the default flags (the
     docs', the client's and the end-to-end tests share it), put back after each test."""
     return shared_server()
+
+
+_SERVER_LOGGERS = ("service", "gpu_ops", "uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+@pytest.fixture(autouse=True)
+def _logging_put_back() -> Iterator[None]:
+    """Put the server's loggers back as each test found them: a server run in process applies
+    its log settings (``log_level="warning"`` sets the ``service`` logger's level), which would
+    hide records from a later test's ``caplog`` in the same worker, whatever the order."""
+    saved = [
+        (lg, lg.level, lg.propagate, lg.disabled, list(lg.handlers))
+        for lg in map(logging.getLogger, _SERVER_LOGGERS)
+    ]
+    yield
+    for lg, level, propagate, disabled, handlers in saved:
+        lg.setLevel(level)
+        lg.propagate, lg.disabled, lg.handlers = propagate, disabled, handlers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
