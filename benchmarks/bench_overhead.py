@@ -302,7 +302,7 @@ def main() -> None:
             servers.insert(0, (before_label, before_server(before, repo)))
         with perf.start(servers) as running:
             loads = tiny_rounds(command, running, rounds, interval, args.smoke)
-        from service.demo import write_demo_repository
+        from service.models.demo import write_demo_repository
 
         demo_repo = Path(tmp) / "demo"
         write_demo_repository(demo_repo)
@@ -409,7 +409,7 @@ def main() -> None:
         [[label, mlp_med(label), ", ".join(f"{x:,.0f}" for x in xs)]
          for label, xs in mlp_rps.items()],
     )  # fmt: skip
-    from service.workers import available_cores, plan_workers
+    from service.cluster.supervisor import available_cores, plan_workers
 
     plan = plan_workers("auto", cores=available_cores(), gpus=0)
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())

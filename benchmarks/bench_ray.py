@@ -308,7 +308,7 @@ def measure(repo, model):
     step("+ numpy, pyarrow, ray.data (what a Ray Data actor imports)")
     import torch
     step("+ torch")
-    import gpu_ops, service.builder
+    import gpu_ops, service.models.builder
     step("+ gpu_ops, service (Triton is imported at a first CUDA call only)")
     import torch.export
     from torch.export import pt2_archive
@@ -347,7 +347,7 @@ def conversion_cost(rows: int = 65536) -> float:
     import pyarrow as pa
     from ray.data.block import BlockAccessor
 
-    from service.config import InputConfig
+    from service.models.config import InputConfig
     from service.ray.scorer import ColumnForm
 
     form = ColumnForm.of(InputConfig(name="fp", datatype="BOOL", shape=[2048], packing="bits"))

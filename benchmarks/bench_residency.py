@@ -289,7 +289,7 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
 
 def cache(args: argparse.Namespace, out: list[str]) -> None:
     from harness.server import perf_analyzer
-    from service.demo import write_demo_repository
+    from service.models.demo import write_demo_repository
 
     root = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     write_demo_repository(root / "demo")

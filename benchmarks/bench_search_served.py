@@ -55,7 +55,7 @@ def corpus_rows(rng: np.random.Generator, n: int, nbits: int, density: float) ->
 def write_model(folder: Path, rows: Array, metric: str, ids: bool = True) -> None:
     from safetensors.numpy import save_file
 
-    from service.index_build import config_text
+    from service.index.build import config_text
 
     folder.mkdir(parents=True)
     tensors = {"corpus": rows}
@@ -159,8 +159,8 @@ def memory_and_load(tmp: Path, n: int) -> tuple[list[list[object]], list[list[ob
     """Rows of the memory table and of the load table."""
     from bitserve_client import Client
 
-    from service.builder import build_version
-    from service.layout import model_versions
+    from service.models.builder import build_version
+    from service.models.layout import model_versions
 
     rng = np.random.default_rng(2)
     small, big = tmp / "small", tmp / "big"

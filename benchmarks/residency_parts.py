@@ -25,8 +25,8 @@ def builds_in_process(root: Path, names: list[str], trials: int) -> tuple[float,
     this host, apart from anything the server does around them."""
     import threading
 
-    from service.layout import model_versions
-    from service.loading import VersionBuilder
+    from service.models.layout import model_versions
+    from service.residency.loading import VersionBuilder
 
     builder = VersionBuilder("cpu", 1 << 40, 1 << 40, True)
 
@@ -102,11 +102,11 @@ def cache_cost_us(requests: int = 20_000) -> float:
     it), the lookup that finds nothing, and the store of its answer."""
     from types import SimpleNamespace
 
-    from service.batch_queue import BatchInfo
-    from service.config import load_config
+    from service.batching.queue import BatchInfo
+    from service.models.config import load_config
+    from service.models.response_cache import ResponseCache, cache_key
+    from service.models.signature import Bound, WireInput
     from service.protocol.types import InferRequest, RequestInput, RequestOutput
-    from service.response_cache import ResponseCache, cache_key
-    from service.signature import Bound, WireInput
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny.write_repository(Path(tmp)) / tiny.NAME

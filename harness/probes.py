@@ -39,7 +39,7 @@ def write_repository(
     Returns:
         ``root``.
     """
-    from service.demo import write_demo_repository
+    from service.models.demo import write_demo_repository
 
     model = write_demo_repository(root)
     if name != model.name:

@@ -118,7 +118,7 @@ def demo_reference(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     A Gaussian of sigma 125 cut at 4 sigma, summed over each coarse point's window only (the
     dense operator would be 20 x 500 x 50000 float64 = 4 GB).
     """
-    from service.demo import SIGMA, SUPPORT_SIGMAS, demo_tensors
+    from service.models.demo import SIGMA, SUPPORT_SIGMAS, demo_tensors
 
     t = demo_tensors()
     x, c = t["x"].astype(np.float64), t["c"].astype(np.float64)

@@ -109,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
-    from service import index_build
+    from service.index import build
     from service.ray import cli as ray_cli  # imports Ray only when `score` runs
 
     ray_cli.add_parser(sub)
-    index_build.add_parser(sub)
+    build.add_parser(sub)
     from service.genotypes import cli as genotypes_cli
 
     genotypes_cli.add_parser(sub)
@@ -128,9 +128,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM: in this process, or as ``settings.workers``
-    worker processes under a supervisor (:mod:`service.workers`)."""
+    worker processes under a supervisor (:mod:`service.cluster.supervisor`)."""
 
-    from service.observability import configure_logging
+    from service.observability.request_ids import configure_logging
 
     if settings.grpc_port:
         from service.grpc.server import check_bindable
@@ -141,13 +141,13 @@ def serve(settings: Settings) -> int:
             print(f"bitserve serve: {e}", file=sys.stderr)
             return 1
     log_config = configure_logging(settings.log_level)
-    from service import workers
+    from service.cluster import supervisor
 
-    gpus = workers.gpu_count(settings.device)
+    gpus = supervisor.gpu_count(settings.device)
     try:
-        plan = workers.plan_workers(
+        plan = supervisor.plan_workers(
             settings.workers,
-            cores=workers.available_cores(),
+            cores=supervisor.available_cores(),
             gpus=gpus,
             omp_threads=os.environ.get("OMP_NUM_THREADS"),
             linux=sys.platform == "linux",
@@ -156,13 +156,13 @@ def serve(settings: Settings) -> int:
         print(f"bitserve serve: workers: {e}", file=sys.stderr)
         return 2
     if plan.workers > 1:
-        return workers.supervise(settings, plan, gpus)
-    logging.getLogger("service.workers").info("%s: serving in this process", plan.reason)
-    from service.devices import set_torch_threads
+        return supervisor.supervise(settings, plan, gpus)
+    logging.getLogger("service.cluster.supervisor").info("%s: serving in this process", plan.reason)
+    from service.models.devices import set_torch_threads
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
+    from service.observability.tracing import Tracing
     from service.server import BitServer
-    from service.tracing import Tracing
 
     return BitServer(settings, tracing=Tracing.from_environ(os.environ)).run(log_config)
 
@@ -188,7 +188,7 @@ def check_repo(
     """``bitserve check-repo``: one line per problem on stderr; 0 when valid, 1 if not, 2 for
     a bad limit or device. Never a traceback: every error is a problem of the file it came
     from. Each version is built and dry-run on ``device`` as ``serve`` builds it."""
-    from service.devices import resolve_device
+    from service.models.devices import resolve_device
 
     try:
         device = resolve_device(device, "auto")
@@ -206,7 +206,7 @@ def check_repo(
     if not root.is_dir():
         print(f"{root}: not a folder", file=sys.stderr)
         return 1
-    from service.builder import check_repository
+    from service.models.builder import check_repository
 
     logging.basicConfig(level=logging.CRITICAL)  # the problems are printed; no log lines
     problems = check_repository(root, device=device, **limits)
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-repo":
         return check_repo(args.root, args.max_operator_bytes, args.max_batch_bytes, args.device)
     if args.command == "demo-repo":
-        from service.demo import write_demo_repository
+        from service.models.demo import write_demo_repository
 
         try:
             path = write_demo_repository(args.root)
@@ -244,9 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote the demo model to {path}")
         return 0
     if args.command == "index":
-        from service import index_build
+        from service.index import build
 
-        return index_build.run(args)
+        return build.run(args)
     if args.command == "genotypes":
         from service.genotypes import cli as genotypes_cli
 

@@ -7,8 +7,8 @@ settings, the trace settings (Triton's trace extension), and whether the server 
 REST's routes and gRPC's RPCs call it directly; neither it nor the changes know HTTP or gRPC.
 
 Every change is checked first (a bad name, key or setting is refused here and changes
-nothing), then made a typed :class:`service.changes.Change` and applied. Under ``--workers``
-the cluster (:mod:`service.cluster`) applies it here, records it and sends it to the other
+nothing), then made a typed :class:`service.cluster.changes.Change` and applied. Under ``--workers``
+the cluster (:mod:`service.cluster.peers`) applies it here, records it and sends it to the other
 workers, who apply it with :meth:`ControlPlane.apply`; a worker that starts late replays the
 record the same way.
 """
@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from service.changes import (
+from service.cluster.changes import (
     Change,
     LoadModel,
     RegisterRegion,
@@ -28,16 +28,16 @@ from service.changes import (
     UpdateLogSettings,
     UpdateTraceSettings,
 )
-from service.config import ConfigError
-from service.config_override import load_parameters, parse_override
 from service.errors import ChangeFailed, InvalidInput, ModelNotFound
-from service.log_settings import LogSettings
+from service.models.config import ConfigError
+from service.models.override import load_parameters, parse_override
+from service.observability.log_settings import LogSettings
+from service.observability.trace_settings import TraceSettings
 from service.shared_memory import CudaSharedMemory, SystemSharedMemory
 from service.text import safe_text
-from service.trace_settings import TraceSettings
 
 if TYPE_CHECKING:
-    from service.cluster import Cluster
+    from service.cluster.peers import Cluster
     from service.dataplane import Repository
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class ControlPlane:
             memory is disabled (the data plane reads the same regions).
         log_level: the starting log level (``--log-level``), for the logging extension.
         cluster: this worker's view of its peers under ``--workers``; None in one process.
-        trace_settings: the trace settings (``service.trace_settings``); default: those of a
+        trace_settings: the trace settings (``service.observability.trace_settings``); default:
+        those of a
             server that does not trace.
     """
 
@@ -75,7 +76,7 @@ class ControlPlane:
         self.cluster = cluster
         self.models_changed: Callable[[], None] | None = None
         """Called after every load and unload applied in this process (the server process
-        settles its heap then: ``service.heap``)."""
+        settles its heap then: ``service.observability.heap``)."""
         # One applier per kind of change: what applying it means in this process.
         self._appliers: dict[type[Change], Callable[[Any], Awaitable[Any]]] = {
             LoadModel: self._load,
@@ -132,7 +133,7 @@ class ControlPlane:
             what applying it here returned.
 
         Raises:
-            ServiceError: it failed here, or on a peer (``service.cluster.WorkerFailed``).
+            ServiceError: it failed here, or on a peer (``service.cluster.peers.WorkerFailed``).
         """
         if self.cluster is None:
             return await self.apply(change)
@@ -159,7 +160,7 @@ class ControlPlane:
         Args:
             name: the model.
             request: the V2 load request (``{"parameters": {"config": "<JSON>"}}``, see
-                ``service.config_override``), for this load only.
+                ``service.models.override``), for this load only.
 
         Raises:
             InvalidInput: no such model, a malformed request or override, or a model that
@@ -277,7 +278,8 @@ class ControlPlane:
         """Change log settings (all or nothing); returns them all.
 
         Raises:
-            InvalidInput: an unknown setting or a bad value (see ``service.log_settings``).
+            InvalidInput: an unknown setting or a bad value (see
+            ``service.observability.log_settings``).
         """
         given = self.logging.check(changes)
         if not given:
@@ -307,8 +309,9 @@ class ControlPlane:
         returns those of ``model`` (None: the global ones).
 
         Raises:
-            InvalidInput: an unknown setting or a bad value (``service.trace_settings``).
-            ModelNotFound: no such model. ModelNotReady: it is not ready.
+            InvalidInput: an unknown setting or a bad value
+            (``service.observability.trace_settings``). ModelNotFound: no such model. ModelNotReady:
+            it is not ready.
         """
         if model is not None:
             self.repository.get(model)

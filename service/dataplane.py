@@ -4,9 +4,9 @@ Transports (REST in ``service.rest``, gRPC in ``service.grpc``) are thin adapter
 their envelope apart, decode it with their own framing, call a method here, and write the
 answer back in their own envelope. The data plane looks the model up and checks its queue
 before a transport decodes anything, checks the request against the model once
-(``service.signature``), submits it to the model's batcher, builds the response, writes
+(``service.models.signature``), submits it to the model's batcher, builds the response, writes
 outputs into shared memory, and counts requests in the metrics and statistics. Model state
-belongs to the repository alone (``service.repository``); what changes it is the control
+belongs to the repository alone (``service.models.repository``); what changes it is the control
 plane's (``service.controlplane``).
 
 What happens to one inference request is the core's (:mod:`service.ticket`: admit, settle,
@@ -26,17 +26,17 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import service
-from service.config_override import ConfigOverride
 from service.errors import InvalidInput, ModelNotReady, ServiceError
-from service.handle import ModelHandle
-from service.metrics import Metrics
-from service.observability import request_id_var
+from service.models.handle import ModelHandle
+from service.models.override import ConfigOverride
+from service.observability.metrics import Metrics
+from service.observability.request_ids import request_id_var
 from service.protocol import InferRequest, InferResponse
 from service.shared_memory import SystemSharedMemory
 from service.ticket import THREAD_BYTES, Ticket, end_trace
 
 if TYPE_CHECKING:
-    from service.tracing import RequestTrace, Tracing
+    from service.observability.tracing import RequestTrace, Tracing
 
 __all__ = ["THREAD_BYTES", "DataPlane", "Decoder", "Repository", "compute", "infer"]
 
@@ -57,7 +57,7 @@ EXTENSIONS = [
 
 
 class Repository(Protocol):
-    """What the data plane needs of the model repository (``service.repository``)."""
+    """What the data plane needs of the model repository (``service.models.repository``)."""
 
     @property
     def ready(self) -> bool: ...
@@ -185,7 +185,7 @@ class DataPlane:
         Args:
             name, version: the model (version None: the highest READY one).
             request_id: the transport's id of the request; None: the current one
-                (``service.observability.request_id_var``).
+                (``service.observability.request_ids.request_id_var``).
             trace: the request's trace, when it is traced (:meth:`Tracing.begin`); its
                 server span ends when the ticket is finished.
 

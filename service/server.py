@@ -35,17 +35,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from service import heap
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane, Repository
-from service.metrics import Metrics
-from service.repository import ModelRepository
+from service.models.repository import ModelRepository
+from service.observability import heap
+from service.observability.metrics import Metrics
+from service.observability.tracing import Tracing, settings_without_tracing
 from service.settings import Settings
 from service.shared_memory import SystemSharedMemory
-from service.tracing import Tracing, settings_without_tracing
 
 if TYPE_CHECKING:
-    from service.cluster import Cluster
+    from service.cluster.peers import Cluster
     from service.grpc.server import GrpcServer
     from service.rest.app import BitserveApp
     from service.rest.server import HttpServer
@@ -64,12 +64,12 @@ class BitServer:
     Args:
         settings: the server settings.
         repository: the model repository; by default a
-            ``service.repository.ModelRepository`` over ``settings.model_repository`` (the
+            ``service.models.repository.ModelRepository`` over ``settings.model_repository`` (the
             built-in demo when that is unset), created here, loaded by :meth:`start`.
         metrics: the metrics registry shared with ``repository``; a new one by default.
         tracing: OpenTelemetry tracing (a repository passed in must have been given the
             same); None: no traces, and the trace extension answers level OFF.
-        cluster: this worker's peers under ``--workers`` (``service.cluster``): changes
+        cluster: this worker's peers under ``--workers`` (``service.cluster.peers``): changes
             reach every worker, and readiness waits for them all.
         grpc: serve gRPC on ``settings.grpc_port`` (unless that is 0).
         grpc_shared_port: the gRPC port is shared with other worker processes
@@ -188,7 +188,7 @@ class BitServer:
 
         Args:
             log_config: uvicorn's logging configuration
-                (``service.observability.configure_logging``).
+                (``service.observability.request_ids.configure_logging``).
             sockets: HTTP's listening sockets, already bound (``--workers``); by default
                 uvicorn binds ``settings.host:settings.port``.
             headers: headers added to every HTTP answer.

@@ -12,9 +12,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.config import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_OPERATOR_BYTES
-from service.devices import parse_device, resolve_device
-from service.sizes import Size, parse_budget, parse_cache_config
+from service.models.config import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_OPERATOR_BYTES
+from service.models.devices import parse_device, resolve_device
+from service.residency.sizes import Size, parse_budget, parse_cache_config
 
 
 class Settings(BaseSettings):

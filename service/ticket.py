@@ -30,18 +30,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from service.batch_queue import Answer, Pending
-from service.batcher import BatchInfo
+from service.batching.batcher import BatchInfo
+from service.batching.queue import Answer, Pending
 from service.errors import ModelNotReady, ServiceError
-from service.handle import ModelHandle, Result
+from service.models.handle import ModelHandle, Result
+from service.models.response_cache import ResponseCache, cache_key
+from service.models.signature import Bound
 from service.protocol import InferRequest, InferResponse, ResponseOutput
 from service.protocol.types import SharedOutput
-from service.response_cache import ResponseCache, cache_key
-from service.signature import Bound
 
 if TYPE_CHECKING:
-    from service.metrics import Metrics
-    from service.tracing import RequestTrace
+    from service.observability.metrics import Metrics
+    from service.observability.tracing import RequestTrace
 
 THREAD_BYTES = 64 << 10
 """Work above this many bytes leaves the event loop for a worker thread; below it the thread
@@ -54,7 +54,7 @@ error (a ServiceError: a timeout, an unload, a failed batch)."""
 
 
 class Versions(Protocol):
-    """What a ticket asks of the model repository (``service.repository``)."""
+    """What a ticket asks of the model repository (``service.models.repository``)."""
 
     def get(self, name: str, version: str | None = None) -> ModelHandle: ...
     def use(self, handle: ModelHandle) -> bool: ...
@@ -328,7 +328,7 @@ class Ticket:
 
 
 class _Answer:
-    """The batcher's side of a submitted ticket (``service.batch_queue.Answer``)."""
+    """The batcher's side of a submitted ticket (``service.batching.queue.Answer``)."""
 
     __slots__ = ("on_done", "request", "ticket")
 

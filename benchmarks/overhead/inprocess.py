@@ -40,9 +40,9 @@ from typing import Any
 
 from benchmarks.overhead import tiny
 from harness.fake_transport import FakeClient, Response, host_config
-from service.devices import set_torch_threads
-from service.observability import configure_logging
-from service.workers import available_cores, plan_workers
+from service.cluster.supervisor import available_cores, plan_workers
+from service.models.devices import set_torch_threads
+from service.observability.request_ids import configure_logging
 
 _HEAD = (
     b'{"inputs":[{"name":"bits","datatype":"UINT8","shape":[1,1,1],'

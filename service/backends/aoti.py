@@ -15,7 +15,7 @@ them there: a package whose wrapper it cannot read is refused.
 
 The kernels' own checks (an index out of range) do run. One that fails inside an OpenMP
 parallel region cannot throw out of it, and the C++ runtime aborts the process: a package's
-dry run is therefore made first in a child process (:mod:`service.dry_run_child`), where
+dry run is therefore made first in a child process (:mod:`service.models.dry_run_child`), where
 such a crash is a refusal instead of the server's end.
 """
 

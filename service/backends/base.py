@@ -13,7 +13,7 @@ A format is a subclass of :class:`ModelFile` in its own module of this package:
 
 The dry run (a zero batch through the whole pipeline at batch 1 and at ``max_batch_size``)
 and the signature check against ``config.toml`` are the same for every format
-(:mod:`service.model_check` and :class:`service.pipeline.Pipeline`), so a format only says
+(:mod:`service.models.checks` and :class:`service.models.pipeline.Pipeline`), so a format only says
 what it knows, and whether a failing call can abort the process
 (:attr:`ModelFile.dry_run_in_child`).
 """
@@ -118,7 +118,7 @@ class ModelFile(ABC):
     """Whether a failing call can abort the whole process (code compiled for this model
     that throws where no exception can pass, as an AOTInductor kernel inside an OpenMP
     region does): its dry run is then made first in a child process
-    (:mod:`service.dry_run_child`), where a crash is a refusal."""
+    (:mod:`service.models.dry_run_child`), where a crash is a refusal."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

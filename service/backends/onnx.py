@@ -124,8 +124,8 @@ def _options(ort: Any) -> Any:
 
     By default ONNX Runtime runs one thread per core whatever the process was given, and its
     idle threads spin: a server worker whose torch threads leave a core to its event loop
-    (see ``service.workers``) then had both cores taken by ONNX Runtime, which served 0.60x
-    the rows of the same model as torch.export while it computed as fast alone
+    (see ``service.cluster.supervisor``) then had both cores taken by ONNX Runtime, which served
+    0.60x the rows of the same model as torch.export while it computed as fast alone
     (benchmarks/results/formats.md). Its intra-op threads are torch's, and they sleep when
     idle."""
     options = ort.SessionOptions()

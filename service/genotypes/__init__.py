@@ -2,7 +2,7 @@
 
 :mod:`service.genotypes.plink_files` reads ``.bed``/``.bim``/``.fam``,
 :mod:`service.genotypes.score_file` a plink2 score file, :mod:`service.genotypes.writer`
-writes the ``[score]`` model folder (:mod:`service.score_model` serves it).
+writes the ``[score]`` model folder (:mod:`service.models.score_model` serves it).
 """
 
 from service.genotypes.writer import ScoreModelReport, write_score_model

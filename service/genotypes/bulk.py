@@ -1,7 +1,7 @@
 """``bitserve genotypes score``: every sample of a ``.bed`` through a ``[score]`` model in this
 process (no server, no Ray), written as plink2's ``.sscore``.
 
-The model is loaded as ``bitserve serve`` loads it (:func:`service.builder.build_version`:
+The model is loaded as ``bitserve serve`` loads it (:func:`service.models.builder.build_version`:
 the same checks and dry run) and each block of samples is one :meth:`Pipeline.run` batch:
 the ``.bed``'s variant-major blocks are read memory-mapped, transposed to one row of codes
 per sample (:func:`service.genotypes.plink_files.sample_major`) and scored by the lookup
@@ -34,9 +34,9 @@ def load_score_model(repository: Path, model: str, device: str = "cpu") -> tuple
     Raises:
         ConfigError: the model cannot be loaded; PlinkError: not a ``[score]`` model.
     """
-    from service.builder import build_version
-    from service.config import DEFAULT_MAX_OPERATOR_BYTES
-    from service.layout import model_versions
+    from service.models.builder import build_version
+    from service.models.config import DEFAULT_MAX_OPERATOR_BYTES
+    from service.models.layout import model_versions
 
     versions = model_versions(repository, model)
     src = versions[max(versions, key=int)]
@@ -76,7 +76,7 @@ def score_bed(
         PlinkError: unreadable data, or variants that are not the model's.
         ConfigError: the model cannot be loaded.
     """
-    from service.signature import Bound, WireInput
+    from service.models.signature import Bound, WireInput
 
     cfg, pipe = loaded or load_score_model(repository, model, device)
     variants = read_bim(bed.with_suffix(".bim"))

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 def _score(args: argparse.Namespace) -> int:
     """The torch-free path (:mod:`service.genotypes.fast`) for a CPU and a folder as
     score-model writes it, else the model loaded as ``bitserve serve`` loads it."""
-    from service.config import ConfigError
+    from service.models.config import ConfigError
 
     if args.threads is not None and args.threads < 1:
         print("bitserve genotypes score: --threads must be at least 1", file=sys.stderr)

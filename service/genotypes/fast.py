@@ -12,7 +12,7 @@ Scoring never transposes the ``.bed``: ``bs_score_bed`` (``gpu_ops/_codes_c.c``,
 ``gpu_ops`` package and so without torch) reads the memory-mapped variant-major blocks, a
 block of variants at a time, and adds per sample what each variant's code adds: the
 (variants, 4, S + 2) value tables of :func:`value_tables` (the same numbers
-:func:`service.score_model.value_tables` folds into the served model's lookup table).
+:func:`service.models.score_model.value_tables` folds into the served model's lookup table).
 :func:`score_bed_reference` is the plain NumPy sum the kernel is tested against.
 """
 
@@ -157,7 +157,7 @@ def value_tables(
     """(L, 4, S + 2) float64: what each variant's ``.bed`` code adds to each score column
     (weight x the scored allele's dosage, a missing code's the mean), to the scored allele's
     dosage sum (nothing when missing), and to the allele count (2 when present); zeros for
-    variants not scored. As :func:`service.score_model.value_tables` (torch) computes them.
+    variants not scored. As :func:`service.models.score_model.value_tables` (torch) computes them.
 
     Args:
         weights: (L, S); flip, scored: (L,) bool; means: (L,) the first allele's mean dosage.
@@ -200,7 +200,7 @@ def load_fast_model(repository: Path, model: str) -> FastScoreModel | str:
     Raises:
         ConfigError: no such model (as ``bitserve serve`` says it).
     """
-    from service.layout import model_versions
+    from service.models.layout import model_versions
 
     if kernels() is None:
         return "the CPU code kernels are unavailable"

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from service.auth import check_bearer
 from service.errors import Overloaded, ServiceError, report, shown_message
 from service.grpc.codec import parse
-from service.observability import RequestIds, request_id_var
+from service.observability.request_ids import RequestIds, request_id_var
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(f"{__name__}.access")  # one line per call

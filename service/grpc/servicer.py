@@ -32,8 +32,8 @@ from service.grpc.codec import EMPTY_FINAL_RESPONSE
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
 from service.grpc.rpc import Context, Rpcs, log
-from service.handle import ModelHandle
-from service.observability import request_id_var
+from service.models.handle import ModelHandle
+from service.observability.request_ids import request_id_var
 from service.protocol.types import InferRequest, InferResponse
 from service.text import safe_text
 

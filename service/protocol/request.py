@@ -73,7 +73,8 @@ class RawInputSpec:
 
 
 class InputChecker(Protocol):
-    """What the decoder asks of the model a request is for (``service.signature.Signature``)."""
+    """What the decoder asks of the model a request is for
+    (``service.models.signature.Signature``)."""
 
     def check_input(self, name: str, datatype: str, shape: tuple[int, ...]) -> int:
         """Check one input's name, datatype and shape before its data are converted; returns

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.config import ModelConfig
 from service.genotypes.plink_files import ids_sha256, open_bed, read_bim, read_fam, sample_major
+from service.models.config import ModelConfig
 from service.ray.scorer import ScoringError
 
 ROW_GROUP = 4096

@@ -27,7 +27,7 @@ from service.ray.scorer import BatchScorer, read_config
 if TYPE_CHECKING:
     import ray.data
 
-    from service.config import ModelConfig
+    from service.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

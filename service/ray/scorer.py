@@ -2,12 +2,12 @@
 
 :class:`BatchScorer` is a Ray Data batch callable (``Dataset.map_batches``) and works as well on
 its own: it loads one model version as ``bitserve serve`` loads it
-(:func:`service.builder.build_version`: the same files, checks, backend and dry run),
+(:func:`service.models.builder.build_version`: the same files, checks, backend and dry run),
 keeps it resident on its device, and computes each batch of rows as the server computes one
-request: the model's :class:`~service.signature.Signature` checks and lays out the inputs, and
-:meth:`service.pipeline.Pipeline.run` unpacks the bits on the device, applies the operator and
-the model. Nothing of the computation is reimplemented here; this module only turns table
-columns into the server's request tensors and its outputs back into columns.
+request: the model's :class:`~service.models.signature.Signature` checks and lays out the inputs,
+and :meth:`service.models.pipeline.Pipeline.run` unpacks the bits on the device, applies the
+operator and the model. Nothing of the computation is reimplemented here; this module only turns
+table columns into the server's request tensors and its outputs back into columns.
 
 Columns: one per model input, named after it, one item per row. A bit-packed input
 (``packing = "bits"``) holds an item's packed bytes (``ceil(L / 8)`` per row of the logical
@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.config import (
+from service.errors import InvalidInput
+from service.models.config import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_OPERATOR_BYTES,
     ConfigError,
@@ -43,10 +44,9 @@ from service.config import (
     ModelConfig,
     load_config,
 )
-from service.errors import InvalidInput
-from service.layout import VersionSource, model_versions
+from service.models.layout import VersionSource, model_versions
+from service.models.signature import Signature
 from service.protocol.types import DATATYPES, InferRequest, RequestInput
-from service.signature import Signature
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -260,8 +260,8 @@ class BatchScorer:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         torch_threads: int | None = None,
     ) -> None:
-        from service.builder import build_version
-        from service.devices import set_torch_threads
+        from service.models.builder import build_version
+        from service.models.devices import set_torch_threads
 
         threads = torch_threads if torch_threads is not None else ray_cpus()
         if threads is not None:

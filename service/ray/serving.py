@@ -56,7 +56,7 @@ class _Replica:
     settings: ClassVar[dict[str, Any]] = {}
 
     def __init__(self) -> None:
-        from service.devices import set_torch_threads
+        from service.models.devices import set_torch_threads
         from service.ray.scorer import ray_cpus
 
         threads = ray_cpus()

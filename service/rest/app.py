@@ -28,8 +28,8 @@ from starlette.types import Receive, Scope, Send
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, Relayed, ServiceError, report
-from service.metrics import Metrics
-from service.observability import printable_path
+from service.observability.metrics import Metrics
+from service.observability.request_ids import printable_path
 from service.rest.auth import make_auth_check
 from service.rest.endpoints import Endpoints, json_response
 from service.rest.errors import error_response

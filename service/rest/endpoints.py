@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from service.controlplane import ControlPlane
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.protocol.response import dumps_plain
 from service.rest.bodies import CONTROL_BODY_BYTES
 from service.rest.infer_route import InferRoute

@@ -7,8 +7,8 @@ connection (``service.rest.http_protocol``), which counts them as the head arriv
 
 Paths are answered without redirects: a trailing slash is dropped (``/v2/`` is ``/v2``), so
 no ``Location`` is ever built from the request's ``Host`` header. Paths are logged escaped and
-cut (``service.observability.printable_path``): a percent-encoded newline must not forge a
-log line.
+cut (``service.observability.request_ids.printable_path``): a percent-encoded newline must not forge
+a log line.
 
 A request with ``Expect: 100-continue`` and a body that is answered before its body was asked
 for (an unknown model, a full queue) has its connection closed after the answer: the client may
@@ -23,9 +23,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.access_log import AccessLog
 from service.errors import ModelNotReady, Overloaded, ServiceError
-from service.observability import RequestIds, printable_path, request_id_var
+from service.observability.access_log import AccessLog
+from service.observability.request_ids import RequestIds, printable_path, request_id_var
 from service.rest.bodies import Message, Receive
 from service.rest.errors import send_error
 from service.rest.infer_route import InferRoute, Scope, Send, match_infer

@@ -47,7 +47,7 @@ from service.errors import (
     report,
     shown_message,
 )
-from service.observability import Tally, printable_path
+from service.observability.request_ids import Tally, printable_path
 from service.protocol import choose_encoding
 from service.rest.bodies import Message, Receive, read_body
 from service.rest.disconnect import is_gone, on_disconnect

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from service.dataplane import THREAD_BYTES, DataPlane, decode_sized, off_loop
 from service.errors import PayloadTooLarge
-from service.handle import ModelHandle
+from service.models.handle import ModelHandle
 from service.protocol import (
     CompressionMode,
     EncodedResponse,
@@ -33,7 +33,7 @@ from service.protocol.compression import MIN_BYTES
 from service.protocol.response import compress_response, wants_binary
 
 if TYPE_CHECKING:
-    from service.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace
 
 # Compressed bodies above this inflate in a worker thread: at ~1000:1 even a small gzip bomb
 # is megabytes of inflating.
@@ -97,7 +97,8 @@ class RestInference:
                 called with its size as it grows, possibly from a worker thread (see
                 :func:`service.protocol.decompress`); it raises to refuse.
             trace: the request's trace, when it is traced
-                (:meth:`service.tracing.Tracing.begin`); its body sizes are recorded on it.
+                (:meth:`service.observability.tracing.Tracing.begin`); its body sizes are recorded
+                on it.
 
         Raises:
             ServiceError: with the status the transport answers.

@@ -13,7 +13,7 @@ import termios
 from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar
 
-from service.observability import Tally
+from service.observability.request_ids import Tally
 
 log = logging.getLogger(__name__)
 

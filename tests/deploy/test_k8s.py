@@ -155,7 +155,7 @@ def test_service_pdb_and_hpa_select_the_deployment() -> None:
     target = k8s["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
     (metric,) = k8s["HorizontalPodAutoscaler"]["spec"]["metrics"]
-    # A gauge the server really exports (service/metrics.py).
+    # A gauge the server really exports (service/observability/metrics.py).
     from .test_monitoring import exported_series
 
     assert metric["pods"]["metric"]["name"] in exported_series()

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 
 from ._manifests import DEPLOY, ROOT, load_yaml_documents
 from ._replicas import Replica, free_port, infer_body
@@ -135,7 +135,9 @@ def test_dashboard_queries_only_metrics_the_server_exports() -> None:
     for expr in expressions(dashboard()):
         for selector in re.finditer(r"\b(bitserve_\w+)(?:\{([^}]*)\})?", expr):
             name = selector.group(1)
-            assert name in series, f"{name} is not exported by service/metrics.py ({expr})"
+            assert name in series, (
+                f"{name} is not exported by service/observability/metrics.py ({expr})"
+            )
             seen.add(name)
             used = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector.group(2) or ""))
             assert used <= series[name] | _SCRAPE_LABELS, (name, used - series[name])

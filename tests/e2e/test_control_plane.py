@@ -28,9 +28,9 @@ import pytest
 from google.protobuf.message import Message
 
 from harness.server import BitserveServer, start_server, worker_pids_in
-from service.demo import N_COARSE, N_FINE, N_FUNCTIONS
+from service.cluster.supervisor import available_cores, plan_workers
 from service.grpc.proto import grpc_service_pb2 as pb
-from service.workers import available_cores, plan_workers
+from service.models.demo import N_COARSE, N_FINE, N_FUNCTIONS
 
 pytestmark = pytest.mark.e2e
 

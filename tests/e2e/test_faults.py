@@ -34,7 +34,7 @@ from harness.probes import (
 )
 from harness.server import BitserveServer, terminate_under_load, wait_begun
 from harness.workload import N_FINE, N_FUNCTIONS, Pool, check
-from service.demo import write_demo_repository
+from service.models.demo import write_demo_repository
 from tests.e2e.slow_model import slow_request, write_slow_model
 
 pytestmark = pytest.mark.e2e

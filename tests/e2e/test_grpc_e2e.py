@@ -36,7 +36,7 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from harness.server import BitserveServer, bitserve_command, free_port, start_server
 from harness.workload import Pool, check
-from service.demo import write_demo_repository
+from service.models.demo import write_demo_repository
 from tests.e2e.slow_model import write_slow_model
 from tests.e2e.triton_simple import write_simple
 

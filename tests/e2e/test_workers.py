@@ -182,7 +182,7 @@ def test_killed_worker_is_restarted_with_the_same_models(server: BitserveServer)
 
     def get(path: str) -> httpx.Response:
         # A connection the kernel queued on the dying worker's socket is reset (that is
-        # SO_REUSEPORT's price: see service/workers.py); a client retries it.
+        # SO_REUSEPORT's price: see service/cluster/supervisor.py); a client retries it.
         for _ in range(20):
             with contextlib.suppress(httpx.TransportError):
                 return httpx.get(server.url + path, timeout=10)
@@ -461,8 +461,8 @@ def test_device_memory_budget_per_worker(tmp_path: Path) -> None:
     stays READY on both, and the control plane's unload and load still reach both."""
     import asyncio
 
-    from service.repository import ModelRepository
-    from service.sizes import parse_budget
+    from service.models.repository import ModelRepository
+    from service.residency.sizes import parse_budget
 
     root = write_models(tmp_path / "repo", a=(8, 0), b=(8, 0), c=(8, 0))
 

@@ -50,8 +50,8 @@ def test_kernel_over_several_blocks_of_a_strided_view(monkeypatch: pytest.Monkey
 def test_value_tables_equal_the_served_models() -> None:
     import torch
 
-    from service.codes_input import CodeTable
-    from service.score_model import value_tables
+    from service.models.codes import CodeTable
+    from service.models.score_model import value_tables
 
     rng = np.random.default_rng()
     L, S = 29, 3

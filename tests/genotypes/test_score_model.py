@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from bitserve_client import plink
 
-from service.builder import build_version, check_repository
 from service.cli import main
-from service.config import ConfigError, parse_config
 from service.genotypes import write_score_model
 from service.genotypes.plink_files import PlinkError
 from service.genotypes.score_file import ScoreFileError
-from service.layout import model_versions
-from service.signature import Bound, Signature, WireInput
+from service.models.builder import build_version, check_repository
+from service.models.config import ConfigError, parse_config
+from service.models.layout import model_versions
+from service.models.signature import Bound, Signature, WireInput
 from tests.genotypes.plink_data import Dataset, plink_score, write_dataset
 
 LIMIT = 1 << 30

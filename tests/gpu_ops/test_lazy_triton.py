@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_importing_gpu_ops_and_the_server_pipeline_leaves_triton_alone() -> None:
     code = (
-        "import sys, gpu_ops, service.pipeline, service.builder\n"
+        "import sys, gpu_ops, service.models.pipeline, service.models.builder\n"
         "import gpu_ops._bits_ops, gpu_ops._events_ops, gpu_ops._resample_ops\n"
         "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))"
     )

@@ -336,7 +336,7 @@ def test_ray_batches_are_whole_model_batches(tmp_path: Path) -> None:
 def parse_fp_config(mbs: int, shape: list[int]) -> Any:
     import tomllib
 
-    from service.config import parse_config
+    from service.models.config import parse_config
 
     text = model_toml(max_batch_size=mbs, inputs=[tensor("fp", "BOOL", shape, packing="bits")],
                       model={"file": "m.pt2"}, outputs=[tensor("score", "FP32", [1])])  # fmt: skip

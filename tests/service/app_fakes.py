@@ -1,6 +1,6 @@
 """A tiny in-memory repository for transport tests of the app (not for end-to-end tests).
 
-Its handles are real :class:`service.handle.ModelHandle` objects with a real signature and a
+Its handles are real :class:`service.models.handle.ModelHandle` objects with a real signature and a
 real batcher; only the device pipeline is replaced by NumPy maths, so the HTTP layer and the
 data plane can be tested on their own: framing, errors, auth, limits, compression.
 
@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from service.batcher import Batcher
-from service.config import ModelConfig
-from service.config_override import ConfigOverride
+from service.batching.batcher import Batcher
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded
-from service.handle import ModelHandle, Result
+from service.models.config import ModelConfig
+from service.models.handle import ModelHandle, Result
+from service.models.override import ConfigOverride
+from service.models.readiness import unknown_model
+from service.models.signature import Bound, Signature
+from service.observability.statistics import ModelStats, Statistics
 from service.protocol.header_cache import HeaderCache
 from service.protocol.types import InferRequest
-from service.readiness import unknown_model
-from service.signature import Bound, Signature
-from service.statistics import ModelStats, Statistics
 
 ECHO_CONFIG = ModelConfig.model_validate(
     {

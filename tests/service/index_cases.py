@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from service.index_build import config_text
+from service.index.build import config_text
 
 Array = np.ndarray[Any, Any]
 

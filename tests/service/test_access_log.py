@@ -1,7 +1,7 @@
 """The access log's own lines are the bytes ``logging`` writes for the same request.
 
 ``AccessLog.write`` makes a line itself where the server's logging configuration is the one
-in force (:func:`service.observability.logging_config`), and goes through ``logging``
+in force (:func:`service.observability.request_ids.logging_config`), and goes through ``logging``
 (the plain reference) otherwise: both are compared here on random requests, at the same
 clock, with and without a worker's tag, and the fallbacks on configurations it must not
 take over (another handler, a filter, another format, a level).
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from service.access_log import MESSAGE, AccessLog
-from service.log_settings import LevelSwitches, LogSettings
-from service.observability import (
+from service.observability.access_log import MESSAGE, AccessLog
+from service.observability.log_settings import LevelSwitches, LogSettings
+from service.observability.request_ids import (
     BatchedStreamHandler,
     RequestIdFilter,
     logging_config,
@@ -34,7 +34,7 @@ def server_handler(stream: Stream, worker: int | None) -> BatchedStreamHandler:
     """The handler ``logging_config`` describes (what ``dictConfig`` builds from it)."""
     config = logging_config("info", worker)
     spec = config["handlers"]["default"]
-    assert spec["class"] == "service.observability.BatchedStreamHandler"
+    assert spec["class"] == "service.observability.request_ids.BatchedStreamHandler"
     assert spec["filters"] == ["request_id"]
     assert config["filters"]["request_id"] == {"()": RequestIdFilter}
     assert set(config["formatters"]["default"]) == {"format"}

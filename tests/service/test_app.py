@@ -427,7 +427,7 @@ def test_struct_sanity() -> None:
 async def test_request_id_is_on_log_records(
     client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from service.observability import RequestIdFilter
+    from service.observability.request_ids import RequestIdFilter
 
     caplog.handler.addFilter(RequestIdFilter())
     with caplog.at_level("INFO", logger="service"):

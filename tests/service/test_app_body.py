@@ -22,11 +22,11 @@ import service.protocol.header_cache as header_cache
 import service.protocol.tensors as tensors
 import service.rest.inference as inference
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge, RequestTimeout
+from service.models.signature import Bound
 from service.rest.bodies import Receive, read_body
 from service.rest.infer_route import parse_content_length
 from service.server import in_process_app
 from service.settings import Settings
-from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
 
 pytestmark = pytest.mark.anyio

@@ -17,11 +17,11 @@ import httpx
 import numpy as np
 import pytest
 
+from service.models.signature import Bound
 from service.protocol import worth_compressing
 from service.protocol.compression import MIN_BYTES, TRIAL_BYTES
 from service.server import in_process_app
 from service.settings import Settings
-from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository

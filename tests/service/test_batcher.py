@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from service.batcher import Batcher, BatchInfo
-from service.devices import DeviceExecutors
+from service.batching.batcher import Batcher, BatchInfo
 from service.errors import DeadlineExceeded, ModelNotReady, Overloaded, ServiceError
-from service.metrics import Metrics
+from service.models.devices import DeviceExecutors
+from service.observability.metrics import Metrics
 
 
 class Recorder:

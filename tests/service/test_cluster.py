@@ -1,5 +1,5 @@
-"""service.cluster and service.changes in process: the record every worker reaches, cluster
-readiness, and changes sent to peers as typed messages over real unix sockets (two apps in
+"""service.cluster.peers and service.cluster.changes in process: the record every worker reaches,
+cluster readiness, and changes sent to peers as typed messages over real unix sockets (two apps in
 one process), or to stubbed peers."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.changes import (
+from service.cluster.changes import (
     Change,
     LoadModel,
     Recorded,
@@ -25,8 +25,8 @@ from service.changes import (
     UnregisterRegion,
     UpdateLogSettings,
 )
-from service.cluster import Cluster, PeerAnswer, ready_path, socket_path, why_path
-from service.control import ControlState
+from service.cluster.peers import Cluster, PeerAnswer, ready_path, socket_path, why_path
+from service.cluster.shared_state import ControlState
 from service.server import BitServer
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository

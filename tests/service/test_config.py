@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
-from service.builder import check_repository as _check_repository
-from service.config import DEFAULT_MAX_OPERATOR_BYTES, ConfigError, load_config, parse_config
-from service.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
-from service.layout import model_versions, valid_model_name
+from service.models.builder import check_repository as _check_repository
+from service.models.config import DEFAULT_MAX_OPERATOR_BYTES, ConfigError, load_config, parse_config
+from service.models.demo import DEMO_CONFIG_TOML, demo_config, write_demo_repository
+from service.models.layout import model_versions, valid_model_name
 
 
 def check_repository(root: Path) -> list[str]:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from service.config import ConfigError
-from service.config_override import MAX_OVERRIDE_CHARS, load_parameters, parse_override
 from service.controlplane import ControlPlane
 from service.errors import InvalidInput
-from service.metrics import Metrics
-from service.repository import ModelRepository
+from service.models.config import ConfigError
+from service.models.override import MAX_OVERRIDE_CHARS, load_parameters, parse_override
+from service.models.repository import ModelRepository
+from service.observability.metrics import Metrics
 from tests.service.test_repository import cfg_text, write
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from service import devices
-from service.builder import resolve_device as resolve_for_config
-from service.config import ConfigError
-from service.devices import parse_device, resolve_device
+from service.models import devices
+from service.models.builder import resolve_device as resolve_for_config
+from service.models.config import ConfigError
+from service.models.devices import parse_device, resolve_device
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ from harness.model_formats import AbortsInParallel, fingerprint_mlp, write_model
 from harness.repo_utils import model_toml, tensor
 from service.backends import load_model_file
 from service.backends.aoti import CompiledModel
-from service.builder import build_version, check_repository
-from service.config import ConfigError
-from service.layout import model_versions
+from service.models.builder import build_version, check_repository
+from service.models.config import ConfigError
+from service.models.layout import model_versions
 
 BITS = 2048  # a sum over this many bits is a reduction inductor runs in parallel
 MAX_BATCH = 16
@@ -131,7 +131,7 @@ def test_the_child_ends_when_its_parent_does(repository: Path) -> None:
         "max_batch_bytes": 1 << 30, "patch": None,
     }  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "service.builder"],
+        [sys.executable, "-m", "service.models.builder"],
         input=json.dumps(request).encode() + b"\n",
         capture_output=True,
         timeout=120,
@@ -139,7 +139,7 @@ def test_the_child_ends_when_its_parent_does(repository: Path) -> None:
     assert (done.returncode, done.stdout) == (3, b""), done.stderr
     # Held open, it answers.
     with subprocess.Popen(
-        [sys.executable, "-m", "service.builder"],
+        [sys.executable, "-m", "service.models.builder"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -156,7 +156,7 @@ def test_the_child_ends_when_its_parent_does(repository: Path) -> None:
 def test_bits_reach_the_package_as_the_module_gets_them(repository: Path) -> None:
     src = model_versions(repository, "good")["1"]
     _, pipe = build_version("good", src, default_device="cpu", max_operator_bytes=1 << 20)
-    from service.signature import Bound, WireInput
+    from service.models.signature import Bound, WireInput
 
     bits = np.random.default_rng(1).random((4, BITS)) < 0.3
     score, twice = pipe.run([Bound((WireInput(np.packbits(bits, axis=-1), True),), (0, 1), 4)])[0]

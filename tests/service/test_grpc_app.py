@@ -23,10 +23,10 @@ from tritonclient.utils import InferenceServerException
 from harness.server import free_port
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import health_pb2
+from service.models.signature import Bound
 from service.rest.app import BitserveApp
 from service.server import BitServer
 from service.settings import Settings
-from service.signature import Bound
 from tests.service.app_fakes import FakeRepository
 
 pytestmark = pytest.mark.anyio

@@ -15,15 +15,15 @@ from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.config import ModelConfig
 from service.errors import InvalidInput
 from service.grpc import codec
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.servicer import _stream_frame
+from service.models.config import ModelConfig
+from service.models.signature import Signature
 from service.protocol import decode_infer_request
 from service.protocol.tensors import float_to_bf16_bits
 from service.protocol.types import REGISTRY, InferRequest, InferResponse, ResponseOutput
-from service.signature import Signature
 from tests.service.app_fakes import FakeHandle
 
 CONFIG = ModelConfig.model_validate(

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.config import ModelConfig
 from service.errors import InvalidInput
+from service.models.config import ModelConfig
+from service.models.signature import Signature
 from service.protocol import InferRequest, decode_infer_request
 from service.protocol.header_cache import HeaderCache
-from service.signature import Signature
 
 INPUTS = [
     {"name": "a", "datatype": "UINT8", "shape": [2, 3]},

@@ -1,4 +1,5 @@
-"""service.heap: long-lived objects frozen out of the collector, garbage still freed."""
+"""service.observability.heap: long-lived objects frozen out of the collector, garbage still
+freed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service import heap
+from service.observability import heap
 
 
 class _Node:
@@ -61,7 +62,7 @@ def test_the_server_process_settles_after_start_and_after_each_load_or_unload() 
     import threading
     import time
 
-    from service.changes import LoadModel, UnloadModel, UpdateLogSettings
+    from service.cluster.changes import LoadModel, UnloadModel, UpdateLogSettings
     from service.server import BitServer
     from service.settings import Settings
     from tests.service.app_fakes import FakeRepository

@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from service.cli import main
-from service.repository import READY, ModelRepository
+from service.models.repository import READY, ModelRepository
 from tests.service.test_model_files import GAUSS, text
 
 

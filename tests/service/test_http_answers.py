@@ -27,7 +27,7 @@ from hypothesis import given, settings
 
 from harness.fake_transport import FakeClient, Response, host_config
 from harness.probes import read_until_closed
-from service.observability import Tally
+from service.observability.request_ids import Tally
 from service.rest.http_protocol import HttpProtocol, protocol_class
 from service.rest.sockets import IdleConnections
 from service.server import in_process_app

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import gpu_ops
-from service.builder import build_version, check_repository
-from service.config import ConfigError, parse_config
-from service.corpus import STORE
 from service.errors import InvalidInput
-from service.index_pipeline import DRY_RUN_ROWS, IndexPipeline
-from service.layout import model_versions
+from service.index.corpus import STORE
+from service.index.pipeline import DRY_RUN_ROWS, IndexPipeline
+from service.models.builder import build_version, check_repository
+from service.models.config import ConfigError, parse_config
+from service.models.layout import model_versions
+from service.models.signature import Signature
 from service.protocol.types import InferRequest, RequestInput
-from service.signature import Signature
 from tests.common_utils import cpu_and_cuda
 from tests.service.index_cases import as_ids, random_bits, reference_search, write_index
 
@@ -361,9 +361,9 @@ def test_the_dry_run_searches_a_few_rows(tmp_path: Path, monkeypatch: pytest.Mon
 def test_an_index_pipeline_has_every_attribute_a_pipeline_has(tmp_path: Path) -> None:
     """IndexPipeline sets the state Pipeline's staging and timing read itself: a new
     attribute of Pipeline's must be given to it too."""
-    from service.builder import build_pipeline
-    from service.demo import demo_config, demo_tensors
-    from service.model_files import Artifacts
+    from service.models.builder import build_pipeline
+    from service.models.demo import demo_config, demo_tensors
+    from service.models.files import Artifacts
 
     tensors = {k: torch.from_numpy(v) for k, v in demo_tensors().items()}
     plain = build_pipeline("demo", demo_config(None), Artifacts(tensors), "cpu", warmup=False)

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from service.cli import main
-from service.config import load_config
+from service.models.config import load_config
 from tests.service.index_cases import random_bits
 
 

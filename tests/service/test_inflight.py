@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from service.errors import Overloaded
-from service.handle import Result
+from service.models.handle import Result
+from service.models.signature import Bound
 from service.protocol import decompress
 from service.rest.app import BitserveApp
 from service.rest.infer_route import InferRoute
 from service.server import in_process_app
 from service.settings import Settings
-from service.signature import Bound
 from tests.service.app_fakes import FakeHandle, FakeRepository
 
 pytestmark = pytest.mark.anyio
@@ -230,7 +230,7 @@ async def test_shed_requests_are_logged_as_a_count_not_one_line_each(
 def test_tally_counts_between_lines(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.observability as obs
+    import service.observability.request_ids as obs
 
     now = [100.0]
     monkeypatch.setattr(obs.time, "monotonic", lambda: now[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from service.observability import BatchedStreamHandler
+from service.observability.request_ids import BatchedStreamHandler
 
 
 class Stream:

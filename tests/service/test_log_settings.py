@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from service.errors import InvalidInput
-from service.log_settings import LOGGERS, LogSettings
-from service.metrics import Metrics
-from service.observability import RequestIdFilter
+from service.observability.log_settings import LOGGERS, LogSettings
+from service.observability.metrics import Metrics
+from service.observability.request_ids import RequestIdFilter
 from service.server import in_process_app
 from service.settings import Settings
 from tests.service.app_fakes import FakeRepository

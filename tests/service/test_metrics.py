@@ -7,7 +7,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -16,14 +16,14 @@ from harness.model_formats import fingerprint_mlp, write_model
 from harness.repo_utils import model_toml, tensor
 from service.backends import Dim, ModuleModel, format_of, load_model_file
 from service.backends.aoti import _read_checks
-from service.builder import build_version, check_repository
-from service.config import ConfigError, parse_config
 from service.errors import InvalidInput
-from service.layout import model_versions
+from service.models.builder import build_version, check_repository
+from service.models.config import ConfigError, parse_config
+from service.models.layout import model_versions
+from service.models.readiness import readiness_reason
+from service.models.signature import Signature, handed_dtypes
 from service.protocol.types import InferRequest, RequestInput
-from service.readiness import readiness_reason
-from service.resident_versions import LOADING, READY, UNAVAILABLE
-from service.signature import Signature, handed_dtypes
+from service.residency.resident_versions import LOADING, READY, UNAVAILABLE
 from service.text import clean_reason
 
 BITS = 64
@@ -55,7 +55,7 @@ def test_an_exported_float32_model_gets_float32_bits_with_no_wrapper(
     _, pipe = build_version("m", src, default_device="cpu", max_operator_bytes=1 << 20)
     assert pipe._dtypes == [torch.float32]  # unpacked straight into the model's dtype
     bits = np.random.default_rng(0).random((3, BITS)) < 0.3
-    from service.signature import Bound, WireInput
+    from service.models.signature import Bound, WireInput
 
     out = pipe.run([Bound((WireInput(np.packbits(bits, axis=-1), True),), (0,), 3)])[0][0]
     module = fingerprint_mlp(bits=BITS)
@@ -256,7 +256,7 @@ def test_the_config_names_every_format_and_unpack_dtype() -> None:
 
     from gpu_ops.bits import UNPACK_DTYPES
     from service.backends import FORMATS, SUFFIXES
-    from service.config import MODEL_SUFFIXES, UNPACK_DTYPE_NAMES, ModelFormat
+    from service.models.config import MODEL_SUFFIXES, UNPACK_DTYPE_NAMES, ModelFormat
 
     assert set(typing.get_args(ModelFormat)) == set(FORMATS) - {"module"}
     assert set(MODEL_SUFFIXES) == set(SUFFIXES)

@@ -1,4 +1,4 @@
-"""The one validation path (``service.model_files``): operator tensors, sizes, messages.
+"""The one validation path (``service.models.files``): operator tensors, sizes, messages.
 
 Agreement between ``check-repo`` and a server load over many hostile repositories is in
 ``test_hostile_repos.py``; here, what each check computes is compared with what is built.
@@ -16,11 +16,11 @@ import torch
 
 from gpu_ops.resample import BandedResampler, OnTheFlyResampler
 from harness.repo_utils import bits_input, model_toml, tensor, write_model_folder
-from service.builder import check_repository
-from service.config import ConfigError, parse_config
-from service.layout import model_versions
-from service.model_files import buffer_bytes, check_operator, load_version, operator_bytes
-from service.pipeline import build_operator
+from service.models.builder import check_repository
+from service.models.config import ConfigError, parse_config
+from service.models.files import buffer_bytes, check_operator, load_version, operator_bytes
+from service.models.layout import model_versions
+from service.models.pipeline import build_operator
 
 N, B = 3, 40
 

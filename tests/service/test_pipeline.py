@@ -14,10 +14,10 @@ import torch
 
 from harness.repo_utils import bits_input, model_toml, tensor, torchscript, write_model_folder
 from service.backends import ModuleModel
-from service.builder import build_pipeline
-from service.config import ConfigError, ModelConfig, parse_config
-from service.model_files import Artifacts, load_version
-from service.signature import Bound, WireInput
+from service.models.builder import build_pipeline
+from service.models.config import ConfigError, ModelConfig, parse_config
+from service.models.files import Artifacts, load_version
+from service.models.signature import Bound, WireInput
 from tests.common_utils import cpu_and_cuda
 
 N, B, A = 3, 37, 6  # B is not a multiple of 8: the last byte is padded
@@ -290,7 +290,7 @@ def save_torchscript(path: Path) -> None:
     ("file", "save"), [("head.pt2", save_export), ("head.pt", save_torchscript)]
 )
 def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
-    from service.layout import model_versions
+    from service.models.layout import model_versions
 
     t = tensors()
     write_version(tmp_path / "m", model_config_text(file), t)
@@ -311,7 +311,7 @@ def test_model_step(tmp_path: Path, file: str, save: Any) -> None:
 
 
 def test_model_output_count_must_match(tmp_path: Path) -> None:
-    from service.layout import model_versions
+    from service.models.layout import model_versions
 
     text = model_config_text("head.pt2", outputs=TWO_OUTPUTS[:1])  # no "total"
     write_version(tmp_path / "m", text, tensors())
@@ -322,7 +322,7 @@ def test_model_output_count_must_match(tmp_path: Path) -> None:
 
 
 def test_unreadable_model_names_the_key(tmp_path: Path) -> None:
-    from service.layout import model_versions
+    from service.models.layout import model_versions
 
     write_version(tmp_path / "m", model_config_text("head.pt2"), tensors())
     (tmp_path / "m" / "head.pt2").write_bytes(b"not a zip file")

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from service.batch_queue import LevelQueue, Pending
-from service.batcher import Batcher
+from service.batching.batcher import Batcher
+from service.batching.queue import LevelQueue, Pending
 from service.errors import Overloaded
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from tests.service.test_batcher import Recorder, flat, run, wait_entered
 from tests.service.test_batcher import make as make_batcher
 

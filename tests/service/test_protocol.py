@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.config import ModelConfig
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.models.config import ModelConfig
+from service.models.signature import Signature
 from service.protocol import (
     DATATYPES,
     InferRequest,
@@ -27,7 +28,6 @@ from service.protocol import (
     parse_header_length,
 )
 from service.protocol.response import compress_response
-from service.signature import Signature
 
 
 def binary_body(header: dict[str, Any], *payloads: bytes) -> tuple[bytes, int]:

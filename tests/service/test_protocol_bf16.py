@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from service.errors import InvalidInput
+from service.models.repository import ModelRepository
 from service.protocol import (
     BF16,
     DATATYPES,
@@ -29,7 +30,6 @@ from service.protocol import (
     encode_infer_response,
 )
 from service.protocol.tensors import bf16_bits_to_float32, float_to_bf16_bits
-from service.repository import ModelRepository
 from service.server import in_process_app
 from service.settings import Settings
 from tests.service.test_repository import B, N, cfg_text, write

@@ -14,10 +14,10 @@ import torch
 from harness.repo_utils import bits_input, demo_reference, model_toml, tensor, write_model_folder
 from service import dataplane
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, ServiceError
-from service.handle import ModelHandle
-from service.metrics import Metrics
+from service.models.handle import ModelHandle
+from service.models.repository import ModelRepository
+from service.observability.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse, RequestInput, RequestOutput
-from service.repository import ModelRepository
 
 N, B, A = 2, 21, 4
 
@@ -111,7 +111,7 @@ def test_concurrent_requests_are_merged_and_equal_one_by_one(tmp_path: Path) -> 
 
 
 def test_demo_builtin_and_written_repository_agree(tmp_path: Path) -> None:
-    from service.demo import write_demo_repository
+    from service.models.demo import write_demo_repository
 
     write_demo_repository(tmp_path)
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """The device memory budget in-process: eviction order, pinned and busy versions, loads on
 demand (shared, failing, racing unloads), refusals, metrics; and the pieces of
-``service.residency`` / ``service.sizes`` on their own."""
+``service.residency.budget`` / ``service.residency.sizes`` on their own."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import torch
 
 from service.dataplane import DataPlane
 from service.errors import DeadlineExceeded, InvalidInput, ModelNotReady
-from service.handle import ModelHandle
-from service.metrics import Metrics
+from service.models.handle import ModelHandle
+from service.models.repository import ModelRepository
+from service.observability.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse
-from service.repository import ModelRepository
-from service.residency import Accounting, NoRoom, budget_bytes, held_bytes, release
+from service.residency.budget import Accounting, NoRoom, budget_bytes, held_bytes, release
+from service.residency.sizes import Size, parse_budget, parse_cache_config, parse_size
 from service.settings import Settings
-from service.sizes import Size, parse_budget, parse_cache_config, parse_size
 from tests.service.test_repository import (
     bits_of,
     boxcar_reference,
@@ -311,7 +311,7 @@ def test_a_load_failing_midway_leaves_the_budget_accounted(
         await ask(dp, "a")
         await ask(dp, "b")
         used = repo.accounting.used("cpu")
-        import service.loading as repository
+        import service.residency.loading as repository
 
         real = repository.build_version
 

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.loading import Unbuilt
-from service.repository import ModelRepository
-from service.residency import Accounting, NoRoom, shared_parts
-from service.sizes import Size
+from service.models.repository import ModelRepository
+from service.residency.budget import Accounting, NoRoom, shared_parts
+from service.residency.loading import Unbuilt
+from service.residency.sizes import Size
 from tests.service.index_cases import random_bits, write_index
 from tests.service.test_repository import run
 from tests.service.test_residency import (
@@ -191,7 +191,7 @@ def test_trims_run_in_the_background_one_at_a_time() -> None:
     import threading
     import time
 
-    from service.residency import _Trimmer
+    from service.residency.budget import _Trimmer
 
     started, release = threading.Event(), threading.Event()
     running = []

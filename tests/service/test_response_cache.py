@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from service import dataplane
-from service.batch_queue import BatchInfo
-from service.config import ModelConfig
+from service.batching.queue import BatchInfo
 from service.dataplane import DataPlane
-from service.metrics import Metrics
+from service.models.config import ModelConfig
+from service.models.repository import ModelRepository
+from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, cache_key
+from service.models.signature import Bound, WireInput
+from service.observability.metrics import Metrics
 from service.protocol.types import InferRequest, RequestInput, RequestOutput
-from service.repository import ModelRepository
-from service.response_cache import ENTRY_OVERHEAD, ResponseCache, cache_key
-from service.signature import Bound, WireInput
-from service.sizes import Size
+from service.residency.sizes import Size
 from tests.service.test_repository import N, bits_of, cfg_text, run, write
 from tests.service.test_residency import ask, one_model_bytes
 

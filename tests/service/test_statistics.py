@@ -17,17 +17,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends import ModuleModel
-from service.batcher import Batcher
-from service.builder import build_pipeline
-from service.config import ModelConfig
+from service.batching.batcher import Batcher
 from service.errors import InvalidInput
-from service.gpu_metrics import GpuGauges
-from service.metrics import Metrics
-from service.model_files import Artifacts
+from service.models.builder import build_pipeline
+from service.models.config import ModelConfig
+from service.models.files import Artifacts
+from service.models.signature import Bound, WireInput
+from service.observability.gpu_gauges import GpuGauges
+from service.observability.metrics import Metrics
+from service.observability.statistics import ModelStats, Snapshot, Statistics, merge, triton_metrics
 from service.server import in_process_app
 from service.settings import Settings
-from service.signature import Bound, WireInput
-from service.statistics import ModelStats, Snapshot, Statistics, merge, triton_metrics
 from tests.service.app_fakes import FakeRepository
 
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from harness.probes import metric
-from service.config import ModelConfig
 from service.dataplane import DataPlane
 from service.errors import ModelNotFound, Overloaded
-from service.metrics import Metrics
+from service.models.config import ModelConfig
+from service.observability.metrics import Metrics
 from service.protocol.types import InferRequest, InferResponse, RequestInput
 from tests.service.app_fakes import ECHO_CONFIG, FakeHandle, FakeRepository
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from service.changes import Change, Recorded, UpdateTraceSettings
+from service.cluster.changes import Change, Recorded, UpdateTraceSettings
 from service.errors import InvalidInput
-from service.trace_settings import Sampler, TraceSettings, Values, sampler_defaults
+from service.observability.trace_settings import Sampler, TraceSettings, Values, sampler_defaults
 
 START = Values(on=True, rate=1, count=-1, log_frequency=0)
 

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from service.cli import main
+from service.cluster.supervisor import available_cores, gpu_count, plan_workers, worker_device
 from service.settings import Settings
-from service.workers import available_cores, gpu_count, plan_workers, worker_device
 
 
 @pytest.mark.parametrize(("value", "parsed"), [("auto", "auto"), ("1", 1), (" 3 ", 3), (16, 16)])
@@ -162,7 +162,7 @@ def test_only_run_directories_no_supervisor_holds_are_removed(
     import os
     import tempfile
 
-    from service.workers import _remove_stale_run_dirs
+    from service.cluster.supervisor import _remove_stale_run_dirs
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     live, dead, other = tmp_path / "bitserve-live", tmp_path / "bitserve-dead", tmp_path / "x"

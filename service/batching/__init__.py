@@ -1,0 +1,1 @@
+"""Dynamic batching: the per-version queue, priorities, the batcher."""

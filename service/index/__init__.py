@@ -1,0 +1,1 @@
+"""The search index model kind: a packed corpus ranked by Hamming or Tanimoto."""

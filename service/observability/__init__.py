@@ -1,0 +1,1 @@
+"""Metrics, statistics, traces, logs and request ids."""
