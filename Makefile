@@ -57,13 +57,13 @@ standin-images: $(STAMP) system-deps
 # (real bitserve serve processes, nginx, Prometheus, Docker, Ray). Each tier prints its 25
 # slowest tests. A tier's tests are the markers' selection; together they are the whole suite.
 # Each tier runs in JOBS pytest-xdist workers (JOBS=0: one process, as pytest alone runs), a
-# test module's tests in the same worker (--dist loadscope: its module fixtures, its servers
-# included, start once). The in-process tier is CPU-bound (two cores: two workers); the
+# test module's tests in the same worker (--dist loadgroup, one group per module and one for
+# tests/ray: tests/conftest.py; its module fixtures, its servers included, start once). The in-process tier is CPU-bound (two cores: two workers); the
 # end-to-end tier mostly waits on the servers it starts (E2E_JOBS=3 overlaps that waiting).
 JOBS ?= 2
 E2E_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25
-XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadscope)
+XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
 # The inner loop: neither end-to-end nor slow tests (measured in docs/development.md).
 UNIT_MARKERS ?= not e2e and not slow
 test: $(STAMP) system-deps

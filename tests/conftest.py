@@ -106,6 +106,13 @@ def _logging_put_back() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-xdist (`make test`: --dist loadgroup): a module's tests run in one worker, so its
+    # module fixtures (servers included) start once; every Ray test runs in the same worker,
+    # since two Ray clusters starting at once on one machine time out.
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = "ray" if path.startswith("tests/ray/") else path
+        item.add_marker(pytest.mark.xdist_group(group))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
