@@ -29,9 +29,7 @@ def module_name(path: Path) -> str:
 
 def service_modules() -> dict[str, Path]:
     return {
-        module_name(p): p
-        for p in sorted(SERVICE.rglob("*.py"))
-        if not p.name.endswith(GENERATED)
+        module_name(p): p for p in sorted(SERVICE.rglob("*.py")) if not p.name.endswith(GENERATED)
     }
 
 
