@@ -339,7 +339,10 @@ class _Answer:
         return self.ticket._answered or self.ticket._finished
 
     def set_result(self, result: tuple[Result, BatchInfo], /) -> None:
-        self.ticket._answer(self.request, self.on_done, result)
+        try:
+            self.ticket._answer(self.request, self.on_done, result)
+        except Exception as error:  # the answer could not be built or written: it is an error
+            self.on_done(error)
 
     def set_exception(self, exception: BaseException, /) -> None:
         self.ticket._failed(self.on_done, exception)

@@ -495,4 +495,7 @@ class Batcher(Generic[P, R]):
                 log.exception("model %s: recording batch metrics failed", self.name)
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():  # a cancelled request's result is dropped
-                p.future.set_result((result, info))
+                try:
+                    p.future.set_result((result, info))
+                except Exception:  # one request's answer must never stop the scheduler
+                    log.exception("model %s: answering request %s failed", self.name, p.request_id)

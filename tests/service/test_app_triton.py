@@ -3,10 +3,12 @@ response id, HEAD on the health routes, Triton's wording, and the extensions' ro
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
+import anyio
 import httpx
 import numpy as np
 import pytest
@@ -167,6 +169,31 @@ async def test_inputs_from_and_outputs_into_shared_memory(
     np.testing.assert_array_equal(y, 2 * x.astype(np.float32))
     assert bytes(posix.buf[1024:1040]) == b"\0" * 16  # before the output: untouched
     assert "system_shared_memory" in (await shm_client.get("/v2")).json()["extensions"]
+
+
+async def test_an_output_region_that_shrank_is_a_400_and_the_model_serves_on(
+    shm_client: httpx.AsyncClient, posix: shared_memory.SharedMemory, repo: FakeRepository
+) -> None:
+    # The output is written after the model ran, in the batcher's answer: a failure there is
+    # this request's error, never the model's batch scheduler's (it once died of it).
+    key = "/" + posix.name.lstrip("/")
+    for name, offset, size in (("in", 96, 16), ("out", 1024, 64)):
+        body = {"key": key, "offset": offset, "byte_size": size}
+        assert (await shm_client.post(f"/v2/systemsharedmemory/region/{name}/register",
+                                      json=body)).status_code == 200  # fmt: skip
+    path = f"/dev/shm/{posix.name.lstrip('/')}"
+    body = shm_request(shared_memory_offset=4, y={"shared_memory_offset": 16})
+    for _ in range(2):
+        os.truncate(path, 1030)  # the input is whole, the output's bytes are gone
+        with anyio.fail_after(60):  # unanswered, it would hang
+            resp = await shm_client.post("/v2/models/echo/infer", json=body)
+        text = error_of(resp, 400)
+        assert text.startswith("output 'y': shared memory region 'out'"), text
+        assert "shrank since registration" in text
+    os.truncate(path, 4096)
+    resp = await shm_client.post("/v2/models/echo/infer", json=body)
+    assert resp.status_code == 200, resp.text  # the model still serves
+    assert repo.models["echo"].stats.execution_count == 3
 
 
 @pytest.mark.parametrize(
