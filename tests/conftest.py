@@ -38,6 +38,10 @@ if not HAS_CUDA:
 # Ray's default wait for its node to start (60 s) is too short on a busy 2-core machine
 # (tests/ray and the `bitserve score` processes they start): a deadline, never a measure.
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+# Ray Serve's controller kills a proxy not ready within 5 s (seen in CI: serve.start() failed
+# with the proxy "killed by ray.kill ... before it started running"); deadlines, not measures.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 
 
 @pytest.fixture
