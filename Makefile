@@ -59,7 +59,8 @@ standin-images: $(STAMP) system-deps
 # Each tier runs in JOBS pytest-xdist workers (JOBS=0: one process, as pytest alone runs), a
 # test module's tests in the same worker (--dist loadgroup, one group per module and one for
 # tests/ray: tests/conftest.py; its module fixtures, its servers included, start once). The in-process tier is CPU-bound (two cores: two workers); the
-# end-to-end tier mostly waits on the servers it starts (E2E_JOBS=3 overlaps that waiting).
+# end-to-end tier mostly waits on the servers it starts (E2E_JOBS=3 overlaps that waiting); it
+# hands out its groups in tests/conftest.py's order (Ray's first, the container tests last).
 JOBS ?= 2
 E2E_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25
@@ -68,7 +69,7 @@ XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
 UNIT_MARKERS ?= not e2e and not slow
 test: $(STAMP) system-deps
 	$(PYTEST) $(call XDIST,$(JOBS)) -m "not e2e"
-	$(PYTEST) $(call XDIST,$(E2E_JOBS)) -m e2e
+	$(PYTEST) $(call XDIST,$(E2E_JOBS)) --no-loadscope-reorder -m e2e
 
 test-unit: $(STAMP)
 	$(PYTEST) $(call XDIST,$(JOBS)) -m "$(UNIT_MARKERS)"
@@ -78,7 +79,7 @@ test-in-process: $(STAMP)
 	$(PYTEST) $(call XDIST,$(JOBS)) -m "not e2e"
 
 test-e2e: $(STAMP) system-deps
-	$(PYTEST) $(call XDIST,$(E2E_JOBS)) -m e2e
+	$(PYTEST) $(call XDIST,$(E2E_JOBS)) --no-loadscope-reorder -m e2e
 
 test-fast: test-unit
 
