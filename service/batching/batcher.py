@@ -20,7 +20,8 @@ split: one whose items do not fit in what is left of a batch opens the next one.
   (counted in ``bitserve_requests_cancelled_total``); one whose batch is running is computed
   with it, and its result is dropped.
 - An exception in one batch fails that batch's requests only (500 naming the exception class
-  and the request id, never its text: that goes to the log); the scheduler keeps serving.
+  and the request id, never its text: that goes to the log); the scheduler keeps serving, as
+  it does when answering one request fails (logged: the answer's own callback raised).
 - Should the scheduler itself die, every waiting request is failed and the batcher refuses new
   ones (503): no request is ever left waiting on a scheduler that is gone.
 - :meth:`Batcher.stop` refuses new requests and finishes the queued ones.
@@ -67,23 +68,21 @@ class Batcher(Generic[P, R]):
         name: the model name (metric label, messages).
         run_batch: computes a batch; called in ``executor`` with the payloads in queue order
             and must return one result per payload. It may raise: that batch fails.
-        max_batch_size: most items per batch; 0 means no batching (every request runs
-            alone, and counts as one item).
+        max_batch_size: most items per batch; 0: no batching (a request runs alone, 1 item).
         max_queue_delay_us: how long a batch's first request waits for others.
-        max_queue_size: most requests waiting, all levels together (not counting the
-            batch being computed); 0 = unbounded.
+        max_queue_size: most requests waiting, all levels together (not the running
+            batch); 0: unbounded.
         executor: where ``run_batch`` runs (the device's single worker thread); default: a
             private single-thread executor shut down by :meth:`stop`.
         metrics: optional metrics sink.
         queue_timeout_us: answer a request that has waited this long :class:`Overloaded`,
             and refuse new ones that would by the recent pace; 0 (the default): no bound.
         stats: where the queue waits of each batch's requests go (the statistics extension).
-        inline_below_s: run a batch on the event loop itself, not in ``executor``, while
-            recent batches took less than this much CPU time in the thread that ran them (a
-            moving average): below a few hundred microseconds the thread hop and the hand-offs
-            of the GIL between the loop and the worker cost more than the batch. 0 (the
-            default): always in ``executor``. For CPU devices only (a CUDA batch waits for
-            the device, which must not happen on the loop).
+        inline_below_s: run a batch on the event loop, not in ``executor``, while recent
+            batches took less CPU time than this in their thread (a moving average): below a
+            few hundred microseconds the thread hop and GIL hand-offs cost more than the batch.
+            0 (default): always in ``executor``. CPU devices only (a CUDA batch waits for the
+            device, which must not happen on the loop).
         level_limits: one entry per priority level, level 1 first: the most requests that
             level may hold (0: no bound of its own); default: one level, no bound of its own.
         version: the model version (the label of its cancelled requests' count).
@@ -497,5 +496,5 @@ class Batcher(Generic[P, R]):
             if not p.future.done():  # a cancelled request's result is dropped
                 try:
                     p.future.set_result((result, info))
-                except Exception:  # one request's answer must never stop the scheduler
+                except Exception:
                     log.exception("model %s: answering request %s failed", self.name, p.request_id)
