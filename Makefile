@@ -60,7 +60,7 @@ standin-images: $(STAMP) system-deps
 # test module's tests in the same worker (--dist loadgroup, one group per module and one for
 # tests/ray: tests/conftest.py; its module fixtures, its servers included, start once). The in-process tier is CPU-bound (two cores: two workers); the
 # end-to-end tier mostly waits on the servers it starts (E2E_JOBS=3 overlaps that waiting); it
-# hands out its groups in tests/conftest.py's order (Ray's first, the container tests last).
+# hands out its groups in tests/conftest.py's order (the container tests and Ray's last).
 JOBS ?= 2
 E2E_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25

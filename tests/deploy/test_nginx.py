@@ -226,6 +226,7 @@ def test_a_dying_worker_is_invisible_behind_nginx(tmp_path: Path, server: Replic
         lock = threading.Lock()
         in_flight: set[int] = set()
         cut: list[int] = []
+        statuses: dict[int, int] = {}  # of the requests that failed once: 0 (cut) or 503
 
         def tracked(i: int) -> tuple[int, int, npt.NDArray[Any] | str]:
             while True:
@@ -245,6 +246,7 @@ def test_a_dying_worker_is_invisible_behind_nginx(tmp_path: Path, server: Replic
                 done.release()
             if answer[1] in (0, 503):
                 cut.append(i)
+                statuses[i] = answer[1]
                 gate.wait()
                 return send(i)
             return answer
@@ -263,7 +265,11 @@ def test_a_dying_worker_is_invisible_behind_nginx(tmp_path: Path, server: Replic
             gate.set()
             results = [f.result() for f in futures]
         check(results)
-        assert set(cut) <= exposed, (cut, exposed)
+        # Never a cut connection outside the window. A 503 (an answer, with Retry-After) may
+        # come later on a busy host: nginx's tries can all meet the replacement worker while
+        # it is still starting (seen in CI at load 10+).
+        late = {i: statuses[i] for i in cut if i not in exposed}
+        assert all(status == 503 for status in late.values()), (late, exposed)
 
         # 3. The supervisor restarts worker 1 (same port, same models) and it serves again.
         deadline = time.monotonic() + 120
