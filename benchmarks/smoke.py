@@ -52,6 +52,9 @@ def _child(name: str, log: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # An inductor cache of its own (in the run's log folder): runs at once, and CI's tests
+    # beside them, compiling the same graph into one cache have packaged a half-written file.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(log.with_suffix(".inductor"))
     try:
         sys.argv = [str(HERE / f"{name}.py"), "--smoke"]
         runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)

@@ -4,8 +4,11 @@ hypothesis's profile, the session's shared servers (``server_pool``, ``shared_se
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +32,13 @@ try:
     HAS_CUDA = torch.cuda.is_available()
 except ImportError:  # pragma: no cover - only in the client-only venv
     HAS_CUDA = False
+
+# Each test process (each pytest-xdist worker) compiles into an inductor cache of its own:
+# processes compiling the same graph into one cache at once have packaged a half-written file
+# (CI: an AOTInductor package whose wrapper_metadata.json was empty). Removed at exit.
+_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="bitserve-test-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
 
 # Triton decides at decoration time whether kernels are interpreted, so this must be set
 # before any kernel module is imported. On a host without CUDA the kernels then run on CPU
