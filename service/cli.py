@@ -162,9 +162,9 @@ def serve(settings: Settings) -> int:
 
     set_torch_threads(plan.torch_threads, plan.interop_threads)
     from service.observability.tracing import Tracing
-    from service.server import BitServer
+    from service.server import BitServer, exit_process
 
-    return BitServer(settings, tracing=Tracing.from_environ(os.environ)).run(log_config)
+    exit_process(BitServer(settings, tracing=Tracing.from_environ(os.environ)).run(log_config))
 
 
 def _limit(name: str, flag: str | None) -> int:

@@ -11,11 +11,9 @@ same way.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,13 +64,9 @@ def run_worker(spec: WorkerSpec) -> None:
     from service.observability.request_ids import configure_logging
 
     log_config = configure_logging(spec.settings.log_level, worker=spec.index)
-    code = _serve_worker(spec, log_config)
-    # Drained, models freed, sockets closed: what is left is the interpreter's teardown of
-    # torch, seconds (per worker, on shared cores) that would only delay the server's exit.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from service.server import exit_process
+
+    exit_process(_serve_worker(spec, log_config))  # drained: no interpreter teardown
 
 
 def _budget_sharers(spec: WorkerSpec) -> Callable[[str], int]:
