@@ -10,7 +10,9 @@
     bitserve genotypes score-model --bim D.bim --bed D.bed --score S.txt OUT/  # plink2 --score
 
 Every ``serve`` flag is also a ``BITSERVE_*`` environment variable (flags win); see
-:class:`service.settings.Settings`.
+:class:`service.settings.Settings`. The settings (pydantic, about 0.2 s to import) are imported
+only for the commands that read them (``serve``, ``check-repo``) and for ``--help``: the
+other commands start without them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import TypeAdapter, ValidationError
+if typing.TYPE_CHECKING:
+    from service.settings import Settings
 
-from service.settings import Settings
+_SETTINGS_COMMANDS = ("serve", "check-repo")
+"""The commands whose flags and defaults come from :class:`Settings`."""
 
 
 def _flag(name: str) -> str:
@@ -45,6 +49,8 @@ def _choices(annotation: Any) -> list[str] | None:
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    from service.settings import Settings
+
     for name, field in Settings.model_fields.items():
         help_text = (field.description or "").replace("%", "%%")
         default = field.default
@@ -72,8 +78,20 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``bitserve`` command."""
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Return the argument parser of the ``bitserve`` command.
+
+    Args:
+        command: the subcommand that will be parsed: the parsers of ``serve`` and
+            ``check-repo`` get their flags only when it is one of them or None (every parser
+            whole, for ``--help``), so the other commands never import the settings.
+    """
+    whole = command is None or command in _SETTINGS_COMMANDS
     parser = argparse.ArgumentParser(
         prog="bitserve",
         description="bitserve: Open Inference Protocol (KServe V2) server for bit-packed features.",
@@ -84,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the inference server",
         description="Run the server; with no --model-repository it serves the built-in demo.",
     )
-    _add_setting_flags(serve)
+    if whole:
+        _add_setting_flags(serve)
     check = sub.add_parser(
         "check-repo",
         help="validate a model repository",
@@ -99,14 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "cuda:N or auto [default cpu]",
     )
     check.add_argument("root", type=Path, metavar="DIR")
-    for name, what in (("max_operator_bytes", "operators"), ("max_batch_bytes", "input buffers")):
-        check.add_argument(
-            _flag(name),
-            metavar="N",
-            default=None,
-            help=f"refuse {what} bigger than this, as `serve` does [env "
-            f"BITSERVE_{name.upper()}; default {Settings.model_fields[name].default}]",
-        )
+    if whole:
+        _add_check_limits(check)
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
     from service.index import build
@@ -120,8 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_check_limits(check: argparse.ArgumentParser) -> None:
+    from service.settings import Settings
+
+    for name, what in (("max_operator_bytes", "operators"), ("max_batch_bytes", "input buffers")):
+        check.add_argument(
+            _flag(name),
+            metavar="N",
+            default=None,
+            help=f"refuse {what} bigger than this, as `serve` does [env "
+            f"BITSERVE_{name.upper()}; default {Settings.model_fields[name].default}]",
+        )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by the flags that were given."""
+    from service.settings import Settings
+
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     return Settings(**given)
 
@@ -171,6 +199,10 @@ def _limit(name: str, flag: str | None) -> int:
     """A size limit of check-repo: its flag, else its ``BITSERVE_`` variable, else the
     default: the limit ``serve`` would apply in the same environment, validated as the setting
     is."""
+    from pydantic import TypeAdapter
+
+    from service.settings import Settings
+
     field = Settings.model_fields[name]
     raw = flag if flag is not None else os.environ.get(f"BITSERVE_{name.upper()}") or None
     if raw is None:
@@ -188,6 +220,8 @@ def check_repo(
     """``bitserve check-repo``: one line per problem on stderr; 0 when valid, 1 if not, 2 for
     a bad limit or device. Never a traceback: every error is a problem of the file it came
     from. Each version is built and dry-run on ``device`` as ``serve`` builds it."""
+    from pydantic import ValidationError
+
     from service.models.devices import resolve_device
 
     try:
@@ -221,8 +255,11 @@ def check_repo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bitserve`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     if args.command == "serve":
+        from pydantic import ValidationError
+
         try:
             settings = settings_from_args(args)
         except ValidationError as e:

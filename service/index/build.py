@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from service.models.config import CONFIG_FILE, MAX_K, ConfigError
 from service.text import safe_text
 
 CORPUS_FILE = "corpus.safetensors"
@@ -229,6 +228,8 @@ def build(args: argparse.Namespace) -> str:
     Raises:
         BuildError: a bad input or option, or a folder that already holds a config.
     """
+    from service.models.config import CONFIG_FILE, MAX_K
+
     src: Path = args.input
     suffix = src.suffix.lower()
     if not src.is_file():
@@ -280,6 +281,8 @@ def build(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``bitserve index build``: 0 when written, 1 with the reason on stderr."""
+    from service.models.config import ConfigError  # here: `bitserve --help` stays light
+
     try:
         print(build(args))
     except (BuildError, ConfigError) as exc:
