@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import service
-from service.errors import InvalidInput, ModelNotReady, ServiceError
+from service.errors import InvalidInput, ModelNotReady, Overloaded, ServiceError
 from service.models.handle import ModelHandle
 from service.models.override import ConfigOverride
 from service.observability.metrics import Metrics
@@ -211,6 +211,18 @@ class DataPlane:
             ticket.fail(e)
             raise
         return ticket
+
+    def would_shed(self, name: str, version: str | None = None) -> bool:
+        """Whether :meth:`admit` would refuse a request now for a full queue (a look, with
+        no request counted): the express lane sheds such requests without their body."""
+        try:
+            handle = self.repository.get(name, version)
+            handle.batcher.check_capacity()
+        except Overloaded:
+            return True
+        except ServiceError:
+            return False  # unknown or not ready: the general way answers it
+        return False
 
     def model(self, name: str, version: str | None = None) -> ModelHandle:
         """The READY handle of a model version (the highest READY one by default).

@@ -1,11 +1,9 @@
 """The infer route's express lane: HTTP framing alone, for a plain V2 request
-(``InferRoute.plain``: a small binary body the general way would answer alike).
-
-The connection shows the lane each parsed head (``http_cycle.Lane``); a plain request is
-answered without an ASGI scope, task or future: its body is gathered as it arrives, it goes
-through the data plane's core (:mod:`service.ticket`) as every transport's requests do, and
-its answer's bytes come from the builders the general way uses (``answer_headers``,
-``error_parts``, ``frame_head``). Past the concurrency limit it is handed to the general way.
+(``InferRoute.plain``: a small binary body the general way would answer alike, or a body a
+full queue sheds: 503 at once, the body skipped), answered without an ASGI scope, task or
+future, through the data plane's core (:mod:`service.ticket`) and the general way's answer
+builders (``answer_headers``, ``error_parts``, ``frame_head``); past the concurrency limit,
+handed to the general way. The connection shows the lane each head (``http_cycle.Lane``).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from service.errors import ModelNotReady, ServiceError
+from service.errors import ModelNotReady, Overloaded, ServiceError
 from service.protocol import EncodedResponse, InferResponse
 from service.rest.bodies import body_timed_out
 from service.rest.errors import error_parts
@@ -62,9 +60,9 @@ class ExpressRequest:
         self.task: Any = None  # a load awaited, or framing off the loop
         self.timer: Any = None  # the body's timeout
 
-    def add_body(self, data: bytes) -> int:
+    def add_body(self, data: bytes) -> int:  # once answered, the connection skips the rest
         self.chunks.append(data)
-        return self.plain.size  # at most 64 KiB: reading never pauses for it
+        return self.plain.size  # at most 64 KiB (a shed one's pauses reading till its turn)
 
     def body_done(self) -> None:
         self.more_body = False
@@ -99,6 +97,8 @@ class ExpressRequest:
         self.open = True
         try:
             self.ticket = lane.dataplane.admit(*self.plain[:2], request_id=self.request_id)
+            if self.plain.shed:  # its queue had room again since: shed all the same
+                raise Overloaded(f"model {self.plain.model!r} is overloaded; retry later")
             self.held = Held(lane.route)
             self.held.grow(self.plain.size)
         except ServiceError as e:

@@ -97,6 +97,8 @@ class Plain(NamedTuple):
     size: int
     header_length: str | None
     sent_id: bytes | None
+    shed: bool = False
+    """A body too large for the lane that a full queue refuses: 503 at once, body skipped."""
 
 
 def parse_content_length(value: bytes) -> int:
@@ -219,7 +221,9 @@ class InferRoute:
         """The express lane's question: is this request plain? A ``POST`` of exactly this
         route's path with a ``Content-Length`` body of at most 64 KiB (larger ones decode
         off the loop), no ``Expect``, ``Content-Encoding`` or chunked body, no answer the
-        client would have compressed, and the right token (else the general way answers)."""
+        client would have compressed, and the right token (else the general way answers).
+        A larger body (within ``max_body_bytes``) is plain too while its model's queue is
+        full: the lane sheds it (503) without an ASGI task, and skips its body."""
         method, _, url, headers = head
         target = self._target(url) if method == b"POST" else None
         if target is None:
@@ -238,7 +242,12 @@ class InferRoute:
                 accept = v
             elif k in _GENERAL:
                 return None
-        if size is None or not (size.isdigit() and size.isascii()) or int(size) > self.largest:
+        if size is None or not (size.isdigit() and size.isascii()):
+            return None
+        shed = int(size) > self.largest
+        if shed and not (
+            int(size) <= self.max_body_bytes and self.rest.dataplane.would_shed(*target[:2])
+        ):
             return None
         expected = self.token
         if expected is not None and not hmac.compare_digest(token or b"", b"Bearer " + expected):
@@ -246,7 +255,7 @@ class InferRoute:
         compresses = self.rest.response_compression != "never"
         if accept is not None and compresses and choose_encoding(accept.decode("latin-1")):
             return None
-        return Plain(*target, int(size), header_length, sent_id)
+        return Plain(*target, int(size), header_length, sent_id, shed)
 
     def _target(self, url: bytes) -> tuple[str, str | None, str] | None:
         """``(model, version, path as logged)`` when ``url`` is exactly this route."""

@@ -8,8 +8,9 @@ infer route, the data plane). Each request is sent to both, one at a time, and t
 responses must be the same bytes. Covered: binary and JSON inputs and outputs, batch sizes,
 request ids sent and made, the request's own ``id``, requested outputs, pipelining, a body
 in pieces, bodies the lane hands to the general way (bad input, unknown models, a full
-queue, compression, ``Expect``, large bodies), errors after the batcher took the request (a
-failed batch), the bearer token, the concurrency limit and the body timeout.
+queue, compression, ``Expect``, large bodies), large bodies a full queue sheds on the lane,
+errors after the batcher took the request (a failed batch), the bearer token, the
+concurrency limit and the body timeout.
 """
 
 from __future__ import annotations
@@ -240,6 +241,80 @@ async def test_what_the_lane_hands_over_or_answers_is_answered_the_same(
             await server.ask([request("echo", *echo(rows))], express=False)  # start batchers
         *_, response = await server.both([raw], answers=2 if case == "expect" else 1)
     assert response.startswith(b"HTTP/1.1 %d " % status), response[:200]
+
+
+def _lane_requests(app: Any) -> list[ExpressRequest | None]:
+    """What the express lane's ``begin`` returns from now on (None: the general way)."""
+    lane, begun = app.express, []
+    begin = lane.begin
+
+    def spy(*args: Any) -> ExpressRequest | None:
+        begun.append(begin(*args))
+        return begun[-1]
+
+    lane.begin = spy
+    return begun
+
+
+async def _wait_answers(client: Any, n: int) -> None:
+    for _ in range(2000):
+        if len(client.responses) >= n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{len(client.responses)} of {n} answers")
+
+
+async def test_a_large_body_a_full_queue_refuses_is_shed_on_the_lane(fake_app: Any) -> None:
+    """Over 64 KiB a body goes the general way, unless its model's queue is full: the lane
+    then answers the 503 from the head alone, as the general way would, and skips the body;
+    the connection serves the next request."""
+    rng = np.random.default_rng()
+    rows = rng.integers(0, 256, (20_000, 4), dtype=np.uint8)  # 80 kB
+    raw = request("busy", *echo(rows), extra="X-Request-ID: s\r\n")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    async with serving(fake_app) as server:
+        (general,) = await server.both([raw])
+        assert general.startswith(b"HTTP/1.1 503 ")
+        assert b"retry-after: " in general.lower()
+        begun = _lane_requests(fake_app)
+        _conn, client = server.connect(express=True)
+        client.send(head + b"\r\n\r\n")
+        await _wait_answers(client, 1)  # before a byte of the body
+        assert bytes(client.responses[0].raw) == general
+        assert isinstance(begun[0], ExpressRequest)
+        assert begun[0].plain.shed
+        for i in range(0, len(body), 7000):
+            client.send(body[i : i + 7000])
+            await asyncio.sleep(0)
+        small = rng.integers(0, 256, (2, 4), dtype=np.uint8)
+        client.send(request("echo", *echo(small)))
+        await _wait_answers(client, 2)
+        assert client.responses[1].status == 200
+        assert not begun[1].plain.shed  # type: ignore[union-attr]
+        # The queue has room: a large body is the general way's.
+        client.send(request("echo", *echo(rows)))
+        await _wait_answers(client, 3)
+        assert client.responses[2].status == 200
+        assert begun[2] is None
+
+
+async def test_a_shed_request_whose_queue_had_room_again_is_refused_and_counted(
+    fake_app: Any,
+) -> None:
+    """The lane looked at a full queue, but the queue had room when the request started: it
+    is refused all the same (503, counted as a failure of its model), never computed from a
+    body the lane does not keep."""
+    rows = np.random.default_rng().integers(0, 256, (20_000, 4), dtype=np.uint8)
+    async with serving(fake_app) as server:
+        dataplane = fake_app.express.dataplane
+        dataplane.would_shed = lambda name, version=None: True
+        before = dataplane.statistics("echo")["model_stats"][0]["inference_stats"]["fail"]
+        (response,) = await server.ask([request("echo", *echo(rows))], express=True)
+        assert response.status == 503
+        assert response.header(b"retry-after") == b"1"
+        assert b"overloaded" in bytes(response.body)
+        after = dataplane.statistics("echo")["model_stats"][0]["inference_stats"]["fail"]
+        assert after["count"] == before["count"] + 1
 
 
 async def test_the_token_and_the_concurrency_limit_apply_alike() -> None:
