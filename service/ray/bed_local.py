@@ -137,8 +137,7 @@ def _table(
     import pyarrow as pa
 
     fields = [pa.field("FID", pa.string()), pa.field("IID", pa.string())]
-    columns = [pa.array(samples.fid[start:stop], pa.string()),
-               pa.array(samples.iid[start:stop], pa.string())]  # fmt: skip
+    columns = [_strings(samples.fid[start:stop]), _strings(samples.iid[start:stop])]
     if kept is not None:
         column = codes_column(kept[1])
         fields.append(pa.field(kept[0], column.type))
@@ -148,6 +147,20 @@ def _table(
         fields.append(field)
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def _strings(values: list[str]) -> pa.Array:
+    """A ``string`` column built on its buffers (``pa.array`` would import pandas, see
+    :func:`service.ray.outputs.flat_array`)."""
+    import pyarrow as pa
+
+    encoded = [v.encode() for v in values]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:  # beyond a string array's offsets
+        return pa.array(values, pa.string())
+    return pa.StringArray.from_buffers(len(encoded), pa.py_buffer(offsets.astype(np.int32)),
+                                       pa.py_buffer(b"".join(encoded)))  # fmt: skip
 
 
 def _scorer(

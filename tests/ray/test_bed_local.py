@@ -40,7 +40,7 @@ def _data(tmp_path: Path, scale: float = 1.0, version: str | None = None) -> tup
     score model of it in tmp_path/repo/prs (or its folder ``version``)."""
     data = write_dataset(tmp_path / "d", N, L, seed=11)
     fam = data.bed.with_suffix(".fam")
-    fam.write_text("".join(f"fam{i % 5}\t{line.split()[1]}\t0\t0\t1\t-9\n"
+    fam.write_text("".join(f"{_fid(i)}\t{line.split()[1]}\t0\t0\t1\t-9\n"
                            for i, line in enumerate(fam.read_text().splitlines())))  # fmt: skip
     rows = [(v, data.a1[i] if i % 3 else data.a2[i], [scale * (i - 7.5), scale * 0.25 * i])
             for i, v in enumerate(data.ids) if i % 5 != 2]  # fmt: skip
@@ -50,6 +50,10 @@ def _data(tmp_path: Path, scale: float = 1.0, version: str | None = None) -> tup
     write_score_model(data.bim, data.bed, score, folder / version if version else folder,
                       score_cols=[3, 4], max_batch_size=8)  # fmt: skip
     return data, rows
+
+
+def _fid(i: int) -> str:
+    return f"fam{i % 5}" + ("-é" if i == 3 else "")  # one not ASCII
 
 
 def _score(tmp_path: Path, data: Dataset, out: Path, *extra: str) -> int:
@@ -104,7 +108,7 @@ def test_a_bed_is_scored_here_into_the_ray_paths_files(
     assert got.column_names == names
     for name in names[: 3 if keep_inputs else 2]:
         assert got.column(name).equals(want.column(name)), name
-    assert got.column("FID").to_pylist() == [f"fam{i % 5}" for i in range(N)]
+    assert got.column("FID").to_pylist() == [_fid(i) for i in range(N)]
     for name in OUTPUTS:
         np.testing.assert_allclose(_values(got, name), _values(want, name), rtol=1e-12)
     ct, ds, avg, sums = plink_score(data, rows)
@@ -221,7 +225,7 @@ def test_options_for_ray_or_other_inputs_are_refused(
     assert not (tmp_path / "scores").exists()
 
 
-def test_the_command_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
+def test_the_command_imports_neither_torch_nor_ray_nor_pandas(tmp_path: Path) -> None:
     data, rows = _data(tmp_path)
     out = tmp_path / "scores"
     code = (
@@ -229,7 +233,8 @@ def test_the_command_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
         f"rc = main(['score', '--threads', '1', '--model-repository', {str(tmp_path / 'repo')!r}, "
         f"'--model', 'prs', {str(data.bed)!r}, {str(out)!r}]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
-        "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(rc)"
+        "assert 'ray' not in sys.modules, 'ray was imported'; "
+        "assert 'pandas' not in sys.modules, 'pandas was imported (0.2 s)'; sys.exit(rc)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
@@ -244,8 +249,9 @@ def test_the_command_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "values",
     [np.arange(5.0), np.arange(5.0).reshape(5, 1), np.arange(15, dtype=np.float32).reshape(5, 3),
-     np.arange(30, dtype=np.int32).reshape(5, 2, 3)],
-    ids=["1d", "5x1", "5x3-f32", "5x2x3-i32"],
+     np.arange(30, dtype=np.int32).reshape(5, 2, 3), np.arange(10.0).reshape(2, 5)[:, ::2],
+     np.array([[True, False], [False, True], [True, True]])],
+    ids=["1d", "5x1", "5x3-f32", "5x2x3-i32", "strided", "bool"],
 )  # fmt: skip
 def test_tensor_columns_are_ray_datas(tmp_path: Path, values: np.ndarray) -> None:
     """An output column as Ray Data's batch_to_block makes it, written and read back the same."""
