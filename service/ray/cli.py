@@ -35,7 +35,8 @@ def add_parser(sub: Any) -> None:
     """Add the ``score`` command to the ``bitserve`` subcommands."""
     p = sub.add_parser(
         "score",
-        help="score Parquet files of packed rows on Ray Data (needs the ray extra)",
+        help="score Parquet files of packed rows on Ray Data (needs the ray extra), or a "
+        "PLINK .bed in this process",
         description="Score every row of INPUT (a Parquet file or a folder of them; a path "
         "or a URI such as s3://) with a model of a repository, on Ray Data: one actor per "
         "GPU, or CPU actors. Each input file NAME.parquet gets an output folder OUTPUT/NAME/ "
@@ -45,7 +46,8 @@ def add_parser(sub: Any) -> None:
         "scored in this process, without Ray (the C kernel for a score-model folder on the "
         "CPU, else the model as serve loads it), into the same OUTPUT/NAME/ files; --ray "
         "scores it on Ray instead. The Ray-only options (--actors, --num-gpus, --num-cpus, "
-        "--rows-per-task, --resources) are refused there.",
+        "--rows-per-task, --resources), and --bitorder, --k and --threshold, which a .bed "
+        "cannot use, are refused there (exit 2) rather than ignored.",
     )
     p.add_argument(
         "--model-repository",
