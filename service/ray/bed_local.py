@@ -202,15 +202,16 @@ def _served(
 ) -> tuple[str, Score]:
     """The model loaded as the Ray path's actors load it (torch), fed a batch of samples'
     codes at a time (:func:`service.ray.data.batch_rows`)."""
-    import torch
-
     from service.ray.bed_input import genotype_input
-    from service.ray.data import batch_rows
     from service.ray.scorer import BatchScorer, read_config
 
     version, cfg = read_config(repository, model, version)
     spec = genotype_input(bim.with_suffix(".bed"), cfg)
     check_variants(bim, variants, spec.shape, spec.ids_sha256, model)
+    import torch
+
+    from service.ray.data import batch_rows
+
     torch.set_num_threads(threads)
     scorer = BatchScorer(repository, model, version=version, device=device)
     step = batch_rows(cfg)

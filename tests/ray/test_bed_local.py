@@ -194,7 +194,9 @@ def test_other_variants_are_refused_and_nothing_is_written(
     assert not out.exists()
 
 
-def test_the_model_version_is_honoured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_model_version_is_honoured_and_a_missing_one_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data, _ = _data(tmp_path, 1.0, "1")
     _data(tmp_path, 2.0, "2")
     name = f"000000000000-{N:012d}.parquet"
@@ -206,6 +208,11 @@ def test_the_model_version_is_honoured(tmp_path: Path, capsys: pytest.CaptureFix
     capsys.readouterr()
     assert _score(tmp_path, data, tmp_path / "v7", "--model-version", "7") == 1
     assert "no version 7" in capsys.readouterr().err
+    assert main(["score", "--model-repository", str(tmp_path / "repo"), "--model", "nope",
+                 str(data.bed), str(tmp_path / "nope")]) == 1  # fmt: skip
+    assert "bitserve score: repo/nope: no such model folder" in capsys.readouterr().err
+    assert not (tmp_path / "v7").exists()
+    assert not (tmp_path / "nope").exists()
 
 
 @pytest.mark.parametrize(
