@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -194,6 +195,10 @@ def _run_here(args: argparse.Namespace) -> int:
                   "this process, without Ray (add --ray to score it on Ray)",
                   file=sys.stderr)  # fmt: skip
             return 2
+    if importlib.util.find_spec("pyarrow") is None:
+        print("bitserve score: needs pyarrow: pip install 'bitserve[ray]' (or pyarrow alone, "
+              "for a .bed scored without Ray)", file=sys.stderr)  # fmt: skip
+        return 1
     from service.ray.bed_local import score_bed_here
     from service.ray.outputs import IncompleteOutput
 
