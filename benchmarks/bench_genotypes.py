@@ -12,7 +12,10 @@ weight columns. One thread each, one run each (the issue's protocol):
 * the served model's pipeline in this process (torch on one thread, what ``bitserve
   genotypes score`` falls back to): the model loaded (lookup table built, dry run), then the
   .bed read, transposed and scored;
-* ``bitserve score`` (Ray Data, a Ray of its own, one actor, one torch thread): the .bed
+* ``bitserve score --threads 1`` as a process of its own: a .bed without ``--address`` is
+  scored in the process, no Ray (the same C kernel, :mod:`service.ray.bed_local`), into the
+  Parquet files the Ray path writes; wall time of the process;
+* ``bitserve score --ray`` (Ray Data, a Ray of its own, one actor, one torch thread): the .bed
   written as Parquet rows, scored, written as Parquet, wall time of the process;
 * served end to end: ``bitserve serve`` (``OMP_NUM_THREADS=1``) and the client's
   ``plink.score_bed`` (``read_bed`` transpose, variant check, ``infer_many``), wall time of the
@@ -26,6 +29,7 @@ digits), max relative difference. Writing the model folder (``score-model``) is 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import resource
@@ -77,24 +81,27 @@ def _score_file(bim: Path, out: Path) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
-def _ray_score(
-    tmp: Path, bed: Path, env: dict[str, str]
+def _bitserve_score(
+    tmp: Path, bed: Path, env: dict[str, str], *, ray: bool
 ) -> tuple[dict[str, np.ndarray] | None, float, float, str]:
-    """``bitserve score`` of the .bed with a Ray of its own: its outputs (None when it did
-    not run), wall and CPU seconds, and why it did not run."""
+    """``bitserve score --threads 1`` of the .bed, in its process (``ray=False``) or with
+    ``--ray`` on a Ray of its own: its outputs (None when it did not run), wall and CPU
+    seconds, and why it did not run."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
-        import ray  # noqa: F401
     except ImportError:
+        return None, math.nan, math.nan, "pyarrow is not installed"
+    if ray and importlib.util.find_spec("ray") is None:
         return None, math.nan, math.nan, "Ray is not installed"
     from harness.server import bitserve_command
 
-    out = tmp / "ray-out"
+    out = tmp / ("ray-out" if ray else "here-out")
+    on_ray = ["--ray", "--actors", "1"] if ray else []
     c0, t0 = _children_cpu(), time.perf_counter()
     done = subprocess.run([*bitserve_command(), "score", "--model-repository", str(tmp / "repo"),
-                           "--model", "prs", "--actors", "1", "--threads", "1", str(bed),
-                           str(out)], capture_output=True, text=True, check=False,
+                           "--model", "prs", *on_ray, "--threads", "1", str(bed), str(out)],
+                          capture_output=True, text=True, check=False,
                           env={**env, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if done.returncode != 0:  # Ray's start can fail on an overloaded host: say so, go on
@@ -166,7 +173,8 @@ def main() -> None:
         c0, t0 = time.process_time(), time.perf_counter()
         plink.read_bed(bed)
         t_read, c_read = time.perf_counter() - t0, time.process_time() - c0
-        ray_r, t_ray, c_ray, ray_why = _ray_score(tmp, bed, env)
+        here_r, t_here, c_here, here_why = _bitserve_score(tmp, bed, env, ray=False)
+        ray_r, t_ray, c_ray, ray_why = _bitserve_score(tmp, bed, env, ray=True)
         with start_server(tmp / "repo", env={"OMP_NUM_THREADS": "1"}) as server, \
                 Client(server.url) as client:  # fmt: skip
             plink.score_bed(client, "prs", bed, progress=False)  # warm: first batches, pools
@@ -182,6 +190,8 @@ def main() -> None:
             "bulk": bulk,
             "served": {k: np.asarray(served[k]) for k in bulk},
         }  # fmt: skip
+        if here_r is not None:
+            results["here"] = here_r
         if ray_r is not None:
             results["ray"] = ray_r
         rows: list[list[object]] = [
@@ -209,12 +219,16 @@ def main() -> None:
             row("the same with the model load (lookup table, dry run)", t_load + t_bulk,
                 c_load + c_bulk, None),
         ]  # fmt: skip
-        if ray_r is None:
-            failed = f"`bitserve score` (Ray Data): did not run ({ray_why})"
-            rows.append([failed, "-", "-", "-", "-", "-", "-"])
-        else:
-            rows.append(row("`bitserve score` (Ray Data, a Ray of its own, 1 actor, --threads 1),"
-                            " its own process", t_ray, c_ray, parity["ray"]))  # fmt: skip
+        for key, label, r, wall, cpu, why in (
+            ("here", "`bitserve score --threads 1`, its own process (a .bed: in the process, no "
+             "Ray; the C kernel; Parquet out)", here_r, t_here, c_here, here_why),
+            ("ray", "`bitserve score --ray` (Ray Data, a Ray of its own, 1 actor, --threads 1), "
+             "its own process", ray_r, t_ray, c_ray, ray_why),
+        ):  # fmt: skip
+            if r is None:
+                rows.append([f"{label}: did not run ({why})", "-", "-", "-", "-", "-", "-"])
+            else:
+                rows.append(row(label, wall, cpu, parity[key]))
         rows.append(row("served: client plink.score_bed (read_bed + infer_many), server warm",
                         t_served, c_served, parity["served"]))  # fmt: skip
         nb = math.ceil(L / 4)
@@ -223,13 +237,13 @@ def main() -> None:
             f"plink2 --dummy {n:,} samples x {L:,} variants, 2% missing, every variant scored "
             "on its first or second allele at random, two score columns; one run each, one "
             "thread each (plink2 --threads 1; bitserve genotypes score --threads 1; "
-            "torch.set_num_threads(1); bitserve score --actors 1 --threads 1; the server with "
-            "OMP_NUM_THREADS=1).\n\n"
+            "torch.set_num_threads(1); bitserve score --threads 1, and with --ray --actors 1; "
+            "the server with OMP_NUM_THREADS=1).\n\n"
             + markdown_table(HEADERS, rows)
             + "\n\nCPU s: user + system seconds of the process(es) doing the work (plink2's; "
             "this process's; the client's and the server's together when served; `bitserve "
-            "score`'s and the Ray processes it started and reaped), which a busy host inflates "
-            "less than wall time.\n\nALLELE_CT and NAMED_ALLELE_DOSAGE_SUM "
+            "score`'s, and with --ray the Ray processes it started and reaped), which a busy "
+            "host inflates less than wall time.\n\nALLELE_CT and NAMED_ALLELE_DOSAGE_SUM "
             "equal plink2's exactly. Relative "
             "differences are |got - plink2| / max(|plink2|, 1e-3); plink2 prints 6 significant "
             "digits, so 5e-6 is its own rounding.\n\n"

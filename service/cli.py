@@ -5,6 +5,7 @@
                                       # as serve loads it (dry runs included); exit 1 on problems
     bitserve demo-repo DIR       # write the built-in demo model out as a repository
     bitserve score --model-repository DIR --model M INPUT OUTPUT/   # Parquet rows on Ray Data
+                                      # (a PLINK .bed: in this process, no Ray; --ray: on Ray)
     bitserve index build IN OUT_MODEL_DIR --metric tanimoto   # an [index] model folder from
                                       # Parquet / .npy packed rows or RDKit SMILES / SDF
     bitserve genotypes score-model --bim D.bim --bed D.bed --score S.txt OUT/  # plink2 --score
@@ -123,7 +124,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-repo", help="write the built-in demo model as a repository")
     demo.add_argument("root", type=Path, metavar="DIR")
     from service.index import build
-    from service.ray import cli as ray_cli  # imports Ray only when `score` runs
+    from service.ray import cli as ray_cli  # imports Ray only when a Ray job runs
 
     ray_cli.add_parser(sub)
     build.add_parser(sub)

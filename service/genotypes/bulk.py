@@ -10,7 +10,6 @@ kernel. The data's variants are checked against the model's ``ids_sha256`` first
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,11 @@ import numpy as np
 
 from service.genotypes.plink_files import (
     PlinkError,
-    ids_sha256,
+    check_variants,
     open_bed,
     read_bim,
     read_fam,
-    sample_major,
+    sample_rows,
 )
 
 
@@ -82,17 +81,13 @@ def score_bed(
     variants = read_bim(bed.with_suffix(".bim"))
     samples = read_fam(bed.with_suffix(".fam"))
     spec = cfg.inputs[0]
-    if spec.shape != [len(variants)] or spec.ids_sha256 != ids_sha256(variants):
-        raise PlinkError(f"{bed.with_suffix('.bim')}: its variants (ids and alleles, in order) "
-                         f"are not the model's {model!r}")  # fmt: skip
+    check_variants(bed.with_suffix(".bim"), variants, spec.shape, spec.ids_sha256, model)
     n = len(samples)
     data = open_bed(bed, n, len(variants))
     step = max(4, pipe.capacity - pipe.capacity % 4)
     parts: list[list[np.ndarray]] = []
-    for s0 in range(0, n, step):
-        s1 = min(n, s0 + step)
-        codes = sample_major(np.asarray(data[:, s0 // 4 : math.ceil(s1 / 4)]), s1 - s0)
-        parts.append(pipe.run([Bound((WireInput(codes, True),), (0, 1, 2, 3), s1 - s0)])[0])
+    for _, s1, codes in sample_rows(data, 0, n, step):
+        parts.append(pipe.run([Bound((WireInput(codes, True),), (0, 1, 2, 3), len(codes))])[0])
         if progress is not None:
             progress(s1, n)
     names = [o.name for o in cfg.outputs]

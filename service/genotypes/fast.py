@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from service.genotypes.bulk import write_sscore
-from service.genotypes.plink_files import PlinkError, ids_sha256, open_bed, read_bim, read_fam
+from service.genotypes.plink_files import check_variants, open_bed, read_bim, read_fam
 
 PLINK_CODE_VALUES = [2.0, math.nan, 1.0, 0.0]
 BLOCK_VARIANTS = 8192
@@ -183,6 +183,7 @@ class FastScoreModel:
         names: the score columns' names (S).
         values: (L, 4, S + 2) float64 (:func:`value_tables`).
         denominator: 2 x the variants scored (SCORE_AVG = SCORE_SUM / it).
+        input: the input's name (score-model writes ``genotypes``).
     """
 
     name: str
@@ -191,11 +192,15 @@ class FastScoreModel:
     names: list[str]
     values: np.ndarray
     denominator: float
+    input: str = "genotypes"
 
 
-def load_fast_model(repository: Path, model: str) -> FastScoreModel | str:
-    """The model's highest version as a :class:`FastScoreModel`, or why it cannot be one
-    (then load it as ``bitserve serve`` does, which also names what is wrong with it).
+def load_fast_model(
+    repository: Path, model: str, version: str | None = None
+) -> FastScoreModel | str:
+    """The model's ``version`` (None: its highest) as a :class:`FastScoreModel`, or why it
+    cannot be one (then load it as ``bitserve serve`` does, which also names what is wrong
+    with it).
 
     Raises:
         ConfigError: no such model (as ``bitserve serve`` says it).
@@ -205,7 +210,11 @@ def load_fast_model(repository: Path, model: str) -> FastScoreModel | str:
     if kernels() is None:
         return "the CPU code kernels are unavailable"
     versions = model_versions(repository, model)
-    src = versions[max(versions, key=int)]
+    if not versions:
+        return f"{model}: no version of the model"
+    if version is not None and version not in versions:
+        return f"{model}: no version {version}"
+    src = versions[version if version is not None else max(versions, key=int)]
     try:
         with open(src.checked_config_path(), "rb") as fh:
             cfg = tomllib.load(fh)
@@ -231,8 +240,9 @@ def load_fast_model(repository: Path, model: str) -> FastScoreModel | str:
         return f"{src.source}: non-finite weights or means"
     scored_b = scored != 0
     values = value_tables(w.astype(np.float64), flip != 0, scored_b, means.astype(np.float64))
-    sha = cfg["inputs"][0]["ids_sha256"]
-    return FastScoreModel(model, sha, L, names, values, 2.0 * float(scored_b.sum()))
+    spec = cfg["inputs"][0]
+    return FastScoreModel(model, spec["ids_sha256"], L, names, values,
+                          2.0 * float(scored_b.sum()), str(spec["name"]))  # fmt: skip
 
 
 def _score_form(cfg: dict[str, Any]) -> tuple[int, str, str, list[str]] | str:
@@ -275,6 +285,35 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def score_samples(
+    fm: FastScoreModel,
+    blocks: np.ndarray,
+    start: int,
+    stop: int,
+    *,
+    threads: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Samples ``start`` to ``stop - 1`` of a ``.bed``'s blocks (:func:`open_bed`) scored.
+
+    Args:
+        threads: C threads; progress: (variants done, variants) after each block.
+
+    Returns:
+        As :func:`service.genotypes.bulk.score_bed`: output name -> (stop - start, ...)
+        float64.
+    """
+    first = start - start % 4  # the kernel starts at a byte: four samples
+    part = blocks[:, first // 4 : math.ceil(stop / 4)]
+    sums = score_bed_blocks(part, stop - first, fm.values, threads=threads,
+                            progress=progress)[start - first :]  # fmt: skip
+    S = len(fm.names)
+    score = sums[:, :S]
+    avg = score / fm.denominator if fm.denominator else np.full_like(score, math.nan)
+    return {"ALLELE_CT": sums[:, S + 1 :], "NAMED_ALLELE_DOSAGE_SUM": sums[:, S : S + 1],
+            "SCORE_AVG": avg, "SCORE_SUM": score}  # fmt: skip
+
+
 def score_bed_fast(
     fm: FastScoreModel,
     bed: Path,
@@ -298,17 +337,10 @@ def score_bed_fast(
     """
     variants = read_bim(bed.with_suffix(".bim"))
     samples = read_fam(bed.with_suffix(".fam"))
+    check_variants(bed.with_suffix(".bim"), variants, [fm.variants], fm.ids_sha256, fm.name)
     n = len(samples)
-    if len(variants) != fm.variants or ids_sha256(variants) != fm.ids_sha256:
-        raise PlinkError(f"{bed.with_suffix('.bim')}: its variants (ids and alleles, in order) "
-                         f"are not the model's {fm.name!r}")  # fmt: skip
     blocks = open_bed(bed, n, len(variants))
-    sums = score_bed_blocks(blocks, n, fm.values, threads=threads, progress=progress)
-    S = len(fm.names)
-    score = sums[:, :S]
-    avg = score / fm.denominator if fm.denominator else np.full_like(score, math.nan)
-    result = {"ALLELE_CT": sums[:, S + 1 :], "NAMED_ALLELE_DOSAGE_SUM": sums[:, S : S + 1],
-              "SCORE_AVG": avg, "SCORE_SUM": score}  # fmt: skip
+    result = score_samples(fm, blocks, 0, n, threads=threads, progress=progress)
     if out is not None:
         write_sscore(out, samples.fid, samples.iid, result)
     return result

@@ -10,7 +10,8 @@ files for sending (``bitserve_client.plink``); the two agree on :func:`ids_sha25
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,22 @@ def ids_sha256(variants: Variants, index: Sequence[int] | None = None) -> str:
     for i in order:
         h.update(f"{variants.ids[i]}\t{variants.a1[i]}\t{variants.a2[i]}\n".encode())
     return h.hexdigest()
+
+
+def check_variants(
+    bim: Path, variants: Variants, shape: Sequence[int], sha256: str | None, model: str = ""
+) -> None:
+    """That ``variants`` (read from ``bim``) are a model's: its input's ``shape`` is
+    ``[len(variants)]`` and its ``ids_sha256`` is their :func:`ids_sha256`.
+
+    Raises:
+        PlinkError: other variants, or the same in another order (or a model without
+            ``ids_sha256``), naming ``bim`` and the model.
+    """
+    if list(shape) != [len(variants)] or ids_sha256(variants) != sha256:
+        named = f" {model!r}" if model else ""
+        raise PlinkError(f"{bim}: its variants (ids and alleles, in order) are not the "
+                         f"model's{named}")  # fmt: skip
 
 
 def open_bed(path: Path, n_samples: int, n_variants: int) -> np.memmap:
@@ -222,3 +239,17 @@ def sample_major(blocks: np.ndarray, n_samples: int, block_variants: int = 4096)
             np.right_shift(wtk, _BYTE_SHIFTS[s], out=ttk)
             np.copyto(lanes[:, s, v0 // 4 : v0 // 4 + k4], ttk, casting="unsafe")
     return out[:n_samples]
+
+
+def sample_rows(
+    blocks: np.ndarray, start: int, stop: int, step: int
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Samples ``start`` to ``stop - 1`` of variant-major ``.bed`` blocks (a memory map is
+    read a slice at a time) as rows of codes, ``step`` samples at a time:
+    ``(s0, s1, (s1 - s0, ceil(V / 4)) uint8)`` (:func:`sample_major` of the bytes that hold
+    them; a first sample within a byte is cut from the rows)."""
+    for s0 in range(start, stop, step):
+        s1 = min(stop, s0 + step)
+        first = s0 - s0 % 4
+        codes = sample_major(np.asarray(blocks[:, first // 4 : math.ceil(s1 / 4)]), s1 - first)
+        yield s0, s1, codes[s0 - first :]

@@ -1,13 +1,20 @@
-"""``bitserve score``: the command line of :func:`service.ray.job.score_files`.
+"""``bitserve score``: the command line of :func:`service.ray.job.score_files` and, for a
+PLINK ``.bed`` without ``--address``, of :func:`service.ray.bed_local.score_bed_here`.
 
     bitserve score --model-repository R --model M INPUT OUTPUT/ [--address ADDR] [...]
 
-Without ``--address`` it starts a Ray of its own, embedded in the process (this machine's CPUs
-and GPUs), even where a local cluster runs; with it (``auto``: the local cluster), it joins that
-cluster. Ray Data's own progress bars show the reads, the scoring and the writes. Run
-it again with the same arguments to resume: rows already in OUTPUT are skipped.
+Parquet input: without ``--address`` it starts a Ray of its own, embedded in the process (this
+machine's CPUs and GPUs), even where a local cluster runs; with it (``auto``: the local
+cluster), it joins that cluster. Ray Data's own progress bars show the reads, the scoring and
+the writes. A ``.bed`` without ``--address`` is scored in this process, no Ray (its start-up
+would outlast the work), into the same output files; ``--ray`` scores it on a Ray of its own
+instead. The options that only place Ray's actors and tasks (``--actors``, ``--num-gpus``,
+``--num-cpus``, ``--rows-per-task``, ``--resources``) and those a ``.bed`` cannot use
+(``--bitorder``: its codes are PLINK's; ``--k``, ``--threshold``: an index's) are refused
+there, naming ``--ray``, rather than ignored. Run it again with the same arguments to
+resume: rows already in OUTPUT are skipped, whichever way they were written.
 
-This module imports Ray only when the command runs (``bitserve --help`` stays fast).
+This module imports Ray only when a Ray job runs (``bitserve --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -28,13 +36,19 @@ def add_parser(sub: Any) -> None:
     """Add the ``score`` command to the ``bitserve`` subcommands."""
     p = sub.add_parser(
         "score",
-        help="score Parquet files of packed rows on Ray Data (needs the ray extra)",
+        help="score Parquet files of packed rows on Ray Data (needs the ray extra), or a "
+        "PLINK .bed in this process",
         description="Score every row of INPUT (a Parquet file or a folder of them; a path "
         "or a URI such as s3://) with a model of a repository, on Ray Data: one actor per "
         "GPU, or CPU actors. Each input file NAME.parquet gets an output folder OUTPUT/NAME/ "
         "of files <start>-<stop>.parquet (its rows start..stop-1): the model's outputs, one "
         "column each, beside every column that is not an input. Resumable: run it again "
-        "and the rows already written are skipped.",
+        "and the rows already written are skipped. A PLINK NAME.bed without --address is "
+        "scored in this process, without Ray (the C kernel for a score-model folder on the "
+        "CPU, else the model as serve loads it), into the same OUTPUT/NAME/ files; --ray "
+        "scores it on Ray instead. The Ray-only options (--actors, --num-gpus, --num-cpus, "
+        "--rows-per-task, --resources), and --bitorder, --k and --threshold, which a .bed "
+        "cannot use, are refused there (exit 2) rather than ignored.",
     )
     p.add_argument(
         "--model-repository",
@@ -54,7 +68,13 @@ def add_parser(sub: Any) -> None:
         "--address",
         default=None,
         help="a Ray cluster to join (e.g. auto, ray://head:10001, 10.0.0.1:6379) "
-        "[default: start Ray in this process]",
+        "[default: start Ray in this process; a .bed: no Ray, see --ray]",
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="score a .bed on a Ray of its own, as a Parquet input is [default without "
+        "--address: in this process, no Ray]",
     )
     p.add_argument(
         "--actors",
@@ -84,12 +104,14 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="T",
         help="torch threads per actor [default: its CPUs; a CPU actor alone on its node "
-        "(a 2-core machine) takes every CPU of the node]",
+        "(a 2-core machine) takes every CPU of the node]; a .bed in this process: its "
+        "threads [default: every CPU it may use]",
     )
     p.add_argument(
         "--device",
         default="auto",
-        help="device for models whose config says auto [default: the actor's GPU, else cpu]",
+        help="device for models whose config says auto [default: the actor's GPU, else cpu; "
+        "a .bed in this process: the C kernel where the model allows, else the GPU if any]",
     )
     p.add_argument(
         "--bitorder",
@@ -140,7 +162,14 @@ def _bed_as_parquet(args: argparse.Namespace) -> Iterator[str]:
 
     _, cfg = read_config(Path(args.model_repository).resolve(), args.model, args.version)
     with tempfile.TemporaryDirectory(prefix="bitserve-bed-") as tmp:
-        yield str(bed_as_parquet(Path(args.input), Path(tmp), cfg))
+        yield str(bed_as_parquet(Path(args.input), Path(tmp), cfg, args.model))
+
+
+RAY_ONLY = ("actors", "num_gpus", "num_cpus", "rows_per_task", "resources")
+"""Options that place Ray's actors and tasks: nothing to place in one process."""
+NOT_FOR_BED = ("bitorder", "k", "threshold")
+"""Options a ``.bed`` cannot use: its codes are in PLINK's order; ``k`` and ``threshold``
+are an index's."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +179,42 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"bitserve score: {flag} must be at least 1", file=sys.stderr)
             return 2
+    if args.input.endswith(".bed") and args.address is None and not args.ray:
+        return _run_here(args)
+    return _run_on_ray(args)
+
+
+def _run_here(args: argparse.Namespace) -> int:
+    """A ``.bed`` scored in this process (:mod:`service.ray.bed_local`)."""
+    for name in (*RAY_ONLY, *NOT_FOR_BED):
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            why = ("places Ray's actors" if name in RAY_ONLY
+                   else "does not apply to a .bed's codes")  # fmt: skip
+            print(f"bitserve score: {flag} {why}; a .bed without --address is scored in "
+                  "this process, without Ray (add --ray to score it on Ray)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    if importlib.util.find_spec("pyarrow") is None:
+        print("bitserve score: needs pyarrow: pip install 'bitserve[ray]' (or pyarrow alone, "
+              "for a .bed scored without Ray)", file=sys.stderr)  # fmt: skip
+        return 1
+    from service.ray.bed_local import score_bed_here
+    from service.ray.outputs import IncompleteOutput
+
+    try:
+        report = score_bed_here(args.input, args.output, args.model_repository, args.model,
+                                version=args.version, device=args.device,
+                                threads=args.threads, keep_inputs=args.keep_inputs)  # fmt: skip
+    except (IncompleteOutput, ValueError) as e:  # ScoringError, PlinkError
+        print(f"bitserve score: {e}", file=sys.stderr)
+        return 1
+    print(report.line())
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """A Ray job (:func:`service.ray.job.score_files`), a ``.bed`` written as Parquet first."""
     extra: dict[str, Any] = {}
     if args.resources is not None:
         try:
@@ -164,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("bitserve score: needs Ray: pip install 'bitserve[ray]'", file=sys.stderr)
         return 1
-    from service.ray.job import IncompleteOutput, score_files
+    from service.ray.job import score_files
+    from service.ray.outputs import IncompleteOutput
     from service.ray.scorer import ScoringError
 
     # Ray Data's import (about 1 s on a 2-core host) runs while ray.init waits for Ray's
@@ -203,8 +269,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         ray.shutdown()
-    print(
-        f"{report.output}: {report.scored} row(s) scored, {report.skipped} already there, "
-        f"{report.files} file(s), {report.seconds:.1f} s ({report.rows_per_s:,.0f} rows/s)"
-    )
+    print(report.line())
     return 0

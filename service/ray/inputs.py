@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.ray.scorer import ColumnForm, ScoringError
+from service.ray.errors import ScoringError
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.fs as pafs
+
+    from service.ray.scorer import ColumnForm
 
 FILE_TAG = "__bitserve_file"
 ROW_TAG = "__bitserve_row"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,39 +37,11 @@ from service.ray.inputs import (
     list_inputs,
     plan_reads,
 )
-from service.ray.outputs import datasink, settle
+from service.ray.outputs import IncompleteOutput as IncompleteOutput
+from service.ray.outputs import JobReport, check_complete, datasink, settle
 from service.ray.scorer import ColumnForm, read_config
 
 log = logging.getLogger(__name__)
-
-
-class IncompleteOutput(RuntimeError):
-    """After the job, some input rows are not covered exactly once by the output files."""
-
-
-@dataclass(frozen=True)
-class JobReport:
-    """What a job did.
-
-    Attributes:
-        files: input files.
-        rows: their rows.
-        skipped: rows already in output files when it started.
-        scored: rows it scored and wrote.
-        seconds: its wall time (planning, scoring and writing).
-        output: the output folder.
-    """
-
-    files: int
-    rows: int
-    skipped: int
-    scored: int
-    seconds: float
-    output: str
-
-    @property
-    def rows_per_s(self) -> float:
-        return self.scored / self.seconds if self.seconds > 0 else math.inf
 
 
 def score_files(
@@ -134,9 +105,6 @@ def score_files(
                    batch_size=batch_rows(cfg, most=min(block_rows, rows_per_task)),
                    **score_args)  # fmt: skip
         ds.write_datasink(datasink(fs_out, folders))
-    after = [settle(fs_out, folder, f.rows) for f, folder in zip(files, folders, strict=True)]
-    short = [(f.path, c.missing) for f, c in zip(files, after, strict=True) if c.missing]
-    if short:
-        raise IncompleteOutput(f"rows missing from the output after the job: {short[:5]}")
+    check_complete(fs_out, folders, [f.rows for f in files], [f.path for f in files])
     return JobReport(len(files), total, skipped, total - skipped, time.perf_counter() - t0,
                      output)  # fmt: skip

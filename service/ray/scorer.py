@@ -28,6 +28,7 @@ batches, and the columns that pass through are not touched.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,16 +48,13 @@ from service.models.config import (
 from service.models.layout import VersionSource, model_versions
 from service.models.signature import Signature
 from service.protocol.types import DATATYPES, InferRequest, RequestInput
+from service.ray.errors import ScoringError as ScoringError
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 Batch = dict[str, np.ndarray[Any, Any]]
 """A batch in Ray Data's NumPy batch format: column name -> array, rows first."""
-
-
-class ScoringError(ValueError):
-    """A batch (or a model) that cannot be scored; the message names the column and row."""
 
 
 def find_version(repository: Path, model: str, version: str | None = None) -> VersionSource:
@@ -399,12 +397,10 @@ class BatchScorer:
 
 
 def ray_cpus() -> int | None:
-    """The CPUs Ray assigned to this worker (whole ones, at least 1), or None outside Ray."""
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - the ray extra is what brings this module in use
+    """The CPUs Ray assigned to this worker (whole ones, at least 1), or None outside Ray
+    (where Ray is not even imported: importing it takes seconds)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return None
-    if not ray.is_initialized():
-        return None
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")  # type: ignore[no-untyped-call]
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
     return None if not cpus else max(1, int(cpus))

@@ -1,6 +1,8 @@
-"""``bitserve score`` on a PLINK ``.bed`` end to end: a real ``bitserve score`` process with a
-Ray of its own (no ``--address``, as the genotypes page shows it) over ``plink2 --dummy``
-data, its scores against plink2's own ``--score`` output, FID and IID passed through.
+"""``bitserve score --ray`` on a PLINK ``.bed`` end to end: a real ``bitserve score`` process
+with a Ray of its own over ``plink2 --dummy`` data, its scores against plink2's own
+``--score`` output, FID and IID passed through; then ``bitserve score`` without ``--ray``
+(in its process, no Ray): the same files (names, Arrow schema byte for byte, rows), and run
+on the Ray job's output it finds every row already there.
 
 Ray's start-up needs the host to have some room: on a shared 2-core host at a load average
 of 14 its raylet gave up waiting for its agents' port files (``Timed out waiting for file``)."""
@@ -56,9 +58,9 @@ def test_bitserve_score_of_a_bed_matches_plink2(tmp_path: Path) -> None:
                       tmp_path / "repo" / "prs", score_cols=[3, 4], max_batch_size=16)  # fmt: skip
 
     out = tmp_path / "scores"
-    done = subprocess.run([*bitserve_command(), "score", "--model-repository",
-                           str(tmp_path / "repo"), "--model", "prs", "--actors", "1",
-                           str(d.with_suffix(".bed")), str(out)],
+    command = [*bitserve_command(), "score", "--model-repository", str(tmp_path / "repo"),
+               "--model", "prs", str(d.with_suffix(".bed"))]  # fmt: skip
+    done = subprocess.run([*command[:-1], "--ray", "--actors", "1", command[-1], str(out)],
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "83 row(s) scored" in done.stdout
@@ -80,3 +82,23 @@ def test_bitserve_score_of_a_bed_matches_plink2(tmp_path: Path) -> None:
     first = sscore[0].index("ALLELE_CT")  # PHENO1 is there only when phenotypes are
     want = np.array([r[first:] for r in sscore[1:]], float)  # CT DS AVG1 AVG2 SUM1 SUM2
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+
+    here = subprocess.run([*command, str(tmp_path / "here")], capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    assert here.returncode == 0, here.stderr[-4000:]
+    assert "83 row(s) scored, 0 already there" in here.stdout
+    assert "Ray" not in here.stderr, here.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "here" / "data").iterdir()) == [f.name for f in files]
+    for f in files:
+        mine = tmp_path / "here" / "data" / f.name
+        assert pq.ParquetFile(mine).metadata.metadata == pq.ParquetFile(f).metadata.metadata
+        a, b = pq.read_table(mine), pq.read_table(f)
+        assert a.select(["FID", "IID"]).equals(b.select(["FID", "IID"]))
+        for name in a.column_names[2:]:
+            np.testing.assert_allclose(np.stack(a.column(name).to_numpy(zero_copy_only=False)),
+                                       np.stack(b.column(name).to_numpy(zero_copy_only=False)),
+                                       rtol=1e-12)  # fmt: skip
+    again = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=600,
+                           check=False)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "0 row(s) scored, 83 already there" in again.stdout
