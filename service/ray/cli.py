@@ -215,6 +215,10 @@ def _run_here(args: argparse.Namespace) -> int:
 
 def _run_on_ray(args: argparse.Namespace) -> int:
     """A Ray job (:func:`service.ray.job.score_files`), a ``.bed`` written as Parquet first."""
+    if args.input.endswith(".bed") and args.bitorder is not None:
+        print("bitserve score: --bitorder does not apply to a .bed's codes (PLINK's order)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     extra: dict[str, Any] = {}
     if args.resources is not None:
         try:
