@@ -303,8 +303,7 @@ def _nanobind_leak_env(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "leak-site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import gc\nfrom triton._C import libtriton\n"
-        "_held = libtriton.ir.context()\ngc.freeze()\n"
+        "import gc\nfrom triton._C import libtriton\n_held = libtriton.ir.context()\ngc.freeze()\n"
     )
     paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(paths)}
