@@ -3,7 +3,7 @@
 As Triton's local cache: a request equal to one answered before, in everything that changes
 the answer, is answered with the stored outputs and never reaches its model. Unlike Triton's
 key (model, version, input names and bytes: ``cache_manager.cc``), ours also holds what makes
-equal bytes mean something else (:func:`cache_key`):
+equal bytes mean something else (:func:`reference_key` writes it all out):
 
 - the model and version;
 - every input as the model receives it (``service.models.signature.Bound``, config order): its
@@ -15,12 +15,23 @@ equal bytes mean something else (:func:`cache_key`):
   ``threshold``) is in the key without a change here;
 - the outputs asked for.
 
-All of it goes through one 128-bit BLAKE2b (``hashlib``). The cache keeps each answer's
-output arrays (copies) and its batch's :class:`~service.batching.queue.BatchInfo`; a hit is
-framed as any answer, with the new request's id. Entries are evicted least recently used
-first to stay within the size, and a version's entries are dropped when it is reloaded,
-unloaded or evicted from its device. Each ``--workers`` process has its own cache of this
-size.
+All of it goes through one 128-bit BLAKE2b (``hashlib``): first a head (everything but the
+inputs' bytes), then the bytes. :func:`cache_key` hashes each form of request's head once: a
+request of a :class:`~service.protocol.types.RequestForm` seen before (the header cache's:
+the same header, other data) costs a copy of its form's hashed head and the hashing of its
+bytes; any other request, a lookup of its hashed head by its inputs' datatypes, shapes and
+bit orders, and its parameters. Both equal :func:`reference_key`, which writes out and
+hashes the whole key each time.
+
+The cache keeps a copy of each answer's output arrays and its batch's
+:class:`~service.batching.queue.BatchInfo`; a hit is framed as any answer, with the new
+request's id. Entries are evicted least recently used first to stay within the size, and a
+version's entries are dropped when it is reloaded, unloaded or evicted from its device. Each
+``--workers`` process has its own cache of this size.
+
+With no hits (every request new) the key was most of what the cache cost: measured in the
+server, some 23,000 CPU instructions a request when the head and parameters of each request
+were built anew, hence one hashed head per form.
 """
 
 from __future__ import annotations
@@ -36,10 +47,12 @@ from service.batching.queue import BatchInfo
 from service.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from service.models.signature import Bound
+    from service.models.signature import Bound, Signature
     from service.protocol.types import InferRequest
 
 Arrays = list[np.ndarray[Any, Any]]
+Hasher = Any
+"""A ``hashlib.blake2b`` object (hashlib exports no name for its type)."""
 
 IGNORED_PARAMETERS = frozenset(
     {
@@ -60,36 +73,14 @@ IGNORED_PARAMETERS = frozenset(
 ENTRY_OVERHEAD = 256
 """Bytes counted for each entry beyond its arrays (key, lists, headers of the arrays)."""
 
-
-def _params(params: dict[str, Any]) -> bytes:
-    """The parameters that change the answer, canonical (empty: none do)."""
-    if params.keys() <= IGNORED_PARAMETERS:  # the usual case: nothing to write
-        return b""
-    kept = {k: v for k, v in params.items() if k not in IGNORED_PARAMETERS}
-    return json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":")).encode()
-
-
-_HEADS: dict[tuple[Any, ...], tuple[bytes, bool]] = {}
-"""The bytes in the key of each request form: the model, version, every input's name,
-datatype, shape, packing and bit order, and the outputs asked for (a handful per model, each
-written once; the key then hashes this head and the inputs' bytes, in one BLAKE2b); and
-whether an input holds BYTES elements."""
-
-_SPECS: dict[int, tuple[ModelConfig, tuple[tuple[str, str], ...]]] = {}
-"""Each config's inputs' names and bit orders (read from the config object once)."""
-
-
-def _specs(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
-    got = _SPECS.get(id(cfg))
-    if got is None or got[0] is not cfg:  # a new config (or another one at a reused id)
-        if len(_SPECS) > 4096:
-            _SPECS.clear()
-        got = _SPECS[id(cfg)] = (cfg, tuple((s.name, s.bitorder) for s in cfg.inputs))
-    return got[1]
+DIGEST_BYTES = 16
+"""128 bits."""
 
 
 class CachedVersion(Protocol):
-    """What a key needs of a model version (``service.models.handle.ModelHandle`` has it)."""
+    """What a key needs of a model version (``service.models.handle.ModelHandle`` has it):
+    its name, version and config; and its signature (read only for a request with a
+    :class:`~service.protocol.types.RequestForm`), whose identity stands for all three."""
 
     @property
     def name(self) -> str: ...
@@ -100,49 +91,19 @@ class CachedVersion(Protocol):
     @property
     def cfg(self) -> ModelConfig: ...
 
+    @property
+    def signature(self) -> Signature: ...
 
-def cache_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> bytes:
-    """The 16-byte key of ``request`` (checked and laid out as ``bound``) for ``handle``'s
-    model version: see the module docstring for what it covers.
 
-    The miss path's cost (a lookup that finds nothing costs this and a dict probe): one
-    BLAKE2b over a cached head and the inputs' bytes as they arrived (no copy of a
-    contiguous input), plus the parameters only when one of them changes the answer.
-    """
-    form: list[Any] = [handle.name, handle.version, bound.outputs]
-    for (name, order), wire in zip(_specs(handle.cfg), bound.inputs, strict=True):
-        data = wire.data
-        form.append((name, data.dtype, data.shape, wire.packed,
-                     (wire.bitorder or order) if wire.packed else "-"))  # fmt: skip
-    head_key = tuple(form)
-    found = _HEADS.get(head_key)
-    if found is None:
-        if len(_HEADS) > 4096:
-            _HEADS.clear()
-        text = f"{handle.name}\0{handle.version}\0outputs{bound.outputs!r}"
-        for name, dtype, shape, packed, bitorder in form[3:]:
-            text += f"\0{name}\0{dtype.str}{shape}{packed:d}{bitorder}\0"
-        objects = any(dtype.hasobject for _, dtype, *_ in form[3:])
-        found = _HEADS[head_key] = (text.encode(), objects)
-    head, objects = found
-    h = hashlib.blake2b(head, digest_size=16)
-    params = _all_params(request)
-    if params:
-        h.update(params)
-    update = h.update
-    for wire in bound.inputs:
-        data = wire.data
-        if objects and data.dtype.hasobject:  # BYTES elements: each with its length
-            for item in data.reshape(-1):
-                b = bytes(item)
-                update(len(b).to_bytes(8, "little"))
-                update(b)
-            continue
-        try:
-            update(data)  # type: ignore[arg-type]  # its buffer, as it is: no copy
-        except (BufferError, ValueError):  # not contiguous
-            update(np.ascontiguousarray(data).tobytes())
-    return h.digest()
+# --- the key, written out ------------------------------------------------------------------
+
+
+def _params(params: dict[str, Any]) -> bytes:
+    """The parameters that change the answer, canonical (empty: none do)."""
+    if params.keys() <= IGNORED_PARAMETERS:  # the usual case: nothing to write
+        return b""
+    kept = {k: v for k, v in params.items() if k not in IGNORED_PARAMETERS}
+    return json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":")).encode()
 
 
 def _all_params(request: InferRequest) -> bytes:
@@ -158,6 +119,114 @@ def _all_params(request: InferRequest) -> bytes:
         if out.parameters and not out.parameters.keys() <= IGNORED_PARAMETERS:
             parts += [b"\0output\0", out.name.encode(), b"\0", _params(out.parameters)]
     return b"".join(parts)
+
+
+def _head_text(name: str, version: str, outputs: tuple[int, ...], inputs: list[Any]) -> bytes:
+    """The head: the model, version and outputs asked for, and each input's name, datatype,
+    shape, packing and effective bit order (``inputs``: those five, config order)."""
+    text = f"{name}\0{version}\0outputs{outputs!r}"
+    for input_name, dtype, shape, packed, bitorder in inputs:
+        text += f"\0{input_name}\0{dtype.str}{shape}{packed:d}{bitorder}\0"
+    return text.encode()
+
+
+def _hash_data(h: Hasher, data: np.ndarray[Any, Any]) -> None:
+    """Add one input's bytes to ``h``: its buffer as it is (no copy when contiguous); BYTES
+    elements each with its length."""
+    if data.dtype.hasobject:
+        for item in data.reshape(-1):
+            b = bytes(item)
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        return
+    try:
+        h.update(data)
+    except (BufferError, ValueError):  # not contiguous
+        h.update(np.ascontiguousarray(data).tobytes())
+
+
+def reference_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> bytes:
+    """The 16-byte key of ``request`` (checked and laid out as ``bound``) for ``handle``'s
+    model version, written out and hashed afresh: what :func:`cache_key` must return."""
+    inputs = [
+        (spec.name, wire.data.dtype, wire.data.shape, wire.packed,
+         (wire.bitorder or spec.bitorder) if wire.packed else "-")
+        for spec, wire in zip(handle.cfg.inputs, bound.inputs, strict=True)
+    ]  # fmt: skip
+    h = hashlib.blake2b(_head_text(handle.name, handle.version, bound.outputs, inputs),
+                        digest_size=DIGEST_BYTES)  # fmt: skip
+    h.update(_all_params(request))
+    for wire in bound.inputs:
+        _hash_data(h, wire.data)
+    key: bytes = h.digest()
+    return key
+
+
+# --- the key, fast -------------------------------------------------------------------------
+
+_HEADS: dict[tuple[Any, ...], tuple[Hasher, bool, ModelConfig]] = {}
+"""Each request form's head, hashed, by the model version's config (its id: the value holds
+the config, so the id is not reused while the entry lives), name and version, the outputs
+asked for and each input's datatype, shape, packing and bit order (a handful per model, each
+hashed once); and whether an input holds BYTES elements."""
+
+
+def _head(handle: CachedVersion, bound: Bound) -> tuple[Hasher, bool]:
+    """``bound``'s head, hashed (copy it before adding to it), and whether an input holds
+    BYTES elements."""
+    cfg = handle.cfg
+    form: list[Any] = [id(cfg), handle.name, handle.version, bound.outputs]
+    for wire in bound.inputs:
+        data = wire.data
+        form += (data.dtype, data.shape, wire.packed, wire.bitorder)
+    found = _HEADS.get(tuple(form))
+    if found is None:
+        if len(_HEADS) > 4096:
+            _HEADS.clear()
+        inputs = [
+            (spec.name, wire.data.dtype, wire.data.shape, wire.packed,
+             (wire.bitorder or spec.bitorder) if wire.packed else "-")
+            for spec, wire in zip(cfg.inputs, bound.inputs, strict=True)
+        ]  # fmt: skip
+        text = _head_text(handle.name, handle.version, bound.outputs, inputs)
+        objects = any(wire.data.dtype.hasobject for wire in bound.inputs)
+        found = _HEADS[tuple(form)] = (hashlib.blake2b(text, digest_size=DIGEST_BYTES),
+                                       objects, cfg)  # fmt: skip
+    return found[0], found[1]
+
+
+def cache_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> bytes:
+    """:func:`reference_key`, fast: the head hashed once per form of request (see the module
+    docstring), then the inputs' bytes as they arrived (no copy of a contiguous input).
+
+    A request's :class:`~service.protocol.types.RequestForm` keeps its head with the
+    signature of the version it was hashed for: a version's signature is its own (made
+    with it, never shared), and with the form it fixes all of ``bound`` but the inputs'
+    bytes, so another version (a reload) hashes its head anew.
+    """
+    form = request.form
+    if form is not None:
+        memo = form.key_head
+        if memo is not None and memo[0] is handle.signature:
+            h = memo[1].copy()
+            for wire in bound.inputs:
+                try:
+                    h.update(wire.data)
+                except (BufferError, ValueError):  # not contiguous
+                    h.update(np.ascontiguousarray(wire.data).tobytes())
+            key: bytes = h.digest()
+            return key
+    head, objects = _head(handle, bound)
+    h = head.copy()
+    params = _all_params(request)
+    if params:
+        h.update(params)
+    if form is not None and not objects:  # its head and parameters: this form's from now on
+        form.key_head = (handle.signature, h.copy())
+    for wire in bound.inputs:
+        _hash_data(h, wire.data)
+    digest: bytes = h.digest()
+    return digest
 
 
 class ResponseCache:
