@@ -23,21 +23,26 @@ bytes; any other request, a lookup of its hashed head by its inputs' datatypes, 
 bit orders, and its parameters. Both equal :func:`reference_key`, which writes out and
 hashes the whole key each time.
 
-The cache keeps a copy of each answer's output arrays and its batch's
+The cache keeps a copy of each answer's outputs (their bytes, in one object) and its batch's
 :class:`~service.batching.queue.BatchInfo`; a hit is framed as any answer, with the new
 request's id. Entries are evicted least recently used first to stay within the size, and a
 version's entries are dropped when it is reloaded, unloaded or evicted from its device. Each
 ``--workers`` process has its own cache of this size.
 
-With no hits (every request new) the key was most of what the cache cost: measured in the
-server, some 23,000 CPU instructions a request when the head and parameters of each request
-were built anew, hence one hashed head per form.
+With no hits (every request new, every answer stored, an old one evicted for it) the cache
+is pure cost, and a cost in Python objects and bytecodes more than in hashing: measured in
+the server, one request's key, lookup and store took some 45,000 CPU instructions when they
+built the head and parameters of each request anew and stored copies of output arrays (a
+list, an array, its data and its dimensions for each answer), three times what the same
+code takes in a loop of its own; hence one hashed head per form and one bytes object per
+answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,10 +76,13 @@ IGNORED_PARAMETERS = frozenset(
 """Parameters that change when or in which form an answer travels, not what it is."""
 
 ENTRY_OVERHEAD = 256
-"""Bytes counted for each entry beyond its arrays (key, lists, headers of the arrays)."""
+"""Bytes counted for each entry beyond its outputs' bytes (its key, its tuple, the index)."""
 
 DIGEST_BYTES = 16
 """128 bits."""
+
+ALIGN = 16
+"""Where each output of an answer of several starts in its stored bytes (a multiple of)."""
 
 
 class CachedVersion(Protocol):
@@ -229,71 +237,121 @@ def cache_key(handle: CachedVersion, request: InferRequest, bound: Bound) -> byt
     return digest
 
 
+class _VersionKeys(set[bytes]):
+    """The keys of one model version's entries, and that version (``(model, version)``)."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, version: tuple[str, str]) -> None:
+        super().__init__()
+        self.version = version
+
+
+_Entry = tuple[_VersionKeys, bytes, Any, Any, BatchInfo]
+"""A stored answer: its version's keys; its outputs' bytes, one after the other (each at a
+multiple of :data:`ALIGN`), in one object; their dtype and shape (one output: an
+``np.dtype`` and a shape; several: a tuple of each); its batch. It counts for
+:data:`ENTRY_OVERHEAD` and its bytes."""
+
+
 class ResponseCache:
     """Answers by key, least recently used first out, within ``size_bytes``.
 
     Used from the event loop only (the data plane's lookups and stores, the repository's
-    drops), so it takes no lock.
+    drops), so it takes no lock. An answer is stored in as few objects as can be (its
+    outputs' bytes in one), since with no hits each entry is written once and freed once and
+    never read: what it costs then is mostly the memory it touches.
 
     Args:
-        size_bytes: the most bytes the entries may take (their arrays plus
+        size_bytes: the most bytes the entries may take (their outputs' bytes plus
             :data:`ENTRY_OVERHEAD` each).
     """
 
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
         self.used_bytes = 0
-        self._entries: OrderedDict[bytes, tuple[tuple[str, str], Arrays, BatchInfo, int]] = (
-            OrderedDict()
-        )
-        self._by_version: dict[tuple[str, str], set[bytes]] = {}
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._by_version: dict[tuple[str, str], _VersionKeys] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: bytes) -> tuple[Arrays, BatchInfo] | None:
-        """The stored answer of ``key`` (now the most recently used), or None."""
+        """The stored answer of ``key`` (now the most recently used), or None: its outputs
+        are new read-only arrays over the stored bytes."""
         entry = self._entries.get(key)
         if entry is None:
             return None
         self._entries.move_to_end(key)
-        return entry[1], entry[2]
+        _, data, dtype, shape, info = entry
+        if type(dtype) is not tuple:  # one output
+            return [np.frombuffer(data, dtype).reshape(shape)], info
+        arrays = []
+        offset = 0
+        for d, sh in zip(dtype, shape, strict=True):
+            offset += -offset % ALIGN
+            count = math.prod(sh)
+            arrays.append(np.frombuffer(data, d, count, offset).reshape(sh))
+            offset += count * d.itemsize
+        return arrays, info
 
     def put(self, key: bytes, version: tuple[str, str], arrays: Arrays, info: BatchInfo) -> None:
         """Store a copy of ``arrays`` (the outputs of one answer, config order) under ``key``
         for ``version`` (``(model, version)``); one larger than the whole cache is not
-        stored. A copy: a request's outputs are views of its batch's arrays, which the cache
-        must neither keep whole nor share with a pipeline that may reuse them."""
-        copies = [a.copy() for a in arrays]
-        nbytes = ENTRY_OVERHEAD
-        for a in copies:
-            nbytes += a.nbytes
+        stored, nor one under a key stored already (an equal request answered meanwhile: that
+        one stays, now the most recently used). A copy:
+        a request's outputs are views of its batch's arrays, which the cache must neither
+        keep whole nor share with a pipeline that may reuse them."""
+        dtype: Any
+        shape: Any
+        if len(arrays) == 1:  # the usual case
+            a = arrays[0]
+            dtype = a.dtype
+            if dtype.hasobject:
+                return  # no model answers objects; their bytes would be pointers
+            data = a.tobytes()
+            shape = a.shape
+        else:
+            dtype = tuple([a.dtype for a in arrays])
+            if any(d.hasobject for d in dtype):
+                return
+            parts = []
+            offset = 0
+            for a in arrays:
+                if offset % ALIGN:
+                    parts.append(bytes(-offset % ALIGN))
+                    offset += -offset % ALIGN
+                parts.append(a.tobytes())
+                offset += a.nbytes
+            data = b"".join(parts)
+            shape = tuple([a.shape for a in arrays])
+        nbytes = ENTRY_OVERHEAD + len(data)
         if nbytes > self.size_bytes:
             return
-        if key in self._entries:
-            self._remove(key)
-        while self.used_bytes + nbytes > self.size_bytes and self._entries:
-            self._remove(next(iter(self._entries)))
-        self._entries[key] = (version, copies, info, nbytes)
         keys = self._by_version.get(version)
         if keys is None:
-            keys = self._by_version[version] = set()
+            keys = self._by_version[version] = _VersionKeys(version)
+        entries = self._entries
+        entry = (keys, data, dtype, shape, info)
+        if entries.setdefault(key, entry) is not entry:  # stored already: it stays
+            entries.move_to_end(key)
+            return
         keys.add(key)
-        self.used_bytes += nbytes
+        used = self.used_bytes + nbytes
+        while used > self.size_bytes:  # least recently used first (never this one: it fits)
+            old_key, old = entries.popitem(False)
+            used -= ENTRY_OVERHEAD + len(old[1])
+            old_keys = old[0]
+            old_keys.discard(old_key)
+            if not old_keys:
+                del self._by_version[old_keys.version]
+        self.used_bytes = used
 
     def drop(self, name: str, version: str) -> None:
         """Forget every answer of ``name`` version ``version`` (reloaded, unloaded, evicted)."""
-        for key in list(self._by_version.get((name, version), ())):
-            self._remove(key)
-
-    def _remove(self, key: bytes) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        keys = self._by_version.pop((name, version), None)
+        if keys is None:
             return
-        version, _, _, nbytes = entry
-        self.used_bytes -= nbytes
-        keys = self._by_version.get(version)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._by_version[version]
+        for key in keys:
+            entry = self._entries.pop(key)
+            self.used_bytes -= ENTRY_OVERHEAD + len(entry[1])

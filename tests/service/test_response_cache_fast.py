@@ -1,24 +1,35 @@
-"""The response cache's fast key against its plain reference, on fresh random inputs:
+"""The response cache's fast paths against their plain references, on fresh random inputs:
 ``cache_key`` (a hashed head per request form, kept on the header cache's forms) against
-``reference_key`` (the whole key written out each time)."""
+``reference_key`` (the whole key written out each time), and the store (one bytes object per
+answer, an LRU by bytes with a set of keys per version) against a plain list; and a request
+decoded from a kept header, through the data plane, hit and missed as any other."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from service.batching.queue import BatchInfo
+from service.dataplane import DataPlane
 from service.models.config import ModelConfig
 from service.models.response_cache import (
+    ENTRY_OVERHEAD,
+    ResponseCache,
     cache_key,
     reference_key,
 )
 from service.models.signature import Signature
-from service.protocol import InferRequest, decode_infer_request
+from service.observability.metrics import Metrics
+from service.protocol import InferRequest, InferResponse, decode_infer_request
 from service.protocol.header_cache import HeaderCache
+from tests.service.test_repository import bits_of, boxcar_reference, cfg_text, run, write
+from tests.service.test_response_cache import CACHED, cached_repo
 
 WIRE = {"UINT8": np.uint8, "INT16": np.int16, "INT32": np.int32, "FP16": np.float16,
         "FP32": np.float32, "FP64": np.float64, "BOOL": np.bool_}  # fmt: skip
@@ -138,6 +149,148 @@ def test_a_form_is_shared_by_a_kept_headers_requests_only() -> None:
     assert first[1].form is first[2].form
     assert second[1].form is not None
     assert second[1].form is not first[1].form
+
+
+class PlainLRU:
+    """The store's reference: a list, least recently used first, of ``[key, version,
+    copies of the outputs, batch, bytes]``; an equal key already stored stays (now the most
+    recently used)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list[list[Any]] = []
+
+    def get(self, key: bytes) -> tuple[list[np.ndarray], BatchInfo] | None:
+        for i, e in enumerate(self.entries):
+            if e[0] == key:
+                self.entries.append(self.entries.pop(i))
+                return e[2], e[3]
+        return None
+
+    def put(self, key: bytes, v: tuple[str, str], arrays: list[np.ndarray], info: Any) -> None:
+        nbytes = ENTRY_OVERHEAD + sum(a.nbytes for a in arrays)
+        if len(arrays) > 1:  # several outputs: each starts at a multiple of 16
+            nbytes = ENTRY_OVERHEAD
+            for a in arrays:
+                nbytes += -(nbytes - ENTRY_OVERHEAD) % 16 + a.nbytes
+        if nbytes > self.size:
+            return
+        if self.get(key) is not None:
+            return
+        self.entries.append([key, v, [a.copy() for a in arrays], info, nbytes])
+        while sum(e[4] for e in self.entries) > self.size:
+            self.entries.pop(0)
+
+    def drop(self, v: tuple[str, str]) -> None:
+        self.entries = [e for e in self.entries if e[1] != v]
+
+
+def random_answer(rng: np.random.Generator) -> list[np.ndarray]:
+    """1 to 3 outputs of random dtypes and shapes, some views with strides, some empty."""
+    out = []
+    for _ in range(int(rng.integers(1, 4))):
+        dtype = np.dtype(str(rng.choice(["uint8", "int64", "float16", "float32", "float64"])))
+        shape = [
+            int(d) for d in rng.integers(0 if rng.random() < 0.1 else 1, 5, rng.integers(0, 3))
+        ]
+        whole = (rng.standard_normal([2 * (shape[0] if shape else 1), *shape[1:]]) * 9).astype(
+            dtype
+        )
+        a = whole[::2] if shape else whole[0]  # a strided view of a batch, or a scalar
+        out.append(a.reshape(shape))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_store_is_the_plain_lru_on_random_operations(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 8)) * (ENTRY_OVERHEAD + 64)
+    fast, plain = ResponseCache(size), PlainLRU(size)
+    keys = [bytes([i]) * 16 for i in range(24)]
+    versions = [("a", "1"), ("a", "2"), ("b", "1")]
+    answers: dict[bytes, list[np.ndarray]] = {}
+    for _ in range(1500):
+        op, key = rng.random(), keys[int(rng.integers(len(keys)))]
+        v = versions[key[0] % 3]  # a key belongs to one version, as a real key does
+        if op < 0.5:
+            answer = answers.setdefault(key, random_answer(rng))
+            info = BatchInfo(int(rng.integers(1, 9)), 1)
+            fast.put(key, v, answer, info)
+            plain.put(key, v, answer, info)
+        elif op < 0.97:
+            got, want = fast.get(key), plain.get(key)
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert got[1] is want[1]
+                assert len(got[0]) == len(want[0])
+                for x, y in zip(got[0], want[0], strict=True):
+                    assert (x.dtype, x.shape) == (y.dtype, y.shape)
+                    assert x.tobytes() == y.tobytes()
+                    assert not x.flags.writeable
+                    assert x.flags.aligned
+        else:
+            fast.drop(*v)
+            plain.drop(v)
+        assert list(fast._entries) == [e[0] for e in plain.entries]  # the same LRU order
+        assert fast.used_bytes == sum(e[4] for e in plain.entries) <= size
+        by_version = {v: {e[0] for e in plain.entries if e[1] == v} for v in versions}
+        assert {v: set(k) for v, k in fast._by_version.items()} == {
+            v: k for v, k in by_version.items() if k
+        }
+
+
+def test_a_stored_answer_is_a_copy() -> None:
+    batch = np.arange(16, dtype=np.float32).reshape(8, 2)
+    cache = ResponseCache(1 << 20)
+    cache.put(b"k" * 16, ("m", "1"), [batch[2:4]], BatchInfo(8, 4))
+    batch[:] = -1  # the pipeline's buffer, written again by its next batch
+    stored = cache.get(b"k" * 16)
+    assert stored is not None
+    np.testing.assert_array_equal(stored[0][0], [[4, 5], [6, 7]])
+    assert stored[1] == BatchInfo(8, 4)
+
+
+def test_requests_of_a_kept_header_hit_and_miss_through_the_data_plane(tmp_path: Path) -> None:
+    write(tmp_path / "a", cfg_text() + CACHED)
+
+    def body(bits: np.ndarray) -> tuple[bytes, int]:
+        packed = np.packbits(bits, axis=-1)
+        tensor = {"name": "bits", "datatype": "UINT8", "shape": list(packed.shape),
+                  "parameters": {"binary_data_size": packed.nbytes}}  # fmt: skip
+        head = json.dumps({"inputs": [tensor]}).encode()
+        return head + packed.tobytes(), len(head)
+
+    async def ask(dp: DataPlane, bits: np.ndarray) -> InferResponse:
+        raw, n = body(bits)
+        ticket = dp.admit("a", None, request_id="r")
+        req = ticket.handle.headers.decode(raw, n, ticket.handle.signature, None)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ticket.proceed(req, lambda h: h.headers.decode(raw, n, h.signature, None), done.set_result)
+        response = await done
+        ticket.finish(request=req)
+        assert isinstance(response, InferResponse)
+        np.testing.assert_allclose(response.outputs[0].data, boxcar_reference(bits), rtol=1e-6)
+        return response
+
+    async def main() -> None:
+        repo = cached_repo(tmp_path)
+        await repo.start()
+        dp = DataPlane(repo, Metrics())
+        stats = repo.get("a").stats
+        for seed in range(3):  # each computed once, then answered from the cache
+            await ask(dp, bits_of(1, seed))
+            await ask(dp, bits_of(1, seed))
+        assert stats.execution_count == 3
+        assert repo.get("a").headers.hits >= 4  # their forms' path ran
+        await repo.load("a")  # reloaded: its answers dropped, a new signature
+        await ask(dp, bits_of(1, 0))
+        await ask(dp, bits_of(1, 0))
+        assert repo.get("a").stats.execution_count == 4
+        triton = dp.statistics("a")["model_stats"][0]["inference_stats"]
+        assert (triton["cache_hit"]["count"], triton["cache_miss"]["count"]) == (4, 4)
+        await repo.stop()
+
+    run(main)
 
 
 def test_plain_request_objects_carry_no_form() -> None:
