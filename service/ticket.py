@@ -379,7 +379,8 @@ def enqueue(
 
     A hit answers ``answer`` in the next turn of the loop with the stored outputs (the model
     never runs) and returns None; a miss queues the request, and its outputs are stored when
-    its batch answers (``answer.cache_key``). Both count in the version's ``cache_hit`` /
+    its batch answers (``answer.cache_key``) when the cache admits it
+    (``ResponseCache.admit``). Both count in the version's ``cache_hit`` /
     ``cache_miss`` statistics.
 
     Args:
@@ -405,9 +406,11 @@ def enqueue(
         handle.stats.cache_hit(time.perf_counter_ns() - t0)
         asyncio.get_running_loop().call_soon(_answer_hit, answer, hit)
         return None
-    answer.cache_key = key
+    stored = cache.admit(key)  # a full cache: only if it missed before
+    if stored:
+        answer.cache_key = key
     pending = handle.enqueue(bound, answer, timeout_us, priority, trace, request_id)
-    handle.stats.cache_miss(time.perf_counter_ns() - t0)
+    handle.stats.cache_miss(time.perf_counter_ns() - t0, stored)
     return pending
 
 

@@ -29,13 +29,19 @@ request's id. Entries are evicted least recently used first to stay within the s
 version's entries are dropped when it is reloaded, unloaded or evicted from its device. Each
 ``--workers`` process has its own cache of this size.
 
-With no hits (every request new, every answer stored, an old one evicted for it) the cache
-is pure cost, and a cost in Python objects and bytecodes more than in hashing: measured in
-the server, one request's key, lookup and store took some 45,000 CPU instructions when they
-built the head and parameters of each request anew and stored copies of output arrays (a
-list, an array, its data and its dimensions for each answer), three times what the same
-code takes in a loop of its own; hence one hashed head per form and one bytes object per
-answer.
+A cache that is full admits an answer only when its request missed before, recently (a
+doorkeeper, as TinyLFU's in Caffeine and Ristretto): :meth:`ResponseCache.admit`. So a run
+of requests seen once (random inputs, a scan) neither pushes out the answers that are asked
+for again nor pays to store answers that would be evicted unread; while the cache has room,
+every answer is stored, as Triton's are. A request sent twice to a full cache is stored on
+its second miss and hit from its third.
+
+With no hits the cache is pure cost, and a cost in Python objects and bytecodes more than in
+hashing: measured in the server, one request's key, lookup and store took some 45,000 CPU
+instructions when they built the head and parameters of each request anew and stored copies
+of output arrays (a list, an array, its data and its dimensions for each answer), three
+times what the same code takes in a loop of its own; hence one hashed head per form, one
+bytes object per answer, and no store at all for a full cache's requests seen once.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ DIGEST_BYTES = 16
 
 ALIGN = 16
 """Where each output of an answer of several starts in its stored bytes (a multiple of)."""
+
+DOORKEEPER_MIN = 1024
+"""The fewest missed keys a full cache remembers (:meth:`ResponseCache.admit`); it remembers
+at least as many as it holds entries, and at most twice that."""
 
 
 class CachedVersion(Protocol):
@@ -272,6 +282,10 @@ class ResponseCache:
         self.used_bytes = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._by_version: dict[tuple[str, str], _VersionKeys] = {}
+        self._last_nbytes = 0  # the last stored entry's: what the next one is taken to need
+        self._missed: set[bytes] = set()  # the doorkeeper: keys missed while full, newest
+        self._missed_before: set[bytes] = set()  # and the generation before
+        self.refused = 0  # misses admit() did not store (a full cache's requests seen once)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -294,6 +308,25 @@ class ResponseCache:
             arrays.append(np.frombuffer(data, d, count, offset).reshape(sh))
             offset += count * d.itemsize
         return arrays, info
+
+    def admit(self, key: bytes) -> bool:
+        """Whether to store the answer of ``key``, which just missed: yes while the cache
+        has room for an answer as large as the last one stored; when it is full, only if
+        ``key`` missed before, among the last :data:`DOORKEEPER_MIN` (or as many as there
+        are entries) to twice that many keys refused; a refused key is remembered.
+
+        A full cache so stores answers asked for twice, not those asked for once, which
+        would only push out others and be evicted unread (a scan, random inputs)."""
+        if self.used_bytes + self._last_nbytes <= self.size_bytes:
+            return True
+        missed = self._missed
+        if key in missed or key in self._missed_before:
+            return True
+        missed.add(key)
+        self.refused += 1
+        if len(missed) >= DOORKEEPER_MIN and len(missed) >= len(self._entries):
+            self._missed_before, self._missed = missed, set()  # the older generation goes
+        return False
 
     def put(self, key: bytes, version: tuple[str, str], arrays: Arrays, info: BatchInfo) -> None:
         """Store a copy of ``arrays`` (the outputs of one answer, config order) under ``key``
@@ -328,6 +361,7 @@ class ResponseCache:
         nbytes = ENTRY_OVERHEAD + len(data)
         if nbytes > self.size_bytes:
             return
+        self._last_nbytes = nbytes
         keys = self._by_version.get(version)
         if keys is None:
             keys = self._by_version[version] = _VersionKeys(version)

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from service.batching.queue import BatchInfo
-from service.dataplane import DataPlane
+from service.dataplane import DataPlane, infer
+from service.models import response_cache
 from service.models.config import ModelConfig
 from service.models.response_cache import (
+    DOORKEEPER_MIN,
     ENTRY_OVERHEAD,
     ResponseCache,
     cache_key,
@@ -26,6 +28,7 @@ from service.models.response_cache import (
 )
 from service.models.signature import Signature
 from service.observability.metrics import Metrics
+from service.observability.statistics import triton_metrics
 from service.protocol import InferRequest, InferResponse, decode_infer_request
 from service.protocol.header_cache import HeaderCache
 from tests.service.test_repository import bits_of, boxcar_reference, cfg_text, run, write
@@ -159,6 +162,18 @@ class PlainLRU:
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: list[list[Any]] = []
+        self.last = 0  # the last stored entry's bytes
+        self.missed: list[list[bytes]] = [[], []]  # the doorkeeper: newest generation first
+
+    def admit(self, key: bytes) -> bool:
+        if sum(e[4] for e in self.entries) + self.last <= self.size:
+            return True
+        if key in self.missed[0] or key in self.missed[1]:
+            return True
+        self.missed[0].append(key)
+        if len(self.missed[0]) >= max(response_cache.DOORKEEPER_MIN, len(self.entries)):
+            self.missed = [[], self.missed[0]]
+        return False
 
     def get(self, key: bytes) -> tuple[list[np.ndarray], BatchInfo] | None:
         for i, e in enumerate(self.entries):
@@ -175,6 +190,7 @@ class PlainLRU:
                 nbytes += -(nbytes - ENTRY_OVERHEAD) % 16 + a.nbytes
         if nbytes > self.size:
             return
+        self.last = nbytes
         if self.get(key) is not None:
             return
         self.entries.append([key, v, [a.copy() for a in arrays], info, nbytes])
@@ -212,7 +228,18 @@ def test_the_store_is_the_plain_lru_on_random_operations(seed: int) -> None:
     for _ in range(1500):
         op, key = rng.random(), keys[int(rng.integers(len(keys)))]
         v = versions[key[0] % 3]  # a key belongs to one version, as a real key does
-        if op < 0.5:
+        if op < 0.5:  # a request's way: a miss is stored if the cache admits it
+            miss = fast.get(key) is None
+            assert miss == (plain.get(key) is None)
+            if miss:
+                admitted = fast.admit(key)
+                assert admitted == plain.admit(key)
+                if admitted:
+                    answer = answers.setdefault(key, random_answer(rng))
+                    info = BatchInfo(int(rng.integers(1, 9)), 1)
+                    fast.put(key, v, answer, info)
+                    plain.put(key, v, answer, info)
+        elif op < 0.6:  # stored whatever admit would say (put's own rule)
             answer = answers.setdefault(key, random_answer(rng))
             info = BatchInfo(int(rng.integers(1, 9)), 1)
             fast.put(key, v, answer, info)
@@ -237,6 +264,70 @@ def test_the_store_is_the_plain_lru_on_random_operations(seed: int) -> None:
         assert {v: set(k) for v, k in fast._by_version.items()} == {
             v: k for v, k in by_version.items() if k
         }
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_admission_is_the_plain_doorkeeper_over_many_keys(seed: int, monkeypatch: Any) -> None:
+    """Enough distinct keys that the doorkeeper's generations turn over (its smallest size
+    made 8 here, so that they turn over often), requests only: the same decisions and the
+    same entries as the plain reference's."""
+    monkeypatch.setattr(response_cache, "DOORKEEPER_MIN", 8)
+    rng = np.random.default_rng(seed)
+    size = 5 * (ENTRY_OVERHEAD + 16)
+    fast, plain = ResponseCache(size), PlainLRU(size)
+    answer, info = [np.zeros(4, np.float32)], BatchInfo(1, 1)
+    admitted = refused = 0
+    for _ in range(3000):
+        key = int(rng.zipf(1.3)) % 200  # a few keys often, many seldom
+        k = key.to_bytes(16, "little")
+        miss = fast.get(k) is None
+        assert miss == (plain.get(k) is None)
+        if miss:
+            ok = fast.admit(k)
+            assert ok == plain.admit(k)
+            admitted, refused = admitted + ok, refused + (not ok)
+            if ok:
+                fast.put(k, ("m", "1"), answer, info)
+                plain.put(k, ("m", "1"), answer, info)
+        assert list(fast._entries) == [e[0] for e in plain.entries]
+    assert fast.refused == refused > 100  # both ways taken, often
+    assert admitted > 100
+
+
+def test_a_full_cache_stores_what_missed_before_and_keeps_its_hot_answers() -> None:
+    entry = ENTRY_OVERHEAD + 16
+    cache = ResponseCache(3 * entry)
+    answer, info, v = [np.zeros(4, np.float32)], BatchInfo(1, 1), ("m", "1")
+
+    def request(i: int) -> str:
+        k = i.to_bytes(16, "little")
+        if cache.get(k) is not None:
+            return "hit"
+        if cache.admit(k):
+            cache.put(k, v, answer, info)
+            return "stored"
+        return "refused"
+
+    # While there is room, every miss is stored (as Triton's cache does).
+    assert [request(i) for i in (1, 2, 3)] == ["stored"] * 3
+    assert [request(i) for i in (1, 2, 3)] == ["hit"] * 3
+    # Full: a scan of requests seen once stores nothing and evicts nothing.
+    assert {request(i) for i in range(100, 100 + 3 * DOORKEEPER_MIN // 2)} == {"refused"}
+    assert [request(i) for i in (1, 2, 3)] == ["hit"] * 3
+    # A request that missed before is stored on its next miss (the oldest out), then hits.
+    assert request(100 + 3 * DOORKEEPER_MIN // 2 - 1) == "stored"
+    assert request(100 + 3 * DOORKEEPER_MIN // 2 - 1) == "hit"
+    assert [request(i) for i in (2, 3)] == ["hit"] * 2
+    assert request(1) == "refused"  # evicted, and not missed before
+    assert cache.refused == 3 * DOORKEEPER_MIN // 2 + 1
+    assert request(100) == "stored"  # its miss is in the doorkeeper's older generation
+    # The doorkeeper forgets: it holds two generations of DOORKEEPER_MIN keys.
+    assert {request(i) for i in range(10_000, 10_000 + 2 * DOORKEEPER_MIN)} == {"refused"}
+    assert request(200) == "refused"  # missed in the first scan: forgotten since
+    assert request(200) == "stored"
+    # An answer as large as the last one fits again once a version's are dropped.
+    cache.drop("m", "1")
+    assert request(300) == "stored"
 
 
 def test_a_stored_answer_is_a_copy() -> None:
@@ -288,6 +379,53 @@ def test_requests_of_a_kept_header_hit_and_miss_through_the_data_plane(tmp_path:
         assert repo.get("a").stats.execution_count == 4
         triton = dp.statistics("a")["model_stats"][0]["inference_stats"]
         assert (triton["cache_hit"]["count"], triton["cache_miss"]["count"]) == (4, 4)
+        await repo.stop()
+
+    run(main)
+
+
+def test_a_full_cache_stores_an_answer_on_its_second_miss_through_the_data_plane(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path / "a", cfg_text() + CACHED)
+
+    async def main() -> None:
+        repo = cached_repo(tmp_path)
+        await repo.start()
+        dp = DataPlane(repo, Metrics())
+        stats, cache = repo.get("a").stats, repo.cache
+        assert cache is not None
+
+        async def ask(seed: int) -> None:
+            bits = bits_of(1, seed)
+            packed = np.packbits(bits, axis=-1)
+            body = {
+                "inputs": [
+                    {
+                        "name": "bits",
+                        "datatype": "UINT8",
+                        "shape": list(packed.shape),
+                        "data": packed.ravel().tolist(),
+                    }
+                ]
+            }
+            handle = repo.get("a")
+            req = decode_infer_request(json.dumps(body).encode(), None, handle.signature)
+            response = await infer(handle, req)
+            np.testing.assert_allclose(response.outputs[0].data, boxcar_reference(bits), rtol=1e-6)
+
+        await ask(0)  # stored: there was room
+        cache.size_bytes = cache.used_bytes  # now full with it
+        for seed in (1, 1, 1, 0, 0):
+            await ask(seed)
+        # 1: refused (first miss of a full cache), stored (it missed before), hit;
+        # 0: evicted by 1, so a miss, refused, then stored.
+        assert stats.execution_count == 5
+        triton = dp.statistics("a")["model_stats"][0]["inference_stats"]
+        assert (triton["cache_hit"]["count"], triton["cache_miss"]["count"]) == (1, 5)
+        assert cache.refused == 2
+        text = triton_metrics(repo.statistics.snapshots()).decode()
+        assert 'bitserve_cache_num_not_stored_per_model{model="a",version="1"} 2' in text
         await repo.stop()
 
     run(main)
