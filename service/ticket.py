@@ -34,7 +34,7 @@ from service.batching.batcher import BatchInfo
 from service.batching.queue import Answer, Pending
 from service.errors import ModelNotReady, ServiceError
 from service.models.handle import ModelHandle, Result
-from service.models.response_cache import ResponseCache, cache_key
+from service.models.response_cache import cache_key
 from service.models.signature import Bound
 from service.protocol import InferRequest, InferResponse, ResponseOutput
 from service.protocol.types import SharedOutput
@@ -328,18 +328,28 @@ class Ticket:
 
 
 class _Answer:
-    """The batcher's side of a submitted ticket (``service.batching.queue.Answer``)."""
+    """The batcher's side of a submitted ticket (``service.batching.queue.Answer``).
 
-    __slots__ = ("on_done", "request", "ticket")
+    Attributes:
+        cache_key: a response cache miss's key (:func:`enqueue`): its outputs are stored
+            under it when they come, before it is answered; None: not stored.
+    """
+
+    __slots__ = ("cache_key", "on_done", "request", "ticket")
 
     def __init__(self, ticket: Ticket, request: InferRequest, on_done: Done) -> None:
         self.ticket, self.request, self.on_done = ticket, request, on_done
+        self.cache_key: bytes | None = None
 
     def done(self) -> bool:
         return self.ticket._answered or self.ticket._finished
 
     def set_result(self, result: tuple[Result, BatchInfo], /) -> None:
         try:
+            if self.cache_key is not None:
+                handle = self.ticket.handle
+                if handle.cache is not None:
+                    handle.cache.put(self.cache_key, (handle.name, handle.version), *result)
             self.ticket._answer(self.request, self.on_done, result)
         except Exception as error:  # the answer could not be built or written: it is an error
             self.on_done(error)
@@ -359,7 +369,7 @@ def enqueue(
     handle: ModelHandle,
     request: InferRequest,
     bound: Bound,
-    answer: Answer[Result],
+    answer: _Answer,
     *,
     trace: RequestTrace | None = None,
     request_id: str | None = None,
@@ -369,7 +379,9 @@ def enqueue(
 
     A hit answers ``answer`` in the next turn of the loop with the stored outputs (the model
     never runs) and returns None; a miss queues the request, and its outputs are stored when
-    its batch answers. Both count in the version's ``cache_hit`` / ``cache_miss`` statistics.
+    its batch answers (``answer.cache_key``) when the cache admits it
+    (``ResponseCache.admit``). Both count in the version's ``cache_hit`` /
+    ``cache_miss`` statistics.
 
     Args:
         handle: the resident version.
@@ -394,36 +406,17 @@ def enqueue(
         handle.stats.cache_hit(time.perf_counter_ns() - t0)
         asyncio.get_running_loop().call_soon(_answer_hit, answer, hit)
         return None
-    storing = _Storing(answer, cache, key, (handle.name, handle.version))
-    pending = handle.enqueue(bound, storing, timeout_us, priority, trace, request_id)
-    handle.stats.cache_miss(time.perf_counter_ns() - t0)
+    stored = cache.admit(key)  # a full cache: only if it missed before
+    if stored:
+        answer.cache_key = key
+    pending = handle.enqueue(bound, answer, timeout_us, priority, trace, request_id)
+    handle.stats.cache_miss(time.perf_counter_ns() - t0, stored)
     return pending
 
 
 def _answer_hit(answer: Answer[Result], hit: tuple[Result, BatchInfo]) -> None:
     if not answer.done():  # its client may have gone meanwhile
         answer.set_result(hit)
-
-
-class _Storing:
-    """A missed request's answer: its outputs go to the response cache, then to it."""
-
-    __slots__ = ("answer", "cache", "key", "version")
-
-    def __init__(
-        self, answer: Answer[Result], cache: ResponseCache, key: bytes, version: tuple[str, str]
-    ) -> None:
-        self.answer, self.cache, self.key, self.version = answer, cache, key, version
-
-    def done(self) -> bool:
-        return self.answer.done()
-
-    def set_result(self, result: tuple[Result, BatchInfo], /) -> None:
-        self.cache.put(self.key, self.version, *result)
-        self.answer.set_result(result)
-
-    def set_exception(self, exception: BaseException, /) -> None:
-        self.answer.set_exception(exception)
 
 
 def shared_outputs(request: InferRequest) -> dict[str, SharedOutput]:

@@ -58,6 +58,8 @@ class Snapshot:
     cache_hit_ns: int = 0
     cache_miss_count: int = 0
     cache_miss_ns: int = 0
+    cache_not_stored_count: int = 0
+    """Misses whose answer the cache did not admit (``ResponseCache.admit``; not Triton's)."""
     batches: dict[int, list[int]] = field(default_factory=dict)
 
     def __add__(self, other: Snapshot) -> Snapshot:
@@ -184,12 +186,15 @@ class ModelStats:
         c.cache_hit_count += 1
         c.cache_hit_ns += ns
 
-    def cache_miss(self, ns: int) -> None:
+    def cache_miss(self, ns: int, stored: bool = True) -> None:
         """A request the response cache did not hold: ``ns`` to look it up (Triton's
-        ``cache_miss``; storing its answer later is not counted)."""
+        ``cache_miss``; storing its answer later is not counted); ``stored``: whether its
+        answer will be (a full cache admits only requests that missed before)."""
         c = self._counts
         c.cache_miss_count += 1
         c.cache_miss_ns += ns
+        if not stored:
+            c.cache_not_stored_count += 1
 
     def queued(self, requests: int, ns: int) -> None:
         """A batch left the queue (by the batcher): ``ns`` is its requests' waits added up."""
@@ -294,6 +299,9 @@ def triton_metrics(snapshots: Iterable[Snapshot]) -> bytes:
          "microseconds", lambda s: s.cache_hit_ns // 1000),
         ("nv_cache_miss_duration_per_model", "Total cache miss (insert + lookup) duration per "
          "model, in microseconds", lambda s: s.cache_miss_ns // 1000),
+        ("bitserve_cache_num_not_stored_per_model", "Number of cache misses whose answer "
+         "was not stored (a full cache stores only requests that missed before)",
+         lambda s: s.cache_not_stored_count),
     )  # fmt: skip
     lines: list[str] = []
     for name, help_text, value in families:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.protocol.request import InputChecker, decode_infer_request
 from service.protocol.shared import SharedMemoryRegions
 from service.protocol.tensors import from_binary
-from service.protocol.types import BYTES, InferRequest, RequestInput, RequestOutput
+from service.protocol.types import BYTES, InferRequest, RequestForm, RequestInput, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class _Plan:
     binary_data_output: bool
     timeout_us: int | None
     data_bytes: int
+    form: RequestForm = field(default_factory=RequestForm, compare=False)
+    """Given to each request built: they differ in their inputs' data alone."""
 
     def build(self, data: memoryview) -> InferRequest:
         inputs = [
@@ -74,6 +76,7 @@ class _Plan:
             parameters=self.parameters,
             binary_data_output=self.binary_data_output,
             timeout_us=self.timeout_us,
+            form=self.form,
         )
 
 

@@ -125,6 +125,22 @@ class RequestOutput:
     shared_memory: SharedOutput | None = None
 
 
+class RequestForm:
+    """What the requests decoded from one header share: all of each but its inputs' data
+    (names, datatypes, shapes, every parameter, the outputs asked for), so work that
+    depends on these alone is done once per form.
+
+    Attributes:
+        key_head: the response cache's, for its key (``service.models.response_cache``);
+            None until a request of this form is first cached.
+    """
+
+    __slots__ = ("key_head",)
+
+    def __init__(self) -> None:
+        self.key_head: Any = None
+
+
 @dataclass
 class InferRequest:
     """A decoded V2 inference request.
@@ -136,6 +152,10 @@ class InferRequest:
         parameters: request-level parameters (``timeout``, ``binary_data_output``, ...).
         binary_data_output: default for outputs that do not set ``binary_data``.
         timeout_us: ``parameters.timeout`` in microseconds, or None.
+        form: the :class:`RequestForm` shared by every request decoded from the same
+            header (``service.protocol.header_cache``: those differ in their inputs' data
+            alone; their parameter dicts and output list are the same objects, never
+            changed); None: this request's own.
     """
 
     id: str | None
@@ -144,6 +164,7 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     binary_data_output: bool = False
     timeout_us: int | None = None
+    form: RequestForm | None = None
 
 
 @dataclass(frozen=True)
