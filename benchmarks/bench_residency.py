@@ -287,15 +287,17 @@ def residency(args: argparse.Namespace, out: list[str]) -> None:
     )
 
 
-def cache_counts(url: str) -> tuple[int, int, int]:
-    """The tiny model's cache hits, misses, and misses not stored, so far."""
+def cache_counts(url: str) -> tuple[int, int, int, int]:
+    """The tiny model's cache hits, misses, misses not stored, and its misses' nanoseconds
+    (key, lookup, admission and store, as the server measured them), so far."""
     stats = httpx.get(url + "/v2/models/tiny/stats", timeout=10).json()
     tiny_stats = stats["model_stats"][0]["inference_stats"]
     metrics = httpx.get(url + "/metrics", timeout=10).text
     prefix = "bitserve_cache_num_not_stored_per_model{"
     not_stored = next(int(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith(prefix))  # fmt: skip
-    return tiny_stats["cache_hit"]["count"], tiny_stats["cache_miss"]["count"], not_stored
+    miss = tiny_stats["cache_miss"]
+    return tiny_stats["cache_hit"]["count"], miss["count"], not_stored, miss["ns"]
 
 
 def cache(args: argparse.Namespace, out: list[str]) -> None:
@@ -381,12 +383,16 @@ def cache(args: argparse.Namespace, out: list[str]) -> None:
         ["tiny, no hits: cache off, requests/s (median of rounds)", f"{off:,.0f}",
          f"{len(rates['off'])} rounds of {args.round_seconds:g} s, {load}"],
         ["tiny, no hits: cache on, requests/s (median of rounds)", f"{on:,.0f}",
-         "over the rounds: hits {}, misses {}, of which not stored {}".format(*counts)],
+         "over the rounds: hits {}, misses {}, of which not stored {}".format(*counts[:3])],
         ["cache on / off (ratio of the medians)", f"{on / off:.3f}", "target >= 0.97"],
         ["cache on / off (median of the rounds' ratios, each pair adjacent)",
          f"{pairs_ratio:.3f}", ""],
         ["server CPU per request, off / on (us, medians)", f"{cpu_off:.0f} / {cpu_on:.0f}",
          "the process's user + system time over a round"],
+        ["the cache's cost per miss in the server, from its statistics (us)",
+         f"{counts[3] / max(counts[1], 1) / 1e3:.1f}", "cache_miss ns / count over the rounds: "
+         f"key + lookup + admission (+ store): {counts[3] / max(counts[1], 1) / 1e3 / cpu_off:.1%}"
+         " of a request's CPU" if cpu_off == cpu_off else "cache_miss ns / count"],
         ["the cache's own cost per request seen once, full cache, in process (us)",
          f"{cost_full:.1f}", "key + lookup + admission (refused)"
          + (f": {cost_full / cpu_off:.1%} of a request's CPU" if cpu_off == cpu_off else "")],

@@ -349,7 +349,9 @@ class _Answer:
             if self.cache_key is not None:
                 handle = self.ticket.handle
                 if handle.cache is not None:
+                    t0 = time.perf_counter_ns()
                     handle.cache.put(self.cache_key, (handle.name, handle.version), *result)
+                    handle.stats.cache_stored(time.perf_counter_ns() - t0)
             self.ticket._answer(self.request, self.on_done, result)
         except Exception as error:  # the answer could not be built or written: it is an error
             self.on_done(error)
@@ -409,8 +411,9 @@ def enqueue(
     stored = cache.admit(key)  # a full cache: only if it missed before
     if stored:
         answer.cache_key = key
+    ns = time.perf_counter_ns() - t0  # the lookup's: its key, the probe, the admission
     pending = handle.enqueue(bound, answer, timeout_us, priority, trace, request_id)
-    handle.stats.cache_miss(time.perf_counter_ns() - t0, stored)
+    handle.stats.cache_miss(ns, stored)  # once queued
     return pending
 
 

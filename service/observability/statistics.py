@@ -187,14 +187,19 @@ class ModelStats:
         c.cache_hit_ns += ns
 
     def cache_miss(self, ns: int, stored: bool = True) -> None:
-        """A request the response cache did not hold: ``ns`` to look it up (Triton's
-        ``cache_miss``; storing its answer later is not counted); ``stored``: whether its
-        answer will be (a full cache admits only requests that missed before)."""
+        """A request the response cache did not hold: ``ns`` to look it up (its key, the
+        lookup and the admission; Triton's ``cache_miss``); ``stored``: whether its answer
+        will be (a full cache admits only requests that missed before)."""
         c = self._counts
         c.cache_miss_count += 1
         c.cache_miss_ns += ns
         if not stored:
             c.cache_not_stored_count += 1
+
+    def cache_stored(self, ns: int) -> None:
+        """A missed request's answer stored: ``ns`` to store it, counted in ``cache_miss``'s
+        time as Triton counts its insertions."""
+        self._counts.cache_miss_ns += ns
 
     def queued(self, requests: int, ns: int) -> None:
         """A batch left the queue (by the batcher): ``ns`` is its requests' waits added up."""
