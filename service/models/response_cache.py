@@ -92,7 +92,9 @@ ALIGN = 16
 
 DOORKEEPER_MIN = 1024
 """The fewest missed keys a full cache remembers (:meth:`ResponseCache.admit`); it remembers
-at least as many as it holds entries, and at most twice that."""
+at least as many as it holds entries, and at most twice that. They are not counted in the
+cache's size: about 90 bytes each (a 16-byte ``bytes`` and its set slot), so up to some 180
+bytes per entry beside the 256 of :data:`ENTRY_OVERHEAD`."""
 
 
 class CachedVersion(Protocol):
