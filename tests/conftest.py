@@ -119,6 +119,33 @@ def _logging_put_back() -> Iterator[None]:
         lg.propagate, lg.disabled, lg.handlers = propagate, disabled, handlers
 
 
+def _group(nodeid: str) -> str:
+    """A test's pytest-xdist group: its module, or all of tests/ray as one."""
+    path = nodeid.split("::", 1)[0].split("@", 1)[0]
+    return "ray" if path.startswith("tests/ray/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` by :func:`_group`, read from each test's id.
+
+    pytest-xdist's own loadgroup reads the ``xdist_group`` marks in each worker and appends
+    the group to the test's id (``item._nodeid``), which pytest 9 no longer reads (a node's
+    id is ``item._id``): every test became a unit of its own, and a module's fixtures
+    (servers, compiled packages) were built in each worker that ran one of its tests (the
+    formats tests' three times: 500 s of CI). The same units, found here from the ids.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 def _turn(item: pytest.Item) -> int:
     path = item.nodeid.split("::", 1)[0]
     return 2 if path.startswith("tests/ray/") else 1 if path.endswith("test_container.py") else 0
@@ -129,9 +156,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # module fixtures (servers included) start once; every Ray test runs in the same worker,
     # since two Ray clusters starting at once on one machine time out.
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = "ray" if path.startswith("tests/ray/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_group(item.nodeid)))
     # The end-to-end tier hands out groups in this order (`make test`: --no-loadscope-reorder):
     # the container tests (they wait for the stand-in images CI builds meanwhile) and Ray's
     # last. Ray's first was tried: its node start-up (a fixed 30 s deadline in Ray) and Serve's
