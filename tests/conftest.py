@@ -133,7 +133,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     the group to the test's id (``item._nodeid``), which pytest 9 no longer reads (a node's
     id is ``item._id``): every test became a unit of its own, and a module's fixtures
     (servers, compiled packages) were built in each worker that ran one of its tests (the
-    formats tests' three times: 500 s of CI). The same units, found here from the ids.
+    formats tests' three times: 500 s of CI; pytest-dev/pytest-xdist#1386, open). The same
+    units, found here from the ids.
     """
     if config.getvalue("dist") != "loadgroup":
         return None
